@@ -1,0 +1,139 @@
+// kvattn — the attention backend interface (SPEC §4) and the factory.
+//
+// An engine makes one backend per model and calls it once per step
+// (init_forward_metadata) and once per layer (forward). All shapes below are in elements:
+//   q    [num_tokens, num_q_heads, head_dim]   or [num_tokens, num_q_heads * head_dim]
+//   k    [num_tokens, num_kv_heads, head_dim]  (absent when save_kv_cache is false)
+//   v    [num_tokens, num_kv_heads, v_head_dim]
+//   out  [num_tokens, num_q_heads, v_head_dim] or [num_tokens, num_q_heads * v_head_dim]
+// q, k, v and out share one dtype (fp32, bf16 or fp16); the last dimension is contiguous.
+//
+// Log-sum-exp convention: wherever kvattn returns or merges an LSE, it is in natural log
+// (base e) of the sum of exp(scaled logit), the scaled logit being the soft-capped q·k*scaling.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvattn/forward_batch.h"
+#include "kvattn/kv_cache.h"
+#include "kvattn/tensor.h"
+
+namespace kvattn {
+
+enum class BackendKind : uint8_t { kCpu, kCuda };
+const char* backend_kind_name(BackendKind kind);
+/// "cpu" or "cuda"; throws on anything else.
+BackendKind parse_backend_kind(const std::string& name);
+
+/// Whether decode runs the tensor-core (prefill-style) kernel. kAuto picks it for GQA groups
+/// larger than 4 or fp8 KV; the environment variable KVATTN_DECODE_TENSOR_CORES=0/1 overrides.
+enum class TensorCoreDecode : uint8_t { kAuto, kOn, kOff };
+
+/// What a backend is made for: the model's attention shape and the engine's pools.
+struct BackendConfig {
+  KvCache* kv_cache = nullptr;                     ///< required
+  const ReqToTokenPool* req_to_token_pool = nullptr;  ///< required
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int v_head_dim = 0;        ///< 0 = head_dim
+  DType q_dtype = DType::kBFloat16;
+  /// The model's sliding window (-1 = none). When set, the backend keeps two index sets,
+  /// window and full, and picks per layer by layer.sliding_window_size.
+  int sliding_window_size = -1;
+  bool is_encoder_decoder = false;  ///< keeps self and cross index sets; exclusive with a window
+  /// EXTEND takes the ragged + paged-prefix path when the step has at least this many new
+  /// tokens (and no window / cross-attention); the reference uses 4096.
+  int64_t ragged_extend_threshold = 4096;
+  TensorCoreDecode decode_tensor_cores = TensorCoreDecode::kAuto;
+  int num_threads = 0;  ///< CPU backend: worker threads; 0 = KVATTN_NUM_THREADS or all cores
+  void* cuda_stream = nullptr;  ///< CUDA backend: the cudaStream_t kernels run on (null = default)
+};
+
+/// The backend interface. Methods throw kvattn::Error on bad input; a failed call leaves the KV
+/// pool as it was.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  virtual BackendKind kind() const = 0;
+  virtual Device device() const = 0;
+
+  /// Once per step: builds index arrays, masks and the work plan. = out_graph + in_graph.
+  void init_forward_metadata(const ForwardBatch& batch) {
+    init_forward_metadata_out_graph(batch, /*in_capture=*/false);
+    init_forward_metadata_in_graph(batch);
+  }
+  /// Host work with dynamic shapes; runs outside CUDA-graph capture.
+  virtual void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) = 0;
+  /// Static-shape device work that may be recorded in a CUDA graph.
+  virtual void init_forward_metadata_in_graph(const ForwardBatch& batch) = 0;
+
+  /// Per layer: dispatches on batch.mode (IDLE -> nothing to write, DECODE -> forward_decode,
+  /// anything else -> forward_extend). Saves k/v at batch.out_cache_loc first when
+  /// save_kv_cache is true (cross-attention layers: at batch.encoder_out_cache_loc).
+  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
+               bool save_kv_cache = true);
+  virtual void forward_decode(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const AttentionLayer& layer,
+                              const ForwardBatch& batch, bool save_kv_cache) = 0;
+  virtual void forward_extend(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const AttentionLayer& layer,
+                              const ForwardBatch& batch, bool save_kv_cache) = 0;
+
+  // ---- CUDA graphs (no-ops on the CPU backend) ------------------------------------------
+  /// Allocates every buffer a captured step touches, once.
+  virtual void init_cuda_graph_state(int max_bs, int64_t max_num_tokens) = 0;
+  /// Seq-len value for padded batch entries.
+  virtual int cuda_graph_seq_len_fill_value() const = 0;
+  virtual void on_after_cuda_graph_warmup() {}
+
+  // ---- speculative decoding ---------------------------------------------------------------
+  /// {tree mask, positions} buffers to fill after draft; absent views where not needed.
+  virtual std::array<TensorView, 2> verify_buffers_to_fill_after_draft() { return {}; }
+  /// Redo the metadata that depends on those buffers once they are filled.
+  virtual void update_verify_buffers_to_fill_after_draft(const ForwardBatch& batch,
+                                                         int cuda_graph_bs);
+
+  // ---- optional hooks the reference declares; a backend without one says so -------------
+  virtual void init_forward_metadata_for_breakable_cuda_graph_capture(const ForwardBatch& batch);
+  virtual void prepare_forward_metadata_for_breakable_cuda_graph_replay(const ForwardBatch& batch);
+  /// Sparse-attention indexer metadata: none of kvattn's backends has one (returns false).
+  virtual bool supports_indexer_metadata() const { return false; }
+};
+
+/// Makes a backend of `kind`. Throws kNotSupported for kCuda in a build without CUDA or on a
+/// machine without a GPU, and kInvalidArgument for a bad config.
+std::unique_ptr<AttentionBackend> make_backend(BackendKind kind, const BackendConfig& config);
+
+/// Speculative multi-step draft (SPEC §3): `topk` branches per request, `num_steps` draft
+/// decode steps. Draft token of step s, branch b of request r sits in req_to_token at
+/// position seq_len_r + s * topk + b. Step s decodes batch_size * topk queries (request-major,
+/// branch-minor); query (r, b) sees the prefix [0, seq_len_r) and its branch's draft tokens of
+/// steps 0..s. init_forward_metadata builds the index sets of all steps in one go.
+class MultiStepDraftBackend {
+ public:
+  MultiStepDraftBackend(BackendKind kind, const BackendConfig& config, int topk, int num_steps);
+  ~MultiStepDraftBackend();
+  int topk() const { return topk_; }
+  int num_steps() const { return num_steps_; }
+  /// `batch`: mode kDecode, batch_size requests, seq_lens = committed prefix lengths.
+  void init_forward_metadata(const ForwardBatch& batch);
+  /// One draft step: q/k/v/out have batch_size * topk rows; k/v are saved at
+  /// `out_cache_loc` (batch_size * topk slots) when given.
+  void forward_step(int step, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& out, const AttentionLayer& layer,
+                    const TensorView& out_cache_loc);
+  void init_cuda_graph_state(int max_bs);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int topk_;
+  int num_steps_;
+};
+
+}  // namespace kvattn

@@ -1,0 +1,63 @@
+// kvattn — the one error type of the library.
+//
+// Every public entry point validates its input and throws kvattn::Error on bad
+// input or on a device failure. The library never calls exit() or abort().
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace kvattn {
+
+/// What went wrong, so a caller (or the Python binding) can map it to its own error kinds.
+enum class ErrorKind {
+  kInvalidArgument,  ///< a shape, dtype, range or value that the contract forbids
+  kNotSupported,     ///< a valid request this backend or build cannot serve
+  kOutOfResources,   ///< an allocator, pool or buffer is exhausted
+  kDeviceError,      ///< a CUDA call failed
+};
+
+/// The library's error: names the argument, the value seen and what was expected.
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, std::string argument, const std::string& message)
+      : std::runtime_error(message), kind_(kind), argument_(std::move(argument)) {}
+
+  ErrorKind kind() const noexcept { return kind_; }
+  /// The argument at fault, e.g. "seq_lens[3]" (empty where no single argument is at fault).
+  const std::string& argument() const noexcept { return argument_; }
+
+ private:
+  ErrorKind kind_;
+  std::string argument_;
+};
+
+namespace detail {
+inline void append_all(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void append_all(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  append_all(os, rest...);
+}
+}  // namespace detail
+
+/// Builds "kvattn: <argument>: <message parts...>" and throws it as kvattn::Error.
+template <typename... Parts>
+[[noreturn]] void throw_error(ErrorKind kind, const std::string& argument, const Parts&... parts) {
+  std::ostringstream os;
+  os << "kvattn: ";
+  if (!argument.empty()) os << argument << ": ";
+  detail::append_all(os, parts...);
+  throw Error(kind, argument, os.str());
+}
+
+/// Throws kInvalidArgument unless `condition` holds.
+/// Example: check_arg(page_size > 0, "page_size", "got ", page_size, ", expected a power of two");
+template <typename... Parts>
+void check_arg(bool condition, const std::string& argument, const Parts&... parts) {
+  if (!condition) throw_error(ErrorKind::kInvalidArgument, argument, parts...);
+}
+
+}  // namespace kvattn
