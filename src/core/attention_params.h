@@ -1,0 +1,58 @@
+// The parameters of one batched attention call, as every kernel (CPU or CUDA) receives them.
+// Plain data, no methods that allocate, so the same struct goes to a CUDA kernel by value.
+#pragma once
+
+#include <cstdint>
+
+#include "core/batch_layout.h"
+#include "kvattn/dtype.h"
+
+namespace kvattn::core {
+
+struct AttentionParams {
+  // ---- queries and outputs -------------------------------------------------------------
+  const void* q = nullptr;  ///< [num_tokens, num_q_heads, head_dim], io_dtype
+  int64_t q_stride_token = 0;
+  int64_t q_stride_head = 0;
+  void* out = nullptr;  ///< [num_tokens, num_q_heads, v_head_dim], io_dtype
+  int64_t out_stride_token = 0;
+  int64_t out_stride_head = 0;
+  float* lse = nullptr;  ///< [num_tokens, num_q_heads] natural-log LSE, optional
+  DType io_dtype = DType::kBFloat16;
+
+  // ---- keys and values ---------------------------------------------------------------------
+  /// Paged: [num_slots, num_kv_heads, dim] and kv_indices gives each token's slot.
+  /// Ragged (kv_indices == nullptr): token j of request r is row kv_indptr[r] + j.
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_stride_token = 0;
+  int64_t k_stride_head = 0;
+  int64_t v_stride_token = 0;
+  int64_t v_stride_head = 0;
+  DType kv_dtype = DType::kBFloat16;
+  float k_scale = 1.f;  ///< fp8 storage: stored value * k_scale is the key
+  float v_scale = 1.f;
+
+  // ---- the batch ----------------------------------------------------------------------------
+  int batch_size = 0;
+  const int32_t* qo_indptr = nullptr;   ///< [batch_size + 1]
+  const int64_t* kv_indptr = nullptr;   ///< [batch_size + 1]
+  const int32_t* kv_indices = nullptr;  ///< [kv_indptr[batch_size]] slot per token, or null
+  int64_t num_slots = 0;  ///< paged: slots in the pool (kernels never read outside it)
+
+  // ---- mask and logits ------------------------------------------------------------------
+  MaskMode mask = MaskMode::kCausal;
+  const uint8_t* custom_mask = nullptr;  ///< kCustom: per request [q_len, kv_len], row-major
+  const int64_t* mask_indptr = nullptr;  ///< [batch_size + 1] offsets into custom_mask
+  int window_left = -1;
+  float sm_scale = 1.f;
+  float logit_cap = 0.f;
+
+  // ---- shape --------------------------------------------------------------------------------
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int v_head_dim = 0;
+};
+
+}  // namespace kvattn::core

@@ -1,0 +1,67 @@
+// Host planning shared by every backend: from a ForwardBatch (host lengths) to the per-request
+// query rows and KV ranges that one attention call covers, for each index set.
+//
+// A request's KV range is the positions [kv_start, kv_start + kv_len) of its req_to_token row.
+// With mask kCausal the queries are bottom-right aligned: query i of q_len sees relative KV
+// positions j <= kv_len - q_len + i (and, with a window W, j >= kv_len - q_len + i - W).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvattn/forward_batch.h"
+
+namespace kvattn::core {
+
+enum class MaskMode : uint8_t { kNone, kCausal, kCustom };
+
+/// Which KV tokens of a request one layer attends to (SPEC §3).
+enum class IndexSet : uint8_t {
+  kFull,         ///< all of the request's tokens
+  kWindow,       ///< the last W + q_len tokens (decode: min(seq_len, W + 1))
+  kDecoderSelf,  ///< cross-attention models, self-attention layers: after the encoder tokens
+  kEncoder,      ///< cross-attention layers: the encoder tokens [0, encoder_len), non-causal
+};
+
+/// One batched attention over the paged cache, on the host.
+struct PagedLayout {
+  int batch_size = 0;
+  std::vector<int32_t> qo_indptr;    ///< [batch_size + 1] query rows of each request
+  std::vector<int32_t> kv_start;     ///< [batch_size] first req_to_token position
+  std::vector<int32_t> kv_len;       ///< [batch_size] KV tokens
+  std::vector<int64_t> kv_indptr;    ///< [batch_size + 1] prefix sums of kv_len
+  std::vector<int64_t> mask_indptr;  ///< [batch_size + 1] kCustom: offsets into the custom mask
+  MaskMode mask = MaskMode::kCausal;
+  int window_left = -1;              ///< -1 = none
+  int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
+  int64_t total_kv() const { return kv_indptr.empty() ? 0 : kv_indptr.back(); }
+};
+
+/// Host copies of a batch's lengths (int64 tensors narrowed and checked on the way in).
+struct HostLengths {
+  std::vector<int32_t> seq_lens;
+  std::vector<int32_t> prefix_lens;   ///< EXTEND-like modes; else empty
+  std::vector<int32_t> extend_lens;   ///< EXTEND-like modes; else empty
+  std::vector<int32_t> encoder_lens;  ///< cross-attention models; else empty
+};
+
+/// Reads the host lengths of `batch` (the *_cpu copies where given, else the tensors when they
+/// are on the host) and validates them (>= 0, prefix <= seq, extend = seq - prefix, ...).
+HostLengths read_host_lengths(const ForwardBatch& batch, bool is_encoder_decoder);
+
+/// The index set a layer uses in a model of this kind.
+IndexSet index_set_for(const AttentionLayer& layer, bool is_encoder_decoder);
+
+/// Query rows and KV ranges of every request for `mode` and `set`. For EXTEND-like modes
+/// `prefix_only` gives the paged-prefix half of the ragged path: kv = [0, prefix), no mask.
+PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const HostLengths& lens,
+                              int draft_token_num, bool prefix_only = false);
+
+/// The ragged half of the ragged path: queries and keys are the new tokens, causal.
+PagedLayout make_ragged_layout(const HostLengths& lens);
+
+/// True when EXTEND takes the ragged + paged-prefix path (SPEC §3).
+bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t threshold,
+                       bool has_window, bool is_encoder_decoder);
+
+}  // namespace kvattn::core

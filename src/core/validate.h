@@ -1,0 +1,31 @@
+// Validation at the public boundary (SPEC §5): every check names the argument, the value and
+// what was expected, and throws kvattn::Error before anything is written.
+#pragma once
+
+#include <cstdint>
+
+#include "kvattn/backend.h"
+
+namespace kvattn::core {
+
+/// The backend config: pools present, heads divisible, dims matching the KV cache.
+void validate_backend_config(const BackendConfig& config);
+
+/// A layer against the backend's config (heads, dims, scale, window, cross, fp8 scales).
+void validate_layer(const AttentionLayer& layer, const BackendConfig& config);
+
+/// The per-step batch against the pools: tensor shapes and dtypes, device, req_pool_indices in
+/// range, seq_len + offsets within max_context_len, spec inputs. Host lengths must be readable.
+void validate_batch(const ForwardBatch& batch, const BackendConfig& config, Device device);
+
+/// q/k/v/out of one forward call: shapes, dtypes, device, contiguous last dimension, and the
+/// out_cache_loc slots within the pool (host-readable loc only; device kernels clamp).
+void validate_forward_tensors(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const AttentionLayer& layer,
+                              const ForwardBatch& batch, const BackendConfig& config,
+                              Device device, int64_t num_tokens, bool save_kv_cache);
+
+/// A 1-D index tensor of `length` int32/int64 elements on `device` (throws naming `name`).
+void check_index_tensor(const TensorView& t, const char* name, int64_t length, Device device);
+
+}  // namespace kvattn::core
