@@ -1,0 +1,106 @@
+// Host planning of the batch prefill kernel: which (request, query tile, kv head) tiles exist, in
+// which order they run, which of them are split along the KV axis, and how the plan is laid out
+// in one device buffer. No CUDA here: the backend copies the metadata with one async copy and the
+// kernel only reads it.
+//
+// Rows of a tile are *packed*: the q heads of one GQA group share a kv head, so a tile's row r is
+// (token = (q_row_begin + r) / group_size, q head = kv_head * group_size + (q_row_begin + r) %
+// group_size). One K/V tile then serves the whole group, and decode (q_len 1) still fills the
+// matrix unit with group_size rows per request.
+//
+// Worked example (causal 1 x 16384, 32 q / 8 kv heads, tile 128 rows): group 4, 65536 packed rows
+// per kv head -> 512 tiles x 8 kv heads = 4096 tiles; a tile of tokens [t, t+32) sees keys
+// [0, t+32), so costs run from 32 to 16384 keys and the heaviest start first.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/batch_layout.h"
+
+namespace kvattn::core {
+
+/// One unit of work of the prefill kernel (16 bytes, read once per CTA).
+struct PrefillWorkItem {
+  int32_t request = 0;      ///< index into qo_indptr / kv_indptr
+  int32_t kv_head = 0;
+  int32_t q_row_begin = 0;  ///< first packed row (token * group_size + head in group)
+  int32_t kv_begin = 0;     ///< keys [kv_begin, kv_end) of the request, already clipped to what
+  int32_t kv_end = 0;       ///< the tile can see (causal / window); multiples of kv_tile inside
+  int32_t partial = -1;     ///< -1: writes out/lse itself; else its slot in the partial buffers
+  int32_t reserved0 = 0;    ///< keeps the struct 32 bytes (two 16-byte loads)
+  int32_t reserved1 = 0;
+};
+
+/// One split tile to finish: merges num_partials consecutive partial slots into out/lse.
+struct PrefillMergeItem {
+  int32_t request = 0;
+  int32_t kv_head = 0;
+  int32_t q_row_begin = 0;
+  int32_t first_partial = 0;
+  int32_t num_partials = 0;
+  int32_t reserved0 = 0;
+  int32_t reserved1 = 0;
+  int32_t reserved2 = 0;
+};
+
+/// What the planner must know about the kernel and the call.
+struct PrefillTileShape {
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int tile_rows = 0;  ///< packed rows per tile (the kernel's; see cuda::prefill_kernel_shape)
+  int kv_tile = 0;    ///< keys per kernel step; split chunks are multiples of it
+  MaskMode mask = MaskMode::kCausal;
+  int window_left = -1;  ///< -1 = none
+  /// CTAs the device runs at once (SMs x CTAs per SM). 0 disables split-KV. Split happens only
+  /// when the tiles are too few or too uneven to fill this many CTAs.
+  int concurrent_ctas = 0;
+  int min_split_keys = 512;  ///< no chunk shorter than this (below it the merge costs more)
+};
+
+/// The plan on the host: items already in launch order (heaviest first).
+struct PrefillTilePlan {
+  std::vector<PrefillWorkItem> items;
+  std::vector<PrefillMergeItem> merges;
+  int num_partials = 0;
+  int tile_rows = 0;
+  int group_size = 0;
+};
+
+/// Builds the work list from host lengths: qo_indptr [batch_size + 1] (query tokens) and
+/// kv_indptr [batch_size + 1] (prefix sums of kv lengths). Throws kInvalidArgument on lengths
+/// that break the contract (negative, q_len > kv_len under a causal mask, heads not divisible).
+PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
+                                   std::span<const int64_t> kv_indptr,
+                                   const PrefillTileShape& shape);
+
+/// The plan as the kernel sees it: pointers into one device buffer.
+struct PrefillTiles {
+  const PrefillWorkItem* items = nullptr;    ///< [num_items]
+  int num_items = 0;
+  const PrefillMergeItem* merges = nullptr;  ///< [num_merges]
+  int num_merges = 0;
+  float* partial_out = nullptr;              ///< [num_partials, tile_rows, v_head_dim]
+  float* partial_lse = nullptr;              ///< [num_partials, tile_rows], natural log
+  int num_partials = 0;
+  int tile_rows = 0;
+  int group_size = 0;
+};
+
+/// Byte layout of the plan buffer: [items | merges] is metadata copied from the host; the
+/// partial buffers after it are device scratch that nothing copies.
+struct PrefillBufferLayout {
+  size_t metadata_bytes = 0;  ///< bytes to copy host -> device (from offset 0)
+  size_t total_bytes = 0;     ///< bytes the device buffer needs
+};
+
+/// The one routine that sizes and fills the plan buffer. Always returns the layout; with
+/// host_metadata != nullptr (capacity >= layout.metadata_bytes) also writes the metadata there,
+/// and with device_base != nullptr fills *view with pointers into the device buffer.
+PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head_dim,
+                                         void* host_metadata, size_t host_capacity,
+                                         void* device_base, PrefillTiles* view);
+
+}  // namespace kvattn::core

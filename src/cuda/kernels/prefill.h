@@ -1,0 +1,41 @@
+// The batch prefill kernel (FlashAttention-2 style, mma.sync m16n8k16 on tensor cores, fp32
+// accumulate) and its split-KV merge. Host-callable from plain C++ (no CUDA headers needed
+// beyond cudaStream_t).
+//
+// Supported (anything else throws kvattn::Error kNotSupported naming the values):
+//   io dtype bf16 or fp16; KV dtype equal to io dtype, or fp8 e4m3 / e5m2 (dequantized exactly
+//   to the io dtype in shared memory; k_scale folds into the logit scale, v_scale into the
+//   output); head_dim 64, 128 or 256 (those compiled, see KVATTN_CUDA_HEAD_DIMS) with
+//   v_head_dim == head_dim; paged (kv_indices, any page size, slots outside [0, num_slots)
+//   are never read) or ragged (kv_indices == nullptr) K/V; masks none / causal (bottom-right) /
+//   custom; window_left (applies to every mask mode: query i sees j >= kv_len - q_len + i -
+//   window_left); soft-cap; optional natural-log LSE. Strides are in elements; the last dim of
+//   q/k/v/out must be contiguous and every row 16-byte aligned.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+
+namespace kvattn::cuda {
+
+/// The kernel's tile shape for a head_dim: feed tile_rows / kv_tile into
+/// core::PrefillTileShape. ctas_per_sm is how many CTAs fit on one SM (for concurrent_ctas).
+struct PrefillKernelShape {
+  int tile_rows = 0;
+  int kv_tile = 0;
+  int ctas_per_sm = 0;
+};
+
+/// Throws kNotSupported for a head_dim that is not compiled.
+PrefillKernelShape prefill_kernel_shape(int head_dim);
+
+/// Runs the prefill over every tile of `tiles` (device pointers, from core::write_prefill_buffer)
+/// and, when tiles.num_merges > 0, the merge of split tiles. All pointers in `p` are device
+/// pointers. Asynchronous on `stream`; throws kvattn::Error kDeviceError when a launch fails and
+/// kNotSupported / kInvalidArgument on an unsupported or inconsistent call.
+void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                          cudaStream_t stream);
+
+}  // namespace kvattn::cuda
