@@ -1,0 +1,154 @@
+#include "core/batch_layout.h"
+
+#include <algorithm>
+#include <string>
+
+#include "kvattn/error.h"
+
+namespace kvattn::core {
+namespace {
+
+bool is_extend_like(ForwardMode mode) {
+  return mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
+         mode == ForwardMode::kDraftExtend;
+}
+
+// The host copy of a length tensor: `host` when given, else `device` when it lives on the host.
+std::vector<int32_t> read_lengths(const TensorView& host, const TensorView& device,
+                                  const std::string& name, int batch_size) {
+  const TensorView& t = host.defined() ? host : device;
+  const std::string arg = host.defined() ? name + "_cpu" : name;
+  if (!t.defined()) {
+    throw_error(ErrorKind::kInvalidArgument, name, "missing: required by this mode");
+  }
+  check_arg(t.device().is_cpu(), arg, "is on ", t.device().str(), "; pass a host copy in ",
+            name, "_cpu");
+  check_arg(is_index_dtype(t.dtype()), arg, "dtype ", dtype_name(t.dtype()),
+            ", expected int32 or int64");
+  check_arg(t.ndim() == 1 && t.size(0) == batch_size, arg, "shape ", t.describe(),
+            ", expected [", batch_size, "]");
+  std::vector<int32_t> out(static_cast<size_t>(batch_size));
+  for (int r = 0; r < batch_size; ++r) {
+    const int64_t value = read_index(t, r);
+    check_arg(value >= 0 && value <= INT32_MAX, arg + "[" + std::to_string(r) + "]", "got ",
+              value, ", expected a length in [0, 2^31)");
+    out[r] = int32_t(value);
+  }
+  return out;
+}
+
+}  // namespace
+
+HostLengths read_host_lengths(const ForwardBatch& batch, bool is_encoder_decoder) {
+  check_arg(batch.batch_size >= 0, "batch_size", "got ", batch.batch_size, ", expected >= 0");
+  HostLengths lens;
+  if (batch.mode == ForwardMode::kIdle) return lens;
+  const int bs = batch.batch_size;
+  lens.seq_lens = read_lengths(batch.seq_lens_cpu, batch.seq_lens, "seq_lens", bs);
+  if (is_extend_like(batch.mode)) {
+    lens.prefix_lens =
+        read_lengths(batch.extend_prefix_lens_cpu, batch.extend_prefix_lens, "extend_prefix_lens", bs);
+    const bool have_extend = batch.extend_seq_lens_cpu.defined() ||
+                             (batch.extend_seq_lens.defined() &&
+                              batch.extend_seq_lens.device().is_cpu());
+    if (have_extend) {
+      lens.extend_lens =
+          read_lengths(batch.extend_seq_lens_cpu, batch.extend_seq_lens, "extend_seq_lens", bs);
+    }
+    for (int r = 0; r < bs; ++r) {
+      const std::string at = "[" + std::to_string(r) + "]";
+      check_arg(lens.prefix_lens[r] <= lens.seq_lens[r], "extend_prefix_lens" + at, "got ",
+                lens.prefix_lens[r], ", expected <= seq_lens", at, " = ", lens.seq_lens[r]);
+      const int32_t extend = lens.seq_lens[r] - lens.prefix_lens[r];
+      if (have_extend) {
+        check_arg(lens.extend_lens[r] == extend, "extend_seq_lens" + at, "got ",
+                  lens.extend_lens[r], ", expected seq_lens - extend_prefix_lens = ", extend);
+      }
+    }
+    if (!have_extend) {
+      lens.extend_lens.resize(size_t(bs));
+      for (int r = 0; r < bs; ++r) lens.extend_lens[r] = lens.seq_lens[r] - lens.prefix_lens[r];
+    }
+  }
+  if (is_encoder_decoder) {
+    lens.encoder_lens = read_lengths(batch.encoder_lens_cpu, batch.encoder_lens, "encoder_lens", bs);
+  }
+  return lens;
+}
+
+IndexSet index_set_for(const AttentionLayer& layer, bool is_encoder_decoder) {
+  if (is_encoder_decoder) return layer.is_cross_attention ? IndexSet::kEncoder : IndexSet::kDecoderSelf;
+  return layer.sliding_window_size >= 0 ? IndexSet::kWindow : IndexSet::kFull;
+}
+
+PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const HostLengths& lens,
+                              int draft_token_num, bool prefix_only) {
+  PagedLayout layout;
+  const int bs = int(lens.seq_lens.size());
+  layout.batch_size = bs;
+  layout.qo_indptr.assign(size_t(bs) + 1, 0);
+  layout.kv_start.assign(size_t(bs), 0);
+  layout.kv_len.assign(size_t(bs), 0);
+  layout.kv_indptr.assign(size_t(bs) + 1, 0);
+  const bool verify = mode == ForwardMode::kTargetVerify;
+  layout.mask = verify ? MaskMode::kCustom : MaskMode::kCausal;
+  if (prefix_only || set == IndexSet::kEncoder) layout.mask = MaskMode::kNone;
+  // A window applies through the mask bounds; in TARGET_VERIFY the backend folds it into the
+  // tree mask instead (tree tokens' positions are not consecutive).
+  layout.window_left = (set == IndexSet::kWindow && !verify && !prefix_only) ? window : -1;
+  if (verify) layout.mask_indptr.assign(size_t(bs) + 1, 0);
+
+  for (int r = 0; r < bs; ++r) {
+    int32_t q_len = 1;
+    if (is_extend_like(mode)) q_len = lens.extend_lens[r];
+    else if (verify) q_len = draft_token_num;
+    else if (mode == ForwardMode::kIdle) q_len = 0;
+
+    const int32_t seq = lens.seq_lens[r] + (verify ? draft_token_num : 0);
+    int32_t start = 0;
+    int32_t len = seq;
+    if (set == IndexSet::kEncoder) {
+      len = lens.encoder_lens[r];
+    } else {
+      const int32_t base = set == IndexSet::kDecoderSelf ? lens.encoder_lens[r] : 0;
+      if (prefix_only) {
+        len = lens.prefix_lens[r];
+      } else if (set == IndexSet::kWindow && !verify) {
+        // Decode sees min(seq, W + 1) tokens; an extend of q_len sees W + q_len at most.
+        len = std::min<int32_t>(seq, window + q_len);
+      }
+      start = base + (prefix_only ? 0 : seq - len);
+    }
+    layout.qo_indptr[r + 1] = layout.qo_indptr[r] + q_len;
+    layout.kv_start[r] = start;
+    layout.kv_len[r] = len;
+    layout.kv_indptr[r + 1] = layout.kv_indptr[r] + len;
+    if (verify) layout.mask_indptr[r + 1] = layout.mask_indptr[r] + int64_t(q_len) * len;
+  }
+  return layout;
+}
+
+PagedLayout make_ragged_layout(const HostLengths& lens) {
+  PagedLayout layout;
+  const int bs = int(lens.seq_lens.size());
+  layout.batch_size = bs;
+  layout.mask = MaskMode::kCausal;
+  layout.qo_indptr.assign(size_t(bs) + 1, 0);
+  layout.kv_start.assign(size_t(bs), 0);
+  layout.kv_len.assign(size_t(bs), 0);
+  layout.kv_indptr.assign(size_t(bs) + 1, 0);
+  for (int r = 0; r < bs; ++r) {
+    layout.qo_indptr[r + 1] = layout.qo_indptr[r] + lens.extend_lens[r];
+    layout.kv_len[r] = lens.extend_lens[r];
+    layout.kv_indptr[r + 1] = layout.kv_indptr[r] + lens.extend_lens[r];
+  }
+  return layout;
+}
+
+bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t threshold,
+                       bool has_window, bool is_encoder_decoder) {
+  return (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed) &&
+         num_new_tokens >= threshold && !has_window && !is_encoder_decoder;
+}
+
+}  // namespace kvattn::core

@@ -1,0 +1,128 @@
+#include "kvattn/memory.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "kvattn/error.h"
+#if defined(KVATTN_WITH_CUDA)
+#include "cuda/cuda_memory.h"
+#endif
+
+namespace kvattn {
+namespace {
+
+[[noreturn]] void no_cuda(const char* what) {
+  throw_error(ErrorKind::kNotSupported, what,
+              "this build of kvattn has no CUDA backend (built without nvcc)");
+}
+
+}  // namespace
+
+Buffer Buffer::allocate(Device device, size_t bytes) {
+  Buffer b;
+  b.bytes_ = bytes;
+  b.device_ = device;
+  if (device.is_cpu()) {
+    constexpr size_t kAlignment = 64;  // one cache line; also what AVX loads like
+    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    b.data_ = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    if (b.data_ == nullptr) {
+      throw_error(ErrorKind::kOutOfResources, "bytes", "host allocation of ", bytes,
+                  " bytes failed");
+    }
+    return b;
+  }
+#if defined(KVATTN_WITH_CUDA)
+  b.data_ = cuda::device_malloc(bytes, device.index);
+  return b;
+#else
+  no_cuda("device");
+#endif
+}
+
+Buffer::~Buffer() {
+  if (data_ == nullptr) return;
+  if (device_.is_cpu()) {
+    std::free(data_);
+  } else {
+#if defined(KVATTN_WITH_CUDA)
+    cuda::device_free(data_, device_.index);
+#endif
+  }
+}
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      device_(other.device_) {}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    Buffer old(std::move(*this));
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+TensorView Buffer::view(DType dtype, std::initializer_list<int64_t> shape) const {
+  TensorView v(data_, dtype, device_, shape);
+  check_arg(size_t(v.nbytes()) <= bytes_, "shape", "a view of ", v.nbytes(),
+            " bytes over a buffer of ", bytes_);
+  return v;
+}
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+#if defined(KVATTN_WITH_CUDA)
+  cuda::memcpy_sync(dst, dst_device, src, src_device, bytes);
+#else
+  no_cuda("device");
+#endif
+}
+
+void fill_bytes(void* dst, Device device, int value, size_t bytes) {
+  if (device.is_cpu()) {
+    std::memset(dst, value, bytes);
+    return;
+  }
+#if defined(KVATTN_WITH_CUDA)
+  cuda::memset_sync(dst, device.index, value, bytes);
+#else
+  no_cuda("device");
+#endif
+}
+
+void copy_tensor(const TensorView& dst, const TensorView& src) {
+  check_arg(dst.dtype() == src.dtype(), "dst", "dtype ", dtype_name(dst.dtype()),
+            " differs from src ", dtype_name(src.dtype()));
+  check_arg(dst.numel() == src.numel(), "dst", dst.describe(), " and src ", src.describe(),
+            " differ in size");
+  check_arg(dst.is_contiguous() && src.is_contiguous(), "dst", "copy_tensor needs contiguous ",
+            "views, got ", dst.describe(), " and ", src.describe());
+  copy_bytes(dst.data(), dst.device(), src.data(), src.device(), size_t(src.nbytes()));
+}
+
+bool cuda_compiled() {
+#if defined(KVATTN_WITH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#if defined(KVATTN_WITH_CUDA)
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
+}  // namespace kvattn

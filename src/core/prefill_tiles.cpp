@@ -1,0 +1,185 @@
+#include "core/prefill_tiles.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "kvattn/error.h"
+
+namespace kvattn::core {
+namespace {
+
+// Offsets inside the plan buffer are aligned like a cudaMalloc'd base, so every array starts on
+// a 16-byte vector boundary and the scratch on a fresh cache line.
+constexpr size_t kBufferAlignment = 256;
+
+size_t align_up(size_t bytes) { return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A tile before splitting: its keys and its cost in key rows (each step of the kernel costs the
+// same whatever the mask; a fixed overhead of one step covers the Q load and the epilogue).
+struct RawTile {
+  PrefillWorkItem item;
+  int64_t cost = 0;
+};
+
+}  // namespace
+
+PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
+                                   std::span<const int64_t> kv_indptr,
+                                   const PrefillTileShape& shape) {
+  check_arg(!qo_indptr.empty(), "qo_indptr", "empty, expected batch_size + 1 entries");
+  check_arg(kv_indptr.size() == qo_indptr.size(), "kv_indptr", "has ", kv_indptr.size(),
+            " entries, expected ", qo_indptr.size(), " (as qo_indptr)");
+  check_arg(shape.num_kv_heads > 0, "num_kv_heads", "got ", shape.num_kv_heads, ", expected > 0");
+  check_arg(shape.num_q_heads > 0 && shape.num_q_heads % shape.num_kv_heads == 0, "num_q_heads",
+            "got ", shape.num_q_heads, ", expected a positive multiple of num_kv_heads ",
+            shape.num_kv_heads);
+  check_arg(shape.tile_rows > 0, "tile_rows", "got ", shape.tile_rows, ", expected > 0");
+  check_arg(shape.kv_tile > 0, "kv_tile", "got ", shape.kv_tile, ", expected > 0");
+  check_arg(shape.window_left >= -1, "window_left", "got ", shape.window_left,
+            ", expected -1 (none) or >= 0");
+
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int batch_size = static_cast<int>(qo_indptr.size()) - 1;
+  PrefillTilePlan plan;
+  plan.tile_rows = shape.tile_rows;
+  plan.group_size = group;
+
+  std::vector<RawTile> raw;
+  int64_t total_cost = 0;
+  for (int r = 0; r < batch_size; ++r) {
+    const int64_t q_len = int64_t(qo_indptr[r + 1]) - qo_indptr[r];
+    const int64_t kv_len = kv_indptr[r + 1] - kv_indptr[r];
+    check_arg(q_len >= 0, "qo_indptr[" + std::to_string(r + 1) + "]", "q_len ", q_len,
+              " is negative");
+    check_arg(kv_len >= 0 && kv_len <= INT32_MAX, "kv_indptr[" + std::to_string(r + 1) + "]",
+              "kv_len ", kv_len, " out of [0, 2^31)");
+    const int64_t rows = q_len * group;
+    check_arg(rows <= INT32_MAX, "qo_indptr", "request ", r, " has ", rows,
+              " packed rows, over 2^31");
+    for (int64_t row = 0; row < rows; row += shape.tile_rows) {
+      const int64_t first_token = row / group;
+      const int64_t last_token = (std::min(rows, row + shape.tile_rows) - 1) / group;
+      int64_t kv_end = kv_len;
+      if (shape.mask == MaskMode::kCausal) kv_end = std::clamp(kv_len - q_len + last_token + 1,
+                                                               int64_t{0}, kv_len);
+      int64_t kv_begin = 0;
+      if (shape.window_left >= 0) kv_begin = std::clamp(kv_len - q_len + first_token -
+                                                        shape.window_left, int64_t{0}, kv_end);
+      for (int h = 0; h < shape.num_kv_heads; ++h) {
+        RawTile t;
+        t.item.request = r;
+        t.item.kv_head = h;
+        t.item.q_row_begin = static_cast<int32_t>(row);
+        t.item.kv_begin = static_cast<int32_t>(kv_begin);
+        t.item.kv_end = static_cast<int32_t>(kv_end);
+        t.cost = ceil_div(kv_end - kv_begin, shape.kv_tile) * shape.kv_tile + shape.kv_tile;
+        total_cost += t.cost;
+        raw.push_back(t);
+      }
+    }
+  }
+
+  // Split-KV: a tile much heavier than an even share of the device would finish long after the
+  // rest (decode-like batches: few tiles, long KV). Chunks are whole kernel steps, at least
+  // min_split_keys long.
+  int64_t chunk_keys = 0;
+  if (shape.concurrent_ctas > 0 && !raw.empty()) {
+    const int64_t share = ceil_div(total_cost, shape.concurrent_ctas);
+    chunk_keys = std::max<int64_t>(share, std::max(shape.min_split_keys, shape.kv_tile));
+    chunk_keys = ceil_div(chunk_keys, shape.kv_tile) * shape.kv_tile;
+  }
+
+  struct Ordered {
+    PrefillWorkItem item;
+    int64_t cost;
+  };
+  std::vector<Ordered> ordered;
+  ordered.reserve(raw.size());
+  for (const RawTile& t : raw) {
+    const int64_t keys = int64_t(t.item.kv_end) - t.item.kv_begin;
+    const int64_t chunks = chunk_keys > 0 ? ceil_div(keys, chunk_keys) : 1;
+    if (chunks <= 1) {
+      ordered.push_back({t.item, t.cost});
+      continue;
+    }
+    PrefillMergeItem merge;
+    merge.request = t.item.request;
+    merge.kv_head = t.item.kv_head;
+    merge.q_row_begin = t.item.q_row_begin;
+    merge.first_partial = plan.num_partials;
+    merge.num_partials = static_cast<int32_t>(chunks);
+    plan.merges.push_back(merge);
+    // Even chunks in whole steps, so no chunk is a sliver.
+    const int64_t steps = ceil_div(keys, shape.kv_tile);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t step_begin = steps * c / chunks;
+      const int64_t step_end = steps * (c + 1) / chunks;
+      PrefillWorkItem chunk = t.item;
+      chunk.kv_begin = static_cast<int32_t>(t.item.kv_begin + step_begin * shape.kv_tile);
+      chunk.kv_end = static_cast<int32_t>(
+          std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
+      chunk.partial = plan.num_partials++;
+      ordered.push_back({chunk, (step_end - step_begin + 1) * shape.kv_tile});
+    }
+  }
+
+  // Longest first: the hardware hands out CTAs in grid order, so this is a greedy LPT schedule
+  // (causal: the tiles at the end of the sequence start first).
+  std::stable_sort(ordered.begin(), ordered.end(),
+                   [](const Ordered& a, const Ordered& b) { return a.cost > b.cost; });
+  plan.items.reserve(ordered.size());
+  for (const Ordered& o : ordered) plan.items.push_back(o.item);
+  return plan;
+}
+
+PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head_dim,
+                                         void* host_metadata, size_t host_capacity,
+                                         void* device_base, PrefillTiles* view) {
+  check_arg(v_head_dim > 0, "v_head_dim", "got ", v_head_dim, ", expected > 0");
+  const size_t items_offset = 0;
+  const size_t items_bytes = plan.items.size() * sizeof(PrefillWorkItem);
+  const size_t merges_offset = align_up(items_offset + items_bytes);
+  const size_t merges_bytes = plan.merges.size() * sizeof(PrefillMergeItem);
+  const size_t metadata_bytes = align_up(merges_offset + merges_bytes);
+  const size_t rows = size_t(plan.num_partials) * size_t(plan.tile_rows);
+  const size_t partial_out_offset = metadata_bytes;
+  const size_t partial_lse_offset =
+      align_up(partial_out_offset + rows * size_t(v_head_dim) * sizeof(float));
+  const size_t total_bytes = align_up(partial_lse_offset + rows * sizeof(float));
+
+  PrefillBufferLayout layout;
+  layout.metadata_bytes = metadata_bytes;
+  layout.total_bytes = total_bytes;
+
+  if (host_metadata != nullptr) {
+    check_arg(host_capacity >= metadata_bytes, "host_capacity", "got ", host_capacity,
+              " bytes, the plan's metadata needs ", metadata_bytes);
+    auto* bytes = static_cast<unsigned char*>(host_metadata);
+    std::memset(bytes, 0, metadata_bytes);
+    if (items_bytes > 0) std::memcpy(bytes + items_offset, plan.items.data(), items_bytes);
+    if (merges_bytes > 0) std::memcpy(bytes + merges_offset, plan.merges.data(), merges_bytes);
+  }
+  if (device_base != nullptr && view != nullptr) {
+    auto* base = static_cast<unsigned char*>(device_base);
+    PrefillTiles t;
+    t.items = reinterpret_cast<const PrefillWorkItem*>(base + items_offset);
+    t.num_items = static_cast<int>(plan.items.size());
+    t.merges = reinterpret_cast<const PrefillMergeItem*>(base + merges_offset);
+    t.num_merges = static_cast<int>(plan.merges.size());
+    t.partial_out = plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_out_offset)
+                                          : nullptr;
+    t.partial_lse = plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_lse_offset)
+                                          : nullptr;
+    t.num_partials = plan.num_partials;
+    t.tile_rows = plan.tile_rows;
+    t.group_size = plan.group_size;
+    *view = t;
+  }
+  return layout;
+}
+
+}  // namespace kvattn::core
