@@ -152,3 +152,28 @@ bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t thresho
 }
 
 }  // namespace kvattn::core
+
+namespace kvattn::core {
+
+std::vector<uint8_t> fold_window_into_tree_mask(const HostLengths& lens, int draft_token_num,
+                                                int window, const uint8_t* custom_mask,
+                                                const int64_t* positions) {
+  std::vector<uint8_t> out;
+  int64_t offset = 0;
+  for (size_t r = 0; r < lens.seq_lens.size(); ++r) {
+    const int64_t seq = lens.seq_lens[r];
+    const int64_t kv_len = seq + draft_token_num;
+    const int64_t* tree_pos = positions + int64_t(r) * draft_token_num;
+    for (int i = 0; i < draft_token_num; ++i) {
+      const int64_t lowest = tree_pos[i] - window;
+      for (int64_t j = 0; j < kv_len; ++j) {
+        const int64_t pos_j = j < seq ? j : tree_pos[j - seq];
+        out.push_back(custom_mask[offset + i * kv_len + j] != 0 && pos_j >= lowest ? 1 : 0);
+      }
+    }
+    offset += int64_t(draft_token_num) * kv_len;
+  }
+  return out;
+}
+
+}  // namespace kvattn::core

@@ -65,3 +65,17 @@ bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t thresho
                        bool has_window, bool is_encoder_decoder);
 
 }  // namespace kvattn::core
+
+namespace kvattn::core {
+
+/// TARGET_VERIFY on a sliding-window layer: tree tokens do not sit at consecutive positions, so
+/// the window cannot be a bound on column indices. It is folded into the tree mask instead:
+/// tree token i (absolute position positions[i]) keeps kv column j only when column j's position
+/// (j for the prefix, positions[t] for tree token t = j - seq_len) is >= positions[i] - window.
+/// `custom_mask` and the result are laid out as SpecInfo::custom_mask; `positions` holds
+/// batch_size * draft_token_num host positions.
+std::vector<uint8_t> fold_window_into_tree_mask(const HostLengths& lens, int draft_token_num,
+                                                int window, const uint8_t* custom_mask,
+                                                const int64_t* positions);
+
+}  // namespace kvattn::core
