@@ -130,7 +130,10 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   // Longest first: the hardware hands out CTAs in grid order, so this is a greedy LPT schedule
   // (causal: the tiles at the end of the sequence start first).
   std::stable_sort(ordered.begin(), ordered.end(),
-                   [](const Ordered& a, const Ordered& b) { return a.cost > b.cost; });
+                   [](const Ordered& a, const Ordered& b) {
+                     if (a.cost != b.cost) return a.cost > b.cost;
+                     return a.item.kv_end - a.item.kv_begin > b.item.kv_end - b.item.kv_begin;
+                   });
   plan.items.reserve(ordered.size());
   for (const Ordered& o : ordered) plan.items.push_back(o.item);
   return plan;

@@ -1,0 +1,274 @@
+// The prefill tile planner: every (request, kv head, packed row) is covered exactly once, the
+// KV ranges are the visible ones, heavy tiles come first, split chunks tile their range, and the
+// buffer routine's sizing and filling agree.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "core/prefill_tiles.h"
+#include "kvattn/error.h"
+
+namespace kvattn::core {
+namespace {
+
+struct Batch {
+  std::vector<int32_t> qo_indptr{0};
+  std::vector<int64_t> kv_indptr{0};
+  void add(int32_t q_len, int64_t kv_len) {
+    qo_indptr.push_back(qo_indptr.back() + q_len);
+    kv_indptr.push_back(kv_indptr.back() + kv_len);
+  }
+};
+
+PrefillTileShape make_shape(MaskMode mask, int window = -1, int concurrent = 0) {
+  PrefillTileShape s;
+  s.num_q_heads = 32;
+  s.num_kv_heads = 8;
+  s.tile_rows = 128;
+  s.kv_tile = 64;
+  s.mask = mask;
+  s.window_left = window;
+  s.concurrent_ctas = concurrent;
+  return s;
+}
+
+// The keys a tile must see, from first principles: the union over its rows' visible ranges.
+std::pair<int64_t, int64_t> visible_range(const Batch& b, const PrefillTileShape& s, int r,
+                                          int64_t row_begin) {
+  const int group = s.num_q_heads / s.num_kv_heads;
+  const int64_t q_len = b.qo_indptr[r + 1] - b.qo_indptr[r];
+  const int64_t kv_len = b.kv_indptr[r + 1] - b.kv_indptr[r];
+  int64_t lo = kv_len, hi = 0;
+  for (int64_t row = row_begin; row < std::min(q_len * group, row_begin + s.tile_rows); ++row) {
+    const int64_t i = row / group;
+    for (int64_t j = 0; j < kv_len; ++j) {
+      bool visible = true;
+      if (s.mask == MaskMode::kCausal && j > kv_len - q_len + i) visible = false;
+      if (s.window_left >= 0 && j < kv_len - q_len + i - s.window_left) visible = false;
+      if (visible) {
+        lo = std::min(lo, j);
+        hi = std::max(hi, j + 1);
+      }
+    }
+  }
+  if (hi <= lo) return {-1, -1};  // nothing visible: any empty range will do
+  return {lo, hi};
+}
+
+// Checks coverage and ranges; returns the plan for further checks.
+PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
+  PrefillTilePlan plan = plan_prefill_tiles(b.qo_indptr, b.kv_indptr, s);
+  const int group = s.num_q_heads / s.num_kv_heads;
+  EXPECT_EQ(plan.group_size, group);
+  EXPECT_EQ(plan.tile_rows, s.tile_rows);
+
+  // Each (request, head, q tile) appears once unsplit, or as num_partials chunks with a merge.
+  std::map<std::tuple<int, int, int>, std::vector<PrefillWorkItem>> by_tile;
+  for (const PrefillWorkItem& it : plan.items) {
+    by_tile[{it.request, it.kv_head, it.q_row_begin}].push_back(it);
+  }
+  std::map<std::tuple<int, int, int>, PrefillMergeItem> merges;
+  for (const PrefillMergeItem& m : plan.merges) {
+    EXPECT_TRUE(merges.emplace(std::make_tuple(m.request, m.kv_head, m.q_row_begin), m).second);
+  }
+  std::vector<int> partial_seen(plan.num_partials, 0);
+  size_t expected_tiles = 0;
+  for (int r = 0; r + 1 < static_cast<int>(b.qo_indptr.size()); ++r) {
+    const int64_t rows = int64_t(b.qo_indptr[r + 1] - b.qo_indptr[r]) * group;
+    for (int64_t row = 0; row < rows; row += s.tile_rows) {
+      const auto [lo, hi] = visible_range(b, s, r, row);
+      for (int h = 0; h < s.num_kv_heads; ++h) {
+        ++expected_tiles;
+        auto found = by_tile.find({r, h, static_cast<int>(row)});
+        if (found == by_tile.end()) {
+          ADD_FAILURE() << "missing tile r=" << r << " h=" << h << " row=" << row;
+          continue;
+        }
+        std::vector<PrefillWorkItem> chunks = found->second;
+        std::sort(chunks.begin(), chunks.end(), [](auto& a, auto& c) {
+          return a.kv_begin < c.kv_begin;
+        });
+        const int64_t begin = chunks.front().kv_begin;
+        const int64_t end = chunks.back().kv_end;
+        if (lo >= 0) {
+          EXPECT_EQ(begin, lo) << "r=" << r << " row=" << row;
+          EXPECT_EQ(end, hi) << "r=" << r << " row=" << row;
+        } else {
+          EXPECT_EQ(begin, end) << "empty tile must have an empty range";
+        }
+        auto merge = merges.find({r, h, static_cast<int>(row)});
+        if (chunks.size() == 1) {
+          EXPECT_EQ(chunks[0].partial, -1);
+          EXPECT_EQ(merge, merges.end());
+          continue;
+        }
+        if (merge == merges.end()) {
+          ADD_FAILURE() << "split tile without a merge item";
+          continue;
+        }
+        EXPECT_EQ(merge->second.num_partials, static_cast<int>(chunks.size()));
+        for (size_t c = 0; c < chunks.size(); ++c) {
+          EXPECT_LT(chunks[c].kv_begin, chunks[c].kv_end) << "empty chunk";
+          if (c > 0) EXPECT_EQ(chunks[c].kv_begin, chunks[c - 1].kv_end) << "gap or overlap";
+          if (c + 1 < chunks.size()) EXPECT_EQ((chunks[c].kv_end - begin) % s.kv_tile, 0);
+          EXPECT_GE(chunks[c].partial, merge->second.first_partial);
+          EXPECT_LT(chunks[c].partial,
+                    merge->second.first_partial + merge->second.num_partials);
+          ++partial_seen.at(chunks[c].partial);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(by_tile.size(), expected_tiles);
+  for (int seen : partial_seen) EXPECT_EQ(seen, 1);
+  return plan;
+}
+
+int64_t cost_of(const PrefillWorkItem& it, int kv_tile) {
+  return (int64_t(it.kv_end - it.kv_begin) + kv_tile - 1) / kv_tile;
+}
+
+TEST(PrefillTiles, CausalCoversEveryRowAndOrdersHeaviestFirst) {
+  Batch b;
+  b.add(16384, 16384);
+  const PrefillTileShape s = make_shape(MaskMode::kCausal);
+  const PrefillTilePlan plan = plan_and_check(b, s);
+  ASSERT_EQ(plan.items.size(), 4096u);  // the worked example in prefill_tiles.h
+  EXPECT_TRUE(plan.merges.empty());
+  for (size_t i = 1; i < plan.items.size(); ++i) {
+    EXPECT_GE(cost_of(plan.items[i - 1], s.kv_tile), cost_of(plan.items[i], s.kv_tile));
+  }
+  EXPECT_EQ(plan.items.front().kv_end, 16384);
+  EXPECT_EQ(plan.items.back().kv_end, 32);  // tokens [0, 32) see keys [0, 32)
+}
+
+TEST(PrefillTiles, RandomBatchesAllMasks) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 40; ++trial) {
+    Batch b;
+    const int batch = 1 + int(rng() % 5);
+    for (int r = 0; r < batch; ++r) {
+      const int q_len = int(rng() % 90);
+      const int prefix = (rng() % 3 == 0) ? 0 : int(rng() % 300);
+      b.add(q_len, q_len + prefix);
+    }
+    const MaskMode modes[] = {MaskMode::kNone, MaskMode::kCausal, MaskMode::kCustom};
+    const MaskMode mode = modes[trial % 3];
+    const int window = (trial % 4 == 0) ? int(rng() % 70) : -1;
+    PrefillTileShape s = make_shape(mode, window, (trial % 2) ? 0 : 1 + int(rng() % 300));
+    s.num_q_heads = 1 + int(rng() % 3) * 3;  // 1, 4 or 7 q heads
+    s.num_kv_heads = 1;
+    s.tile_rows = (trial % 2) ? 64 : 128;
+    s.kv_tile = (trial % 3) ? 64 : 32;
+    s.min_split_keys = 64;
+    plan_and_check(b, s);
+  }
+}
+
+TEST(PrefillTiles, DecodeLikeBatchSplitsKv) {
+  Batch b;
+  b.add(1, 32768);
+  b.add(1, 1000);
+  PrefillTileShape s = make_shape(MaskMode::kCausal, -1, 132 * 2);
+  const PrefillTilePlan plan = plan_and_check(b, s);
+  EXPECT_FALSE(plan.merges.empty());
+  EXPECT_GT(plan.num_partials, 8);
+  // The long request's chunks come before the short request's tiles.
+  EXPECT_EQ(plan.items.front().request, 0);
+  EXPECT_EQ(plan.items.back().request, 1);
+
+  s.concurrent_ctas = 0;  // split disabled
+  const PrefillTilePlan whole = plan_and_check(b, s);
+  EXPECT_TRUE(whole.merges.empty());
+  EXPECT_EQ(whole.num_partials, 0);
+  EXPECT_EQ(whole.items.size(), 16u);
+}
+
+TEST(PrefillTiles, EmptyRequestsAndEmptyKv) {
+  Batch b;
+  b.add(0, 5);   // no queries: no tiles
+  b.add(3, 0);   // no keys: one tile per head with an empty range (writes zeros, LSE -inf)
+  b.add(2, 1);   // causal, q_len > kv_len: the first query sees nothing
+  const PrefillTilePlan plan = plan_and_check(b, make_shape(MaskMode::kCausal, -1, 264));
+  EXPECT_EQ(plan.items.size(), 16u);
+  for (const PrefillWorkItem& it : plan.items) {
+    EXPECT_NE(it.request, 0);
+    if (it.request == 1) EXPECT_EQ(it.kv_begin, it.kv_end);
+    if (it.request == 2) {
+      EXPECT_EQ(it.kv_begin, 0);
+      EXPECT_EQ(it.kv_end, 1);
+    }
+  }
+}
+
+TEST(PrefillTiles, RejectsBadShapes) {
+  Batch b;
+  b.add(4, 4);
+  PrefillTileShape s = make_shape(MaskMode::kCausal);
+  s.num_q_heads = 30;  // not a multiple of 8
+  EXPECT_THROW(plan_prefill_tiles(b.qo_indptr, b.kv_indptr, s), Error);
+  s = make_shape(MaskMode::kCausal);
+  s.tile_rows = 0;
+  EXPECT_THROW(plan_prefill_tiles(b.qo_indptr, b.kv_indptr, s), Error);
+  std::vector<int32_t> qo = {0, 5, 3};  // negative q_len
+  std::vector<int64_t> kv = {0, 5, 10};
+  try {
+    plan_prefill_tiles(qo, kv, make_shape(MaskMode::kCausal));
+    ADD_FAILURE() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_EQ(e.argument(), "qo_indptr[2]");
+  }
+  std::vector<int64_t> short_kv = {0, 5};
+  EXPECT_THROW(plan_prefill_tiles(qo, short_kv, make_shape(MaskMode::kCausal)), Error);
+}
+
+TEST(PrefillTiles, BufferSizingAndFillingAgree) {
+  Batch b;
+  b.add(1, 20000);
+  b.add(300, 700);
+  const PrefillTilePlan plan = plan_and_check(b, make_shape(MaskMode::kCausal, -1, 64));
+  ASSERT_GT(plan.num_partials, 0);
+  const PrefillBufferLayout sized = write_prefill_buffer(plan, 128, nullptr, 0, nullptr, nullptr);
+  EXPECT_GE(sized.total_bytes, sized.metadata_bytes +
+                                   size_t(plan.num_partials) * plan.tile_rows * (128 + 1) * 4);
+
+  std::vector<unsigned char> host(sized.metadata_bytes, 0xab);
+  std::vector<unsigned char> fake_device(sized.total_bytes);
+  PrefillTiles view;
+  const PrefillBufferLayout filled = write_prefill_buffer(plan, 128, host.data(), host.size(),
+                                                          fake_device.data(), &view);
+  EXPECT_EQ(filled.metadata_bytes, sized.metadata_bytes);
+  EXPECT_EQ(filled.total_bytes, sized.total_bytes);
+  // "Copy" to the device and read the plan back through the view.
+  std::copy(host.begin(), host.end(), fake_device.begin());
+  ASSERT_EQ(view.num_items, static_cast<int>(plan.items.size()));
+  ASSERT_EQ(view.num_merges, static_cast<int>(plan.merges.size()));
+  for (int i = 0; i < view.num_items; ++i) {
+    EXPECT_EQ(view.items[i].kv_begin, plan.items[i].kv_begin);
+    EXPECT_EQ(view.items[i].partial, plan.items[i].partial);
+  }
+  for (int i = 0; i < view.num_merges; ++i) {
+    EXPECT_EQ(view.merges[i].first_partial, plan.merges[i].first_partial);
+  }
+  auto offset = [&](const void* p) {
+    return size_t(static_cast<const unsigned char*>(p) - fake_device.data());
+  };
+  EXPECT_EQ(offset(view.merges) % 16, 0u);
+  EXPECT_EQ(offset(view.partial_out) % 256, 0u);
+  EXPECT_GE(offset(view.partial_out), filled.metadata_bytes);
+  EXPECT_GE(offset(view.partial_lse),
+            offset(view.partial_out) + size_t(plan.num_partials) * plan.tile_rows * 128 * 4);
+  EXPECT_LE(offset(view.partial_lse) + size_t(plan.num_partials) * plan.tile_rows * 4,
+            filled.total_bytes);
+
+  EXPECT_THROW(write_prefill_buffer(plan, 128, host.data(), 16, nullptr, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace kvattn::core
