@@ -1,0 +1,115 @@
+// Host planning of batch decode (no CUDA here, tested in CI): which (request, KV chunk) work
+// items the decode kernel runs, in which order, which of them are split along the KV axis and
+// merged afterwards, and how the per-step metadata (the paged layout of one attention call plus
+// the decode plan) is laid out in one buffer that the backend copies to the device with a single
+// async copy from pinned host memory.
+//
+// The decode kernel runs one CTA per (work item, kv head, head pass): a work item is a chunk
+// [kv_begin, kv_end) of one request's KV tokens, and every CTA of it handles all q heads of its
+// GQA group (up to the kernel's heads per pass). Items are launched heaviest first, so the
+// hardware block dispatcher (which starts CTAs in index order as slots free up) performs the
+// longest-processing-time-first greedy assignment across the SMs.
+//
+// Split size, worked example (H200: 132 SMs, 4 decode CTAs resident per SM, so 528 CTAs run at
+// once; 8 kv heads, group of 4 q heads = 1 head pass, so 8 CTAs per item):
+//   * batch 64 x 4096 keys: no split gives 64 items = 512 CTAs, one wave of 4096 + overhead
+//     tokens per CTA. Splitting in two gives 1024 CTAs of 2048: two waves, no faster, plus the
+//     merge. The planner keeps chunk = 4096.
+//   * batch 1 x 32768 keys: no split gives 8 CTAs, 124 of 132 SMs idle. Splitting into k chunks
+//     gives 8k CTAs; k = 64 (chunk 512 tokens) gives 512 CTAs, one wave of 512 + overhead tokens:
+//     about 60x faster than no split. The merge then folds 64 partial states per q head.
+// The planner evaluates candidate chunk sizes (the longest request split into k equal chunks)
+// with a greedy LPT simulation over the concurrent CTA slots and keeps the fastest.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/batch_layout.h"
+
+namespace kvattn::core {
+
+/// One unit of decode work (16 bytes, one vector load per CTA).
+struct DecodeWorkItem {
+  int32_t request = 0;   ///< batch entry (index into the layout's kv_indptr / the q rows)
+  int32_t kv_begin = 0;  ///< tokens [kv_begin, kv_end) of the request's KV range
+  int32_t kv_end = 0;
+  int32_t partial = -1;  ///< -1: writes the final output itself; else its partial-state row
+};
+static_assert(sizeof(DecodeWorkItem) == 16);
+
+/// What the planner must know about the kernel and the device.
+struct DecodePlanConfig {
+  int ctas_per_item = 1;    ///< CTAs launched per work item: num_kv_heads x head passes
+  int concurrent_ctas = 0;  ///< SMs x resident CTAs per SM; 0 disables split-KV
+  int chunk_align = 32;     ///< tokens a CTA consumes per pipeline step; chunks are multiples
+  int min_chunk = 256;      ///< no split chunk shorter than this (the merge would cost more)
+  /// Fixed cost of one CTA (q load, in-CTA state merge, store) in token-equivalents: 1 token =
+  /// one key and one value row of one kv head. Measured order of magnitude, see bench/NOTES.md.
+  int cta_overhead_tokens = 64;
+  int merge_overhead_tokens = 16;  ///< extra cost per split item (partial store + merge read)
+};
+
+/// Upper bound on the work items of a batch of `batch_size` entries, a function of the batch
+/// size alone: a CUDA graph captured for that size launches this many items' CTAs, and every
+/// later plan for the same size must fit (the planner never exceeds it).
+int decode_item_capacity(int batch_size, const DecodePlanConfig& config);
+
+/// The plan on the host.
+struct DecodePlan {
+  std::vector<DecodeWorkItem> items;  ///< launch order: heaviest first
+  std::vector<int32_t> merge_indptr;  ///< [batch_size + 1] partial rows of each request;
+                                      ///< an empty range: the request was not split
+  int num_partials = 0;
+  int chunk = 0;                      ///< tokens per chunk chosen (>= the longest request: no split)
+  double estimated_cost = 0;          ///< makespan in token-equivalents per CTA slot (for tests)
+};
+
+/// Builds the plan for requests of `kv_len` tokens. At most `item_capacity` items.
+DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
+                       int item_capacity);
+
+/// Estimated makespan (token-equivalents) of running `chunk`-sized items on
+/// config.concurrent_ctas slots with LPT assignment; exposed for tests.
+double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
+                                int chunk);
+
+// ---- the per-call metadata buffer ----------------------------------------------------------
+
+/// Capacities a metadata buffer is sized for (graph mode: the bucket's batch size).
+struct CallCapacity {
+  int batch_size = 0;
+  int decode_items = 0;    ///< 0: the call has no decode plan
+  bool custom_mask = false;
+  int num_q_heads = 0;     ///< for the decode partial-state scratch
+  int v_head_dim = 0;
+};
+
+/// Byte offsets of every array of one attention call's metadata. [0, metadata_bytes) is filled
+/// on the host and copied to the device in one go; the partial states live in a separate
+/// device scratch buffer of scratch_bytes (nothing copies it).
+struct CallMetadataLayout {
+  size_t qo_indptr = 0;     ///< int32 [batch_size + 1]
+  size_t kv_indptr = 0;     ///< int64 [batch_size + 1]
+  size_t kv_start = 0;      ///< int32 [batch_size]
+  size_t kv_len = 0;        ///< int32 [batch_size]
+  size_t mask_indptr = 0;   ///< int64 [batch_size + 1] (custom mask only)
+  size_t decode_items = 0;  ///< DecodeWorkItem [decode_items]
+  size_t merge_indptr = 0;  ///< int32 [batch_size + 1]
+  size_t num_items = 0;     ///< int32 [1]: items of the current plan (graph grids are larger)
+  size_t metadata_bytes = 0;
+  size_t partial_out = 0;   ///< float [decode_items, num_q_heads, v_head_dim] in the scratch
+  size_t partial_lse = 0;   ///< float [decode_items, num_q_heads] in the scratch
+  size_t scratch_bytes = 0;
+};
+
+/// The one routine that sizes and fills a call's metadata: always returns the layout for
+/// `capacity`; with `host` != nullptr also writes `layout` (and `plan`, when given) there,
+/// checking that they fit the capacity and that host_capacity >= metadata_bytes. A dry run
+/// (host == nullptr, layout and plan ignored) sizes the buffers once, so the two cannot disagree.
+CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const PagedLayout* layout,
+                                       const DecodePlan* plan, void* host, size_t host_capacity);
+
+}  // namespace kvattn::core
