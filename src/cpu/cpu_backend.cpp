@@ -1,0 +1,404 @@
+#include "cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/validate.h"
+#include "cpu/kv_write.h"
+#include "kvattn/error.h"
+#include "kvattn/kv_cache.h"
+
+namespace kvattn::cpu {
+namespace {
+
+bool is_extend_like(ForwardMode mode) {
+  return mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
+         mode == ForwardMode::kDraftExtend;
+}
+
+// The index sets a model's layers use (SPEC §3): window + full, self + cross, or full alone.
+std::vector<core::IndexSet> sets_for(const BackendConfig& config) {
+  if (config.is_encoder_decoder) return {core::IndexSet::kDecoderSelf, core::IndexSet::kEncoder};
+  if (config.sliding_window_size >= 0) return {core::IndexSet::kWindow, core::IndexSet::kFull};
+  return {core::IndexSet::kFull};
+}
+
+void check_host_config(const BackendConfig& config) {
+  core::validate_backend_config(config);
+  const Device device = config.kv_cache->config().device;
+  check_arg(device.is_cpu(), "kv_cache", "on ", device.str(),
+            ", the CPU backend needs it on the host");
+  check_arg(config.req_to_token_pool->device().is_cpu(), "req_to_token_pool", "on ",
+            config.req_to_token_pool->device().str(), ", the CPU backend needs it on the host");
+}
+
+// Reads req_to_token[row][position] for positions [start, start + len), checking each slot.
+void append_slots(const ReqToTokenPool& pool, int64_t row, int64_t start, int64_t len,
+                  int64_t num_slots, std::vector<int32_t>& out) {
+  const TensorView& table = pool.table();
+  check_arg(start >= 0 && start + len <= pool.max_context_len(),
+            "req_to_token[" + std::to_string(row) + "]", "positions [", start, ", ", start + len,
+            ") outside max_context_len ", pool.max_context_len());
+  const int32_t* data = table.data_as<const int32_t>() + row * table.stride(0);
+  for (int64_t pos = start; pos < start + len; ++pos) {
+    const int32_t slot = data[pos * table.stride(1)];
+    if (slot < 0 || slot >= num_slots) {
+      throw_error(ErrorKind::kInvalidArgument,
+                  "req_to_token[" + std::to_string(row) + "][" + std::to_string(pos) + "]",
+                  "slot ", slot, " outside the KV pool [0, ", num_slots, ")");
+    }
+    out.push_back(slot);
+  }
+}
+
+// Fills the query/output fields of kernel parameters from q and out views.
+void set_io(core::AttentionParams& p, const TensorView& q, const TensorView& out,
+            const AttentionLayer& layer) {
+  p.q = q.data();
+  p.q_stride_token = q.stride(0);
+  p.q_stride_head = q.ndim() == 3 ? q.stride(1) : layer.head_dim;
+  p.out = out.data();
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.ndim() == 3 ? out.stride(1) : layer.resolved_v_head_dim();
+  p.io_dtype = q.dtype();
+  p.num_q_heads = layer.num_q_heads;
+  p.num_kv_heads = layer.num_kv_heads;
+  p.head_dim = layer.head_dim;
+  p.v_head_dim = layer.resolved_v_head_dim();
+  p.sm_scale = layer.scaling;
+  p.logit_cap = layer.logit_cap;
+}
+
+// Points kernel parameters at one layer of the paged pool and one index set.
+void set_paged(core::AttentionParams& p, const KvCache& cache, const AttentionLayer& layer,
+               const CpuIndexSet& set) {
+  const TensorView& k_buffer = cache.k_buffer(layer.layer_id);
+  const TensorView& v_buffer = cache.v_buffer(layer.layer_id);
+  p.k = k_buffer.data();
+  p.v = v_buffer.data();
+  p.k_stride_token = k_buffer.stride(0);
+  p.k_stride_head = k_buffer.stride(1);
+  p.v_stride_token = v_buffer.stride(0);
+  p.v_stride_head = v_buffer.stride(1);
+  p.kv_dtype = k_buffer.dtype();
+  p.k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
+  p.v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
+  if (!is_fp8_dtype(p.kv_dtype)) {
+    p.k_scale = 1.f;
+    p.v_scale = 1.f;
+  }
+  p.batch_size = set.layout.batch_size;
+  p.qo_indptr = set.layout.qo_indptr.data();
+  p.kv_indptr = set.layout.kv_indptr.data();
+  p.kv_indices = set.kv_indices.data();
+  p.num_slots = cache.num_slots();
+  p.mask = set.layout.mask;
+  p.mask_indptr = set.layout.mask_indptr.empty() ? nullptr : set.layout.mask_indptr.data();
+  p.window_left = set.layout.window_left;
+}
+
+// K/V rows of one call's k and v views ([tokens, heads, dim] or flat).
+void set_ragged(core::AttentionParams& p, const TensorView& k, const TensorView& v,
+                const AttentionLayer& layer, const core::PagedLayout& layout) {
+  p.k = k.data();
+  p.v = v.data();
+  p.k_stride_token = k.stride(0);
+  p.k_stride_head = k.ndim() == 3 ? k.stride(1) : layer.head_dim;
+  p.v_stride_token = v.stride(0);
+  p.v_stride_head = v.ndim() == 3 ? v.stride(1) : layer.resolved_v_head_dim();
+  p.kv_dtype = k.dtype();
+  p.k_scale = 1.f;
+  p.v_scale = 1.f;
+  p.batch_size = layout.batch_size;
+  p.qo_indptr = layout.qo_indptr.data();
+  p.kv_indptr = layout.kv_indptr.data();
+  p.kv_indices = nullptr;
+  p.mask = layout.mask;
+  p.window_left = -1;
+}
+
+void save_kv(const TensorView& k, const TensorView& v, const AttentionLayer& layer,
+             const TensorView& loc, const char* loc_name, const KvCache& cache,
+             ThreadPool& pool) {
+  const float k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
+  const float v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
+  write_kv(k, v, loc, loc_name, cache.k_buffer(layer.layer_id), cache.v_buffer(layer.layer_id),
+           k_scale, v_scale, pool);
+}
+
+}  // namespace
+
+// ---- CpuBackend ------------------------------------------------------------------------------
+
+CpuBackend::CpuBackend(const BackendConfig& config)
+    : config_((check_host_config(config), config)),
+      pool_(resolve_num_threads(config.num_threads)) {}
+
+void CpuBackend::build_index_set(CpuIndexSet& target, const ForwardBatch& batch) {
+  const core::PagedLayout& layout = target.layout;
+  target.kv_indices.clear();
+  target.kv_indices.reserve(size_t(layout.total_kv()));
+  const int64_t num_slots = config_.kv_cache->num_slots();
+  for (int r = 0; r < layout.batch_size; ++r) {
+    const int64_t row = read_index(batch.req_pool_indices, r);
+    append_slots(*config_.req_to_token_pool, row, layout.kv_start[r], layout.kv_len[r], num_slots,
+                 target.kv_indices);
+  }
+}
+
+void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool) {
+  plan_.ready = false;
+  core::validate_batch(batch, config_, Device::cpu());
+  const core::HostLengths lens = core::read_host_lengths(batch, config_.is_encoder_decoder);
+  StepPlan plan;
+  plan.mode = batch.mode;
+  plan.batch_size = batch.batch_size;
+  if (batch.mode == ForwardMode::kIdle) {
+    plan.ready = true;
+    plan_ = std::move(plan);
+    return;
+  }
+  const int draft = batch.mode == ForwardMode::kTargetVerify ? batch.spec.draft_token_num : 0;
+  for (core::IndexSet set : sets_for(config_)) {
+    CpuIndexSet built;
+    built.set = set;
+    built.layout =
+        core::make_paged_layout(batch.mode, set, config_.sliding_window_size, lens, draft);
+    build_index_set(built, batch);
+    plan.sets.push_back(std::move(built));
+  }
+  plan.num_tokens = plan.sets.front().layout.total_q();
+
+  if (is_extend_like(batch.mode)) {
+    plan.use_ragged = core::use_ragged_extend(batch.mode, plan.num_tokens,
+                                              config_.ragged_extend_threshold,
+                                              config_.sliding_window_size >= 0,
+                                              config_.is_encoder_decoder);
+    if (plan.use_ragged) {
+      plan.ragged = core::make_ragged_layout(lens);
+      plan.prefix.set = core::IndexSet::kFull;
+      plan.prefix.layout = core::make_paged_layout(batch.mode, core::IndexSet::kFull, -1, lens, 0,
+                                                   /*prefix_only=*/true);
+      build_index_set(plan.prefix, batch);
+      plan.any_prefix = plan.prefix.layout.total_kv() > 0;
+    }
+  }
+
+  if (batch.mode == ForwardMode::kTargetVerify) {
+    plan.custom_mask = batch.spec.custom_mask.data_as<const uint8_t>();
+    const TensorView& positions = batch.positions;
+    const int64_t num_tree = plan.num_tokens;
+    if (config_.sliding_window_size >= 0 && positions.defined()) {
+      core::check_index_tensor(positions, "positions", num_tree, Device::cpu());
+      std::vector<int64_t> host_positions(static_cast<size_t>(num_tree));
+      for (int64_t i = 0; i < num_tree; ++i) host_positions[size_t(i)] = read_index(positions, i);
+      plan.window_mask = core::fold_window_into_tree_mask(
+          lens, draft, config_.sliding_window_size, plan.custom_mask, host_positions.data());
+    }
+  }
+  plan.ready = true;
+  plan_ = std::move(plan);
+}
+
+const CpuIndexSet& CpuBackend::index_set(core::IndexSet set) const {
+  for (const CpuIndexSet& s : plan_.sets) {
+    if (s.set == set) return s;
+  }
+  throw_error(ErrorKind::kInvalidArgument, "layer", "needs an index set this model's backend does ",
+              "not keep (check BackendConfig.sliding_window_size / is_encoder_decoder)");
+}
+
+void CpuBackend::forward_decode(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& out, const AttentionLayer& layer,
+                                const ForwardBatch& batch, bool save_kv_cache) {
+  forward_any(q, k, v, out, layer, batch, save_kv_cache, /*decode_entry=*/true);
+}
+
+void CpuBackend::forward_extend(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& out, const AttentionLayer& layer,
+                                const ForwardBatch& batch, bool save_kv_cache) {
+  forward_any(q, k, v, out, layer, batch, save_kv_cache, /*decode_entry=*/false);
+}
+
+void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const AttentionLayer& layer,
+                             const ForwardBatch& batch, bool save_kv_cache, bool decode_entry) {
+  // ---- every check first: a failed call leaves the KV pool as it was ----
+  check_arg(plan_.ready, "batch", "init_forward_metadata was not called (or failed) for this step");
+  check_arg(batch.mode == plan_.mode && batch.batch_size == plan_.batch_size, "batch",
+            "mode ", forward_mode_name(batch.mode), " batch_size ", batch.batch_size,
+            " differs from the step init_forward_metadata planned (",
+            forward_mode_name(plan_.mode), ", ", plan_.batch_size, ")");
+  check_arg(decode_entry == (batch.mode == ForwardMode::kDecode), "mode",
+            decode_entry ? "forward_decode" : "forward_extend", " called for a ",
+            forward_mode_name(batch.mode), " batch");
+  core::validate_forward_tensors(q, k, v, out, layer, batch, config_, Device::cpu(),
+                                 plan_.num_tokens, save_kv_cache);
+  const core::IndexSet set_id = core::index_set_for(layer, config_.is_encoder_decoder);
+  const CpuIndexSet& set = index_set(set_id);
+  const bool verify = batch.mode == ForwardMode::kTargetVerify;
+  const bool window_verify = verify && set_id == core::IndexSet::kWindow;
+  check_arg(!window_verify || !plan_.window_mask.empty(), "positions",
+            "missing: TARGET_VERIFY on a sliding-window layer needs the tree tokens' positions");
+  const bool save = save_kv_cache && k.defined();
+  const bool cross = layer.is_cross_attention;
+  const TensorView& loc = cross ? batch.encoder_out_cache_loc : batch.out_cache_loc;
+  const char* loc_name = cross ? "encoder_out_cache_loc" : "out_cache_loc";
+  // The ragged path reads this call's k/v, so it needs them (validated above when saved).
+  const bool ragged = plan_.use_ragged && set_id == core::IndexSet::kFull && save;
+
+  // ---- write, then attend ----
+  const KvCache& cache = *config_.kv_cache;
+  if (save) save_kv(k, v, layer, loc, loc_name, cache, pool_);
+  if (plan_.num_tokens == 0) return;
+
+  core::AttentionParams params;
+  set_io(params, q, out, layer);
+  if (!ragged) {
+    set_paged(params, cache, layer, set);
+    if (verify) params.custom_mask = window_verify ? plan_.window_mask.data() : plan_.custom_mask;
+    run_attention(params, q.dtype(), pool_, workspace_);
+    return;
+  }
+
+  // Ragged + paged prefix: both halves in fp32 with their LSEs, then one merge.
+  set_ragged(params, k, v, layer, plan_.ragged);
+  if (!plan_.any_prefix) {
+    run_attention(params, q.dtype(), pool_, workspace_);
+    return;
+  }
+  const int heads = layer.num_q_heads;
+  const int dv = layer.resolved_v_head_dim();
+  const int64_t rows = plan_.num_tokens * heads;
+  merge_buffers_.resize(size_t(rows) * (2 * dv + 2));
+  float* out_new = merge_buffers_.data();
+  float* out_prefix = out_new + rows * dv;
+  float* lse_new = out_prefix + rows * dv;
+  float* lse_prefix = lse_new + rows;
+  params.out = out_new;
+  params.out_stride_token = int64_t(heads) * dv;
+  params.out_stride_head = dv;
+  params.lse = lse_new;
+  run_attention(params, DType::kFloat32, pool_, workspace_);
+
+  core::AttentionParams prefix_params;
+  set_io(prefix_params, q, out, layer);
+  set_paged(prefix_params, cache, layer, plan_.prefix);
+  prefix_params.out = out_prefix;
+  prefix_params.out_stride_token = int64_t(heads) * dv;
+  prefix_params.out_stride_head = dv;
+  prefix_params.lse = lse_prefix;
+  run_attention(prefix_params, DType::kFloat32, pool_, workspace_);
+
+  const int64_t out_stride_head = out.ndim() == 3 ? out.stride(1) : dv;
+  merge_attention_states(out_new, lse_new, out_prefix, lse_prefix, plan_.num_tokens, heads, dv,
+                         out.data(), out.stride(0), out_stride_head, out.dtype(), nullptr, pool_);
+}
+
+// ---- CpuDraftRunner ----------------------------------------------------------------------------
+
+CpuDraftRunner::CpuDraftRunner(const BackendConfig& config, int topk, int num_steps)
+    : config_((check_host_config(config), config)),
+      topk_(topk),
+      num_steps_(num_steps),
+      pool_(resolve_num_threads(config.num_threads)) {
+  check_arg(topk >= 1, "topk", "got ", topk, ", expected >= 1");
+  check_arg(num_steps >= 1, "num_steps", "got ", num_steps, ", expected >= 1");
+  if (config.is_encoder_decoder) {
+    throw_error(ErrorKind::kNotSupported, "is_encoder_decoder",
+                "the multi-step draft backend runs decoder-only draft models");
+  }
+}
+
+void CpuDraftRunner::init_forward_metadata(const ForwardBatch& batch) {
+  ready_ = false;
+  check_arg(batch.mode == ForwardMode::kDecode, "mode", "got ", forward_mode_name(batch.mode),
+            ", the multi-step draft backend runs DECODE batches");
+  core::validate_batch(batch, config_, Device::cpu());
+  const core::HostLengths lens = core::read_host_lengths(batch, false);
+  const ReqToTokenPool& pool = *config_.req_to_token_pool;
+  const int bs = batch.batch_size;
+  const int64_t draft_positions = int64_t(num_steps_) * topk_;
+  for (int r = 0; r < bs; ++r) {
+    check_arg(lens.seq_lens[r] + draft_positions <= pool.max_context_len(),
+              "seq_lens[" + std::to_string(r) + "]", "got ", lens.seq_lens[r], "; with ",
+              num_steps_, " steps x ", topk_, " branches of draft tokens the request needs ",
+              lens.seq_lens[r] + draft_positions, " positions, max_context_len is ",
+              pool.max_context_len());
+  }
+  const int64_t num_slots = config_.kv_cache->num_slots();
+  const int queries = bs * topk_;
+  std::vector<CpuIndexSet> steps(static_cast<size_t>(num_steps_));
+  // The draft tokens' slots, read once: [bs][num_steps * topk].
+  std::vector<int32_t> prefix_slots;
+  std::vector<int64_t> prefix_begin(size_t(bs) + 1, 0);
+  std::vector<int32_t> draft_slots;
+  for (int r = 0; r < bs; ++r) {
+    const int64_t row = read_index(batch.req_pool_indices, r);
+    append_slots(pool, row, 0, lens.seq_lens[r], num_slots, prefix_slots);
+    prefix_begin[size_t(r) + 1] = int64_t(prefix_slots.size());
+    append_slots(pool, row, lens.seq_lens[r], draft_positions, num_slots, draft_slots);
+  }
+  for (int s = 0; s < num_steps_; ++s) {
+    CpuIndexSet& step = steps[size_t(s)];
+    core::PagedLayout& layout = step.layout;
+    layout.batch_size = queries;
+    layout.mask = core::MaskMode::kCausal;
+    layout.qo_indptr.assign(size_t(queries) + 1, 0);
+    layout.kv_start.assign(size_t(queries), 0);
+    layout.kv_len.assign(size_t(queries), 0);
+    layout.kv_indptr.assign(size_t(queries) + 1, 0);
+    for (int r = 0; r < bs; ++r) {
+      const int32_t* prefix = prefix_slots.data() + prefix_begin[size_t(r)];
+      const int32_t* drafts = draft_slots.data() + int64_t(r) * draft_positions;
+      for (int b = 0; b < topk_; ++b) {
+        const int query = r * topk_ + b;
+        layout.qo_indptr[size_t(query) + 1] = query + 1;
+        layout.kv_len[size_t(query)] = lens.seq_lens[r] + s + 1;
+        layout.kv_indptr[size_t(query) + 1] = layout.kv_indptr[size_t(query)] + lens.seq_lens[r] + s + 1;
+        step.kv_indices.insert(step.kv_indices.end(), prefix, prefix + lens.seq_lens[r]);
+        for (int t = 0; t <= s; ++t) step.kv_indices.push_back(drafts[t * topk_ + b]);
+      }
+    }
+  }
+  steps_ = std::move(steps);
+  num_queries_ = queries;
+  ready_ = true;
+}
+
+void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const AttentionLayer& layer, const TensorView& out_cache_loc) {
+  check_arg(ready_, "init_forward_metadata", "was not called (or failed) before forward_step");
+  check_arg(step >= 0 && step < num_steps_, "step", "got ", step, ", expected 0..", num_steps_ - 1);
+  check_arg(!layer.is_cross_attention, "layer.is_cross_attention",
+            "the multi-step draft backend has no cross-attention");
+  ForwardBatch step_batch;
+  step_batch.mode = ForwardMode::kDecode;
+  step_batch.batch_size = num_queries_;
+  step_batch.out_cache_loc = out_cache_loc;
+  const bool save = out_cache_loc.defined() && k.defined();
+  core::validate_forward_tensors(q, k, v, out, layer, step_batch, config_, Device::cpu(),
+                                 num_queries_, save);
+  const KvCache& cache = *config_.kv_cache;
+  if (save) save_kv(k, v, layer, out_cache_loc, "out_cache_loc", cache, pool_);
+  if (num_queries_ == 0) return;
+  core::AttentionParams params;
+  set_io(params, q, out, layer);
+  set_paged(params, cache, layer, steps_[size_t(step)]);
+  // The step's keys are in position order (prefix, then the branch's drafts), so a window is
+  // the usual bottom-right bound.
+  params.window_left = layer.sliding_window_size;
+  run_attention(params, q.dtype(), pool_, workspace_);
+}
+
+std::unique_ptr<AttentionBackend> make_cpu_backend(const BackendConfig& config) {
+  return std::make_unique<CpuBackend>(config);
+}
+
+std::unique_ptr<core::DraftRunner> make_cpu_draft_runner(const BackendConfig& config, int topk,
+                                                         int num_steps) {
+  return std::make_unique<CpuDraftRunner>(config, topk, num_steps);
+}
+
+}  // namespace kvattn::cpu
