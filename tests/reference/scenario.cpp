@@ -1,0 +1,288 @@
+// run_scenario: a random world (pools, batch, inputs), one backend run, and the checks against
+// the float64 reference. The world is built in scenario_world.cpp; this file runs and judges.
+#include "reference/scenario.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <sstream>
+
+#include "kvattn/error.h"
+#include "reference/float_format.h"
+#include "reference/reference.h"
+#include "reference/world.h"
+
+namespace kvattn::testing {
+namespace {
+
+std::string describe_spec(const ScenarioSpec& spec) {
+  std::ostringstream os;
+  os << "seed=" << spec.seed << " variant=" << spec.variant << " mode="
+     << forward_mode_name(spec.mode) << " [" << spec.shape_label() << " q "
+     << dtype_name(spec.q_dtype) << " kv " << dtype_name(spec.kv_dtype) << "]";
+  return os.str();
+}
+
+// The tested layer after the run, dequantized: the reference reads new tokens' K/V from what the
+// backend actually stored (the pool check judges the rounding, to one fp8 ulp; judging it twice
+// would turn a legitimate float-vs-double rounding tie into a large output error).
+struct PoolCheck {
+  bool ok = true;
+  std::string detail;
+  RefKvPool stored;  // the tested layer as the reference should read it after the saves
+};
+
+PoolCheck check_pool(ScenarioWorld& w) {
+  PoolCheck check;
+  check.stored = w.ref_pool;
+  const DType kv_dtype = w.kv_cache->config().dtype;
+  const int elem = dtype_size(kv_dtype);
+  const int num_kv_heads = w.ref_pool.num_kv_heads;
+  for (int layer = 0; layer < w.kv_cache->num_layers(); ++layer) {
+    for (int which = 0; which < 2; ++which) {
+      const std::vector<uint8_t> now = w.pool_bytes(layer, which);
+      std::vector<uint8_t> expected = w.pool_bytes_before[layer][which];
+      const int dim = which == 0 ? w.ref_pool.head_dim : w.ref_pool.v_head_dim;
+      const float scale = which == 0 ? w.k_scale : w.v_scale;
+      // Where this step's saves go: slot -> the K/V they should hold (modelled rounding).
+      std::vector<int64_t> saved_slots;
+      if (layer == ScenarioWorld::kTestedLayer && w.spec.save_kv_cache) {
+        for (const ScenarioCall& call : w.calls) {
+          const RefNewKv& nk = call.new_kv;
+          for (size_t n = 0; n < nk.slots.size(); ++n) {
+            const int64_t slot = nk.slots[n];
+            saved_slots.push_back(slot);
+            const std::vector<double>& src = which == 0 ? nk.k : nk.v;
+            for (int h = 0; h < num_kv_heads; ++h) {
+              for (int d = 0; d < dim; ++d) {
+                const double x = src[(n * num_kv_heads + h) * dim + d];
+                const int64_t index = (slot * num_kv_heads + h) * dim + d;
+                encode_element(expected.data(), kv_dtype, index,
+                               is_fp8_dtype(kv_dtype) ? x / double(scale) : x);
+              }
+            }
+          }
+        }
+      }
+      std::vector<uint8_t> is_saved(size_t(w.ref_pool.num_slots), 0);
+      for (int64_t slot : saved_slots) is_saved[size_t(slot)] = 1;
+      const int64_t elems_per_slot = int64_t(num_kv_heads) * dim;
+      for (int64_t slot = 0; slot < w.ref_pool.num_slots; ++slot) {
+        for (int64_t e = 0; e < elems_per_slot; ++e) {
+          const int64_t index = slot * elems_per_slot + e;
+          const bool same = std::memcmp(now.data() + index * elem, expected.data() + index * elem,
+                                        size_t(elem)) == 0;
+          double stored_value = 0;
+          if (is_saved[size_t(slot)]) {
+            stored_value = decode_element(now.data(), kv_dtype, index);
+            const double want = decode_element(expected.data(), kv_dtype, index);
+            const bool within_ulp = is_fp8_dtype(kv_dtype) && std::isfinite(stored_value) &&
+                                    std::fabs(stored_value - want) <=
+                                        ulp_of(std::max(std::fabs(stored_value), std::fabs(want)),
+                                               kv_dtype);
+            if (!same && !within_ulp && check.ok) {
+              std::ostringstream os;
+              os << "KV pool layer " << layer << (which == 0 ? " K" : " V") << " slot " << slot
+                 << " element " << e << " (a saved token): stored " << stored_value
+                 << ", expected " << want;
+              check.ok = false;
+              check.detail = os.str();
+            }
+            if (layer == ScenarioWorld::kTestedLayer) {
+              if (is_fp8_dtype(kv_dtype)) stored_value *= double(scale);
+              std::vector<double>& dst = which == 0 ? check.stored.k : check.stored.v;
+              dst[size_t(index)] = stored_value;
+            }
+          } else if (!same && check.ok) {
+            std::ostringstream os;
+            os << "KV pool layer " << layer << (which == 0 ? " K" : " V") << " slot " << slot
+               << " element " << e << " changed, but no token of this step is saved there"
+               << " (was " << decode_element(expected.data(), kv_dtype, index) << ", now "
+               << decode_element(now.data(), kv_dtype, index) << ")";
+            check.ok = false;
+            check.detail = os.str();
+          }
+        }
+      }
+    }
+  }
+  return check;
+}
+
+// max over (token, head) rows of max|out - ref| / max|ref|; NaN or an unwritten element fails.
+struct Comparison {
+  double max_rel_err = 0;
+  bool ok = true;  // no NaN / unwritten element, guard rows intact
+  std::string detail;
+};
+
+Comparison compare_output(const ScenarioCall& call, const RefOutput& ref, DType io_dtype) {
+  Comparison cmp;
+  const std::vector<uint8_t> bytes = ScenarioWorld::download(call.out_with_guard);
+  const int64_t row_elems = int64_t(ref.num_q_heads) * ref.v_head_dim;
+  for (int64_t t = 0; t < ref.num_tokens && cmp.ok; ++t) {
+    for (int h = 0; h < ref.num_q_heads; ++h) {
+      double max_diff = 0;
+      double max_ref = 0;
+      int worst = 0;
+      for (int d = 0; d < ref.v_head_dim; ++d) {
+        const int64_t index = t * row_elems + int64_t(h) * ref.v_head_dim + d;
+        const double got = decode_element(bytes.data(), io_dtype, index);
+        const double want = ref.out[size_t(index)];
+        if (!std::isfinite(got)) {
+          std::ostringstream os;
+          os << "out[token " << t << ", head " << h << ", dim " << d << "] = " << got
+             << (std::isnan(got) ? " (NaN: unwritten, or NaN read from an unused slot)" : "")
+             << ", reference " << want;
+          cmp.ok = false;
+          cmp.detail = os.str();
+          return cmp;
+        }
+        const double diff = std::fabs(got - want);
+        if (diff > max_diff) {
+          max_diff = diff;
+          worst = d;
+        }
+        max_ref = std::max(max_ref, std::fabs(want));
+      }
+      double rel = 0;
+      if (max_ref > 0) rel = max_diff / max_ref;
+      else if (max_diff > 0) rel = std::numeric_limits<double>::infinity();
+      if (rel > cmp.max_rel_err) {
+        cmp.max_rel_err = rel;
+        const int64_t index = t * row_elems + int64_t(h) * ref.v_head_dim + worst;
+        std::ostringstream os;
+        os << "worst element out[token " << t << ", head " << h << ", dim " << worst
+           << "] = " << decode_element(bytes.data(), io_dtype, index) << ", reference "
+           << ref.out[size_t(index)] << " (row max |ref| " << max_ref << ")";
+        cmp.detail = os.str();
+      }
+    }
+  }
+  // The rows after the output must still hold the poison: no write past the end.
+  const size_t guard_begin = size_t(ref.num_tokens * row_elems) * dtype_size(io_dtype);
+  for (size_t i = guard_begin; i < bytes.size() && cmp.ok; i += size_t(dtype_size(io_dtype))) {
+    const int64_t index = int64_t(i / size_t(dtype_size(io_dtype)));
+    if (!std::isnan(decode_element(bytes.data(), io_dtype, index))) {
+      cmp.ok = false;
+      cmp.detail = "wrote past the end of out (element " + std::to_string(index) + ")";
+    }
+  }
+  return cmp;
+}
+
+}  // namespace
+
+std::string ScenarioSpec::shape_label() const {
+  std::ostringstream os;
+  os << "b" << batch_size << " kv" << min_kv_len << ".." << max_kv_len;
+  if (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
+      mode == ForwardMode::kDraftExtend)
+    os << " new" << min_q_len << ".." << max_q_len;
+  if (mode == ForwardMode::kTargetVerify) os << " draft" << draft_token_num;
+  if (topk > 0) os << " topk" << topk << "x" << num_steps;
+  os << " q" << num_q_heads << "/" << num_kv_heads << " d" << head_dim;
+  if (v_head_dim > 0 && v_head_dim != head_dim) os << "/" << v_head_dim;
+  os << " page" << page_size;
+  return os.str();
+}
+
+double tolerance_for(DType q_dtype, DType kv_dtype) {
+  // Every bar is relative to the row's largest reference value. The reference reads exactly the
+  // K/V values the pool stores (fp8: stored value * scale, the rounding of the save modelled),
+  // so the KV dtype adds no error of its own; what is left is the kernel's arithmetic:
+  //  - bf16 / fp16 queries: the output itself is rounded to 8 / 11 significant bits (up to
+  //    2^-9 relative for bf16) and device kernels round P to 16 bits before P·V: 1e-2.
+  //  - fp32 queries: 1e-5 when computed in fp32, but a device kernel runs its matrix products on
+  //    16-bit (or tf32) tensor cores, so the generic bar is the 16-bit one ("bf16-bounded").
+  //  - fp8 e4m3 / e5m2 KV: the same bar as the query dtype. The fp8 rounding (2^-4 / 2^-3
+  //    relative per element) is in the reference; a float-vs-double rounding tie that stores a
+  //    neighbouring fp8 value is judged by the pool check (one ulp allowed) and the reference
+  //    then reads what was stored, so no widening is needed.
+  (void)kv_dtype;
+  (void)q_dtype;
+  return 1e-2;
+}
+
+double tolerance_for(DType q_dtype, DType kv_dtype, BackendKind kind) {
+  if (kind == BackendKind::kCpu && q_dtype == DType::kFloat32) {
+    // fp32 dot products and exponentials over at most a few hundred keys: a few float ulps.
+    return 1e-5;
+  }
+  return tolerance_for(q_dtype, kv_dtype);
+}
+
+ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind) {
+  ScenarioResult result;
+  result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, kind);
+  const std::string what = describe_spec(spec);
+  std::unique_ptr<ScenarioWorld> world;
+  try {
+    world = ScenarioWorld::build(spec, kind);
+  } catch (const std::exception& e) {
+    result.detail = what + ": building the world failed: " + e.what();
+    return result;
+  }
+  ScenarioWorld& w = *world;
+
+  try {
+    if (w.multi_step) {
+      MultiStepDraftBackend draft(kind, w.config, spec.topk, spec.num_steps);
+      draft.init_forward_metadata(w.batch);
+      for (int step = 0; step < spec.num_steps; ++step) {
+        const ScenarioCall& c = w.calls[size_t(step)];
+        draft.forward_step(step, c.q, c.k, c.v, c.out, w.layer, c.out_cache_loc);
+      }
+    } else {
+      std::unique_ptr<AttentionBackend> backend = make_backend(kind, w.config);
+      backend->init_forward_metadata(w.batch);
+      for (const ScenarioCall& c : w.calls) {
+        backend->forward(c.q, c.k, c.v, c.out, w.layer, w.batch, spec.save_kv_cache);
+      }
+    }
+  } catch (const std::exception& e) {
+    result.detail = what + ": the backend threw: " + e.what();
+    result.kv_pool_ok = false;
+    return result;
+  }
+
+  PoolCheck pool = check_pool(w);
+  result.kv_pool_ok = pool.ok;
+
+  Comparison cmp;
+  for (size_t i = 0; i < w.calls.size() && cmp.ok; ++i) {
+    RefBatch ref_batch = w.ref_batch;
+    ref_batch.draft_step = int(i);
+    const ScenarioCall& c = w.calls[i];
+    // When the step does not save, the caller wrote the K/V beforehand: they are in ref_pool.
+    const RefKvPool& ref_pool = spec.save_kv_cache ? pool.stored : w.ref_pool;
+    RefOutput ref;
+    try {
+      ref = reference_attention(w.layer, ref_batch, ref_pool, c.q_values,
+                                w.ragged ? &c.new_kv : nullptr);
+    } catch (const std::exception& e) {
+      result.detail = what + ": the reference failed: " + e.what();
+      return result;
+    }
+    Comparison one = compare_output(c, ref, spec.q_dtype);
+    if (w.calls.size() > 1) one.detail = "step " + std::to_string(i) + ": " + one.detail;
+    if (!one.ok || one.max_rel_err > cmp.max_rel_err) cmp = one;
+  }
+  result.max_rel_err = cmp.max_rel_err;
+  result.passed = cmp.ok && cmp.max_rel_err <= result.tolerance && pool.ok;
+  if (!cmp.ok) {
+    result.detail = what + ": " + cmp.detail;
+  } else if (cmp.max_rel_err > result.tolerance) {
+    std::ostringstream os;
+    os << what << ": max rel err " << cmp.max_rel_err << " > " << result.tolerance << "; "
+       << cmp.detail;
+    result.detail = os.str();
+  } else if (!pool.ok) {
+    result.detail = what + ": " + pool.detail;
+  }
+  return result;
+}
+
+}  // namespace kvattn::testing

@@ -1,0 +1,226 @@
+// standard_scenarios: every mode x variant of SPEC §2-§3 at sizes the CPU backend runs in a few
+// seconds all together. Each row varies one thing from a small base, so a failure names it.
+#include <functional>
+
+#include "reference/scenario.h"
+
+namespace kvattn::testing {
+
+std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
+  std::vector<ScenarioSpec> rows;
+  auto add = [&](const char* variant, ForwardMode mode,
+                 const std::function<void(ScenarioSpec&)>& change) {
+    ScenarioSpec s;
+    s.variant = variant;
+    s.mode = mode;
+    s.batch_size = 4;
+    s.min_kv_len = 1;
+    s.max_kv_len = 200;
+    s.min_q_len = 1;
+    s.max_q_len = 37;  // not a multiple of 8 or of any page size
+    if (change) change(s);
+    // Distinct, reproducible seeds per row: the row index and the caller's seed.
+    s.seed = seed * 1000003ull + rows.size() * 7919ull + 1;
+    rows.push_back(s);
+  };
+  const ForwardMode decode = ForwardMode::kDecode;
+  const ForwardMode extend = ForwardMode::kExtend;
+
+  add("idle", ForwardMode::kIdle, nullptr);
+
+  // ---- DECODE ----------------------------------------------------------------------------------
+  add("decode", decode, nullptr);
+  add("decode page16", decode, [](ScenarioSpec& s) { s.page_size = 16; });
+  add("decode page128", decode, [](ScenarioSpec& s) {
+    s.page_size = 128;
+    s.max_kv_len = 300;
+  });
+  add("decode contiguous slots", decode, [](ScenarioSpec& s) { s.shuffled_slots = false; });
+  add("decode window layer", decode, [](ScenarioSpec& s) {
+    s.sliding_window = 24;
+    s.page_size = 16;
+  });
+  add("decode window model, full layer", decode, [](ScenarioSpec& s) {
+    s.sliding_window = 24;
+    s.window_layer = false;
+  });
+  add("decode cross layer", decode, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.save_kv_cache = false;  // encoder K/V cached by an earlier step
+  });
+  add("decode cross model, self layer", decode, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.cross_layer = false;
+    s.page_size = 16;
+  });
+  add("decode softcap", decode, [](ScenarioSpec& s) { s.logit_cap = 5.f; });
+  add("decode MQA", decode, [](ScenarioSpec& s) {
+    s.num_q_heads = 8;
+    s.num_kv_heads = 1;
+  });
+  add("decode GQA8", decode, [](ScenarioSpec& s) {
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+  });
+  add("decode hd64", decode, [](ScenarioSpec& s) { s.head_dim = 64; });
+  add("decode hd256", decode, [](ScenarioSpec& s) { s.head_dim = 256; });
+  add("decode v_head_dim 64", decode, [](ScenarioSpec& s) { s.v_head_dim = 64; });
+  add("decode fp32", decode, [](ScenarioSpec& s) { s.q_dtype = DType::kFloat32; });
+  add("decode fp16", decode, [](ScenarioSpec& s) {
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("decode fp16 q, bf16 kv", decode, [](ScenarioSpec& s) { s.q_dtype = DType::kFloat16; });
+  add("decode fp8 e4m3", decode, [](ScenarioSpec& s) {
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.37f;
+    s.v_scale = 1.7f;
+  });
+  add("decode fp8 e5m2", decode, [](ScenarioSpec& s) {
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 2.3f;
+    s.v_scale = 0.61f;
+    s.page_size = 16;
+  });
+  add("decode fp32 q, fp8 e4m3", decode, [](ScenarioSpec& s) {
+    s.q_dtype = DType::kFloat32;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.5f;
+    s.v_scale = 0.3f;
+  });
+  add("decode GQA8 fp8", decode, [](ScenarioSpec& s) {
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.8f;
+  });
+  add("decode no save", decode, [](ScenarioSpec& s) { s.save_kv_cache = false; });
+  add("decode strided q", decode, [](ScenarioSpec& s) { s.strided_q = true; });
+
+  // ---- EXTEND ----------------------------------------------------------------------------------
+  add("extend", extend, nullptr);
+  add("extend page16", extend, [](ScenarioSpec& s) { s.page_size = 16; });
+  add("extend page128 hd64", extend, [](ScenarioSpec& s) {
+    s.page_size = 128;
+    s.head_dim = 64;
+    s.max_kv_len = 300;
+  });
+  add("extend no prefix", extend, [](ScenarioSpec& s) {
+    s.max_kv_len = 45;
+    s.min_q_len = 45;
+    s.max_q_len = 45;
+  });
+  add("extend ragged", extend, [](ScenarioSpec& s) { s.force_ragged = true; });
+  add("extend ragged no prefix", extend, [](ScenarioSpec& s) {
+    s.force_ragged = true;
+    s.max_kv_len = 45;
+    s.min_q_len = 45;
+    s.max_q_len = 45;
+  });
+  add("extend ragged page16 fp8 e4m3", extend, [](ScenarioSpec& s) {
+    s.force_ragged = true;
+    s.page_size = 16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.45f;
+    s.v_scale = 0.9f;
+  });
+  add("extend ragged fp32 q", extend, [](ScenarioSpec& s) {
+    s.force_ragged = true;
+    s.q_dtype = DType::kFloat32;
+  });
+  add("extend window layer", extend, [](ScenarioSpec& s) {
+    s.sliding_window = 20;
+    s.page_size = 16;
+  });
+  add("extend window model, full layer", extend, [](ScenarioSpec& s) {
+    s.sliding_window = 20;
+    s.window_layer = false;
+  });
+  add("extend cross layer", extend, [](ScenarioSpec& s) { s.cross_attention = true; });
+  add("extend cross model, self layer", extend, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.cross_layer = false;
+  });
+  add("extend softcap", extend, [](ScenarioSpec& s) { s.logit_cap = 4.f; });
+  add("extend MQA", extend, [](ScenarioSpec& s) {
+    s.num_q_heads = 4;
+    s.num_kv_heads = 1;
+  });
+  add("extend GQA8", extend, [](ScenarioSpec& s) {
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+    s.max_kv_len = 120;
+  });
+  add("extend hd256", extend, [](ScenarioSpec& s) {
+    s.head_dim = 256;
+    s.max_kv_len = 150;
+  });
+  add("extend v_head_dim 64", extend, [](ScenarioSpec& s) { s.v_head_dim = 64; });
+  add("extend fp16", extend, [](ScenarioSpec& s) {
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("extend fp32 q", extend, [](ScenarioSpec& s) { s.q_dtype = DType::kFloat32; });
+  add("extend fp8 e5m2", extend, [](ScenarioSpec& s) {
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 1.9f;
+    s.v_scale = 0.7f;
+  });
+  add("extend no save", extend, [](ScenarioSpec& s) { s.save_kv_cache = false; });
+  add("extend strided q", extend, [](ScenarioSpec& s) { s.strided_q = true; });
+
+  // ---- MIXED, TARGET_VERIFY, DRAFT_EXTEND -----------------------------------------------------
+  add("mixed", ForwardMode::kMixed, [](ScenarioSpec& s) { s.batch_size = 5; });
+  add("mixed page16 window", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.page_size = 16;
+    s.sliding_window = 30;
+  });
+  add("mixed ragged", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.force_ragged = true;
+  });
+  add("verify", ForwardMode::kTargetVerify, [](ScenarioSpec& s) { s.draft_token_num = 4; });
+  add("verify page16 fp8", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 7;
+    s.page_size = 16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.6f;
+  });
+  add("verify softcap GQA8", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 5;
+    s.logit_cap = 6.f;
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+  });
+  add("verify window layer", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 6;
+    s.sliding_window = 10;
+  });
+  add("draft extend", ForwardMode::kDraftExtend, [](ScenarioSpec& s) { s.max_q_len = 5; });
+  add("draft extend page16", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
+    s.page_size = 16;
+    s.max_q_len = 9;
+  });
+
+  // ---- multi-step draft -----------------------------------------------------------------------
+  add("multi-step topk1", decode, [](ScenarioSpec& s) {
+    s.topk = 1;
+    s.num_steps = 3;
+  });
+  add("multi-step topk4", decode, [](ScenarioSpec& s) {
+    s.topk = 4;
+    s.num_steps = 3;
+    s.page_size = 16;
+  });
+  add("multi-step topk4 fp8", decode, [](ScenarioSpec& s) {
+    s.topk = 4;
+    s.num_steps = 2;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 1.1f;
+  });
+  return rows;
+}
+
+}  // namespace kvattn::testing
