@@ -1,0 +1,181 @@
+// Dispatch of the batch prefill (validation, head_dim -> instance file) and the merge of split
+// tiles.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/softmax_state.h"
+#include "cuda/kernels/prefill.h"
+#include "cuda/kernels/prefill_kernel.cuh"
+#include "kvattn/error.h"
+
+namespace kvattn::cuda {
+namespace {
+
+constexpr int kMergeThreads = 128;
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+/// One CTA per split tile: each warp takes rows, each lane 4 dims at a time, and folds the
+/// chunks' partial states in order with core::merge_weights.
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads)
+    prefill_merge_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
+  const core::PrefillMergeItem merge = tiles.merges[blockIdx.x];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int q_begin = p.qo_indptr[merge.request];
+  const int q_len = p.qo_indptr[merge.request + 1] - q_begin;
+  const int group = tiles.group_size;
+  const int rows_total = q_len * group;
+  const int dim = p.v_head_dim;
+  for (int r = warp; r < tiles.tile_rows; r += kMergeThreads / 32) {
+    const int packed = merge.q_row_begin + r;
+    if (packed >= rows_total) break;
+    const int token = packed / group;
+    const int head = merge.kv_head * group + packed % group;
+    T* out = static_cast<T*>(p.out) + (int64_t(q_begin) + token) * p.out_stride_token +
+             int64_t(head) * p.out_stride_head;
+    float merged_lse = -INFINITY;
+    for (int d0 = lane * 4; d0 < dim; d0 += 128) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float lse = -INFINITY;
+      for (int c = 0; c < merge.num_partials; ++c) {
+        const int64_t slot_row = int64_t(merge.first_partial + c) * tiles.tile_rows + r;
+        float w_acc, w_new, lse_next;
+        core::merge_weights(lse, tiles.partial_lse[slot_row], &w_acc, &w_new, &lse_next);
+        const float4 part = *reinterpret_cast<const float4*>(tiles.partial_out + slot_row * dim + d0);
+        acc.x = acc.x * w_acc + part.x * w_new;
+        acc.y = acc.y * w_acc + part.y * w_new;
+        acc.z = acc.z * w_acc + part.z * w_new;
+        acc.w = acc.w * w_acc + part.w * w_new;
+        lse = lse_next;
+      }
+      out[d0] = from_float<T>(acc.x);
+      out[d0 + 1] = from_float<T>(acc.y);
+      out[d0 + 2] = from_float<T>(acc.z);
+      out[d0 + 3] = from_float<T>(acc.w);
+      merged_lse = lse;
+    }
+    if (p.lse != nullptr && lane == 0) {
+      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = merged_lse;
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
+  if (p.io_dtype != DType::kBFloat16 && p.io_dtype != DType::kFloat16) {
+    throw_error(ErrorKind::kNotSupported, "io_dtype", "prefill supports bf16 and fp16, got ",
+                dtype_name(p.io_dtype));
+  }
+  if (p.kv_dtype != p.io_dtype && !is_fp8_dtype(p.kv_dtype)) {
+    throw_error(ErrorKind::kNotSupported, "kv_dtype", "prefill supports KV in the io dtype (",
+                dtype_name(p.io_dtype), ") or fp8, got ", dtype_name(p.kv_dtype));
+  }
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
+    throw_error(ErrorKind::kNotSupported, "head_dim", "prefill supports 64, 128, 256, got ",
+                p.head_dim);
+  }
+  if (p.v_head_dim != p.head_dim) {
+    throw_error(ErrorKind::kNotSupported, "v_head_dim", "prefill needs v_head_dim == head_dim (",
+                p.head_dim, "), got ", p.v_head_dim);
+  }
+  check_arg(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "num_q_heads", "got ",
+            p.num_q_heads, " q heads over ", p.num_kv_heads, " kv heads");
+  const int group = p.num_q_heads / p.num_kv_heads;
+  check_arg(tiles.group_size == group, "tiles.group_size", "got ", tiles.group_size,
+            ", the call's GQA group is ", group);
+  const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim);
+  check_arg(tiles.tile_rows == shape.tile_rows, "tiles.tile_rows", "got ", tiles.tile_rows,
+            ", the head_dim ", p.head_dim, " kernel needs ", shape.tile_rows);
+  check_arg(tiles.num_partials == 0 ||
+                (tiles.partial_out != nullptr && tiles.partial_lse != nullptr),
+            "tiles.partial_out", "split tiles need partial buffers");
+  if (p.mask == core::MaskMode::kCustom) {
+    check_arg(p.custom_mask != nullptr && p.mask_indptr != nullptr, "custom_mask",
+              "mask kCustom needs custom_mask and mask_indptr");
+  }
+  check_arg(p.qo_indptr != nullptr && p.kv_indptr != nullptr, "qo_indptr",
+            "qo_indptr and kv_indptr are required");
+  // 16-byte copies: rows must start on 16-byte boundaries.
+  const int kv_vec = 16 / dtype_size(p.kv_dtype);
+  const bool rows_aligned =
+      aligned16(p.q) && aligned16(p.out) && aligned16(p.k) && aligned16(p.v) &&
+      p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && p.out_stride_token % 8 == 0 &&
+      p.out_stride_head % 8 == 0 && p.k_stride_token % kv_vec == 0 &&
+      p.k_stride_head % kv_vec == 0 && p.v_stride_token % kv_vec == 0 &&
+      p.v_stride_head % kv_vec == 0;
+  if (!rows_aligned) {
+    throw_error(ErrorKind::kNotSupported, "q/k/v/out",
+                "prefill needs 16-byte aligned pointers and row strides (q strides ",
+                p.q_stride_token, "/", p.q_stride_head, ", k strides ", p.k_stride_token, "/",
+                p.k_stride_head, ", v strides ", p.v_stride_token, "/", p.v_stride_head,
+                ", out strides ", p.out_stride_token, "/", p.out_stride_head, ")");
+  }
+}
+
+}  // namespace
+
+PrefillKernelShape prefill_kernel_shape(int head_dim) {
+  using namespace prefill_detail;
+  PrefillKernelShape shape;
+  switch (head_dim) {
+    case 64:
+      shape = shape_of<64>();
+      break;
+    case 128:
+      shape = shape_of<128>();
+      break;
+    case 256:
+      shape = shape_of<256>();
+      break;
+    default:
+      throw_error(ErrorKind::kNotSupported, "head_dim", "prefill supports 64, 128, 256, got ",
+                  head_dim);
+  }
+  if (!head_dim_compiled(head_dim)) {
+    throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", head_dim,
+                " (KVATTN_CUDA_HEAD_DIMS)");
+  }
+  return shape;
+}
+
+void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                          cudaStream_t stream) {
+  validate(p, tiles);
+  if (tiles.num_items == 0) return;
+  switch (p.head_dim) {
+    case 64:
+      prefill_detail::launch_prefill_hd64(p, tiles, stream);
+      break;
+    case 128:
+      prefill_detail::launch_prefill_hd128(p, tiles, stream);
+      break;
+    default:
+      prefill_detail::launch_prefill_hd256(p, tiles, stream);
+      break;
+  }
+  if (tiles.num_merges > 0) {
+    if (p.io_dtype == DType::kBFloat16) {
+      prefill_merge_kernel<__nv_bfloat16><<<tiles.num_merges, kMergeThreads, 0, stream>>>(p, tiles);
+    } else {
+      prefill_merge_kernel<__half><<<tiles.num_merges, kMergeThreads, 0, stream>>>(p, tiles);
+    }
+    prefill_detail::check_launch("prefill_merge");
+  }
+}
+
+}  // namespace kvattn::cuda

@@ -1,0 +1,633 @@
+// The batch prefill kernel: FlashAttention-2 on mma.sync m16n8k16 (fp32 accumulate), K/V tiles
+// gathered by slot (paged) or by row (ragged) with cp.async into XOR-swizzled shared memory,
+// double buffered. Included by the one-per-head_dim instance files (prefill_hd*.cu); only
+// head_dim and the io dtype are template parameters, everything else is a runtime branch.
+//
+// Work split: one CTA per core::PrefillWorkItem (a tile of tile_rows packed rows, see
+// core/prefill_tiles.h), 4 warps; warp w owns rows [w * kRowsPerWarp, (w + 1) * kRowsPerWarp) of
+// the tile as kMAtoms 16-row MMA atoms, so a K/V fragment read from shared memory feeds kMAtoms
+// MMAs. Logits are kept in log2 units: p = 2^(x * scale_log2 - m * scale_log2), one FFMA + EX2.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/kernels/prefill.h"
+#include "kvattn/error.h"
+
+#ifndef KVATTN_CUDA_HEAD_DIMS
+#define KVATTN_CUDA_HEAD_DIMS 64, 128, 256
+#endif
+
+namespace kvattn::cuda::prefill_detail {
+
+constexpr int kCompiledHeadDims[] = {KVATTN_CUDA_HEAD_DIMS};
+constexpr bool head_dim_compiled(int head_dim) {
+  for (int d : kCompiledHeadDims) {
+    if (d == head_dim) return true;
+  }
+  return false;
+}
+
+/// Tile shape per head_dim. Registers bound it: a warp holds kMAtoms * 16 rows of O in fp32
+/// (kMAtoms * head_dim / 2 registers a thread), so head_dim 256 keeps one atom a warp.
+template <int kHeadDim>
+struct PrefillTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMAtoms = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kRowsPerWarp = 16 * kMAtoms;
+  static constexpr int kTileRows = kWarps * kRowsPerWarp;
+  // 64 keys a step (32 at head_dim 256, so two stages of K and V stay at 64 KiB and two CTAs
+  // fit on an SM).
+  static constexpr int kTileKeys = kHeadDim <= 128 ? 64 : 32;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks in a 16-bit row
+  static constexpr int kQBytes = kTileRows * kHeadDim * 2;
+  static constexpr int kKvTileBytes = kTileKeys * kHeadDim * 2;  // one K (or V) tile, 16-bit
+  static constexpr int kStageBytes = 2 * kKvTileBytes;           // K and V
+  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes;
+  static constexpr int kMinBlocks = 2;
+  static_assert(kHeadDim % 64 == 0, "the XOR swizzle needs >= 8 chunks a row");
+  static_assert((kTileKeys * kChunks) % kThreads == 0, "whole K/V chunks per thread");
+  static_assert((kTileKeys * kChunks / 2) % kThreads == 0, "whole fp8 chunks per thread");
+  static_assert((kTileRows * kChunks) % kThreads == 0, "whole Q chunks per thread");
+};
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// 16-byte global -> shared copy; reads nothing and writes zeros when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+/// d += a * b for one m16n8k16 tile, fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+/// Two fp8 values (low byte first) -> two T, exactly (every e4m3 and e5m2 value is a half and a
+/// bf16 value).
+template <typename T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits), e5m2 ? __NV_E5M2
+                                                                                : __NV_E4M3);
+  if constexpr (std::is_same_v<T, __half>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// ---- the kernel -----------------------------------------------------------------------------
+
+template <int kHeadDim, typename T>
+__global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
+                                  PrefillTraits<kHeadDim>::kMinBlocks)
+    batch_prefill_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
+  using Tr = PrefillTraits<kHeadDim>;
+  constexpr int kChunks = Tr::kChunks;
+  constexpr int kThreads = Tr::kThreads;
+  constexpr int kMAtoms = Tr::kMAtoms;
+  constexpr int kTileKeys = Tr::kTileKeys;
+  constexpr int kKeyTiles = kTileKeys / 8;  // n8 tiles of S
+  constexpr int kDimTiles = kHeadDim / 8;   // n8 tiles of O
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t s_q = smem_address(smem);
+  const uint32_t s_kv = s_q + Tr::kQBytes;
+
+  const core::PrefillWorkItem item = tiles.items[blockIdx.x];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int request = item.request;
+  const int q_begin = p.qo_indptr[request];
+  const int q_len = p.qo_indptr[request + 1] - q_begin;
+  const int64_t kv_base = p.kv_indptr[request];
+  const int kv_len = static_cast<int>(p.kv_indptr[request + 1] - kv_base);
+  const int group = tiles.group_size;
+  const int rows_total = q_len * group;
+  const int row0 = item.q_row_begin;
+  const int kv_head = item.kv_head;
+  const int kv_begin = item.kv_begin;
+  const int kv_end = item.kv_end;
+  const int num_steps = (kv_end - kv_begin + kTileKeys - 1) / kTileKeys;
+
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3 || p.kv_dtype == DType::kFloat8E5M2;
+  const bool e5m2 = p.kv_dtype == DType::kFloat8E5M2;
+  const bool paged = p.kv_indices != nullptr;
+  const bool causal = p.mask == core::MaskMode::kCausal;
+  const bool custom = p.mask == core::MaskMode::kCustom;
+  const int window = p.window_left;
+  const bool soft_cap = p.logit_cap > 0.f;
+  // k_scale folds into the logit scale, v_scale into the output (exact: dequantization is a
+  // per-tensor product).
+  const float qk_scale = p.sm_scale * p.k_scale;
+  const float scale_log2 = soft_cap ? kLog2e : qk_scale * kLog2e;
+  const float cap_inner = soft_cap ? qk_scale / p.logit_cap : 0.f;
+  // Query token i sees keys j <= kv_len - q_len + i (causal) and j >= that - window.
+  const int diagonal = kv_len - q_len;
+  const int tile_first_token = row0 / group;
+  const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
+
+  // ---- loads ----------------------------------------------------------------------------
+  if (num_steps > 0) {
+    constexpr int kQChunksPerThread = Tr::kTileRows * kChunks / kThreads;
+    const T* q = static_cast<const T*>(p.q);
+#pragma unroll
+    for (int i = 0; i < kQChunksPerThread; ++i) {
+      const int index = tid + i * kThreads;
+      const int r = index / kChunks;
+      const int c = index % kChunks;
+      const int packed = row0 + r;
+      const bool valid = packed < rows_total;
+      const T* src = q;
+      if (valid) {
+        const int token = packed / group;
+        const int head = kv_head * group + packed % group;
+        src = q + (int64_t(q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head +
+              c * 8;
+      }
+      cp_async_16(s_q + (r * kChunks + (c ^ (r & 7))) * 16, src, valid);
+    }
+  }
+
+  // Row of K/V storage for key j of this request; -1 when it must not be read.
+  auto storage_row = [&](int j) -> int64_t {
+    if (j >= kv_end) return -1;
+    const int64_t index = kv_base + j;
+    if (!paged) return index;
+    const int64_t slot = p.kv_indices[index];
+    return (slot >= 0 && slot < p.num_slots) ? slot : -1;
+  };
+
+  // Issues the copies of keys [kv_start, kv_start + kTileKeys) into buffer `buffer`: 16-bit K/V
+  // straight into a swizzled stage; fp8 bytes into a raw staging buffer that convert_fp8 turns
+  // into a stage (each thread converts the chunks it copied itself).
+  auto issue_kv = [&](int kv_start, int buffer) {
+    if (!fp8) {
+      constexpr int kPerThread = kTileKeys * kChunks / kThreads;
+      const uint32_t s_k = s_kv + buffer * Tr::kStageBytes;
+      const uint32_t s_v = s_k + Tr::kKvTileBytes;
+      const T* k = static_cast<const T*>(p.k);
+      const T* v = static_cast<const T*>(p.v);
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int index = tid + i * kThreads;
+        const int r = index / kChunks;
+        const int c = index % kChunks;
+        const int64_t row = storage_row(kv_start + r);
+        const bool valid = row >= 0;
+        const T* k_src = valid ? k + row * p.k_stride_token + kv_head * p.k_stride_head + c * 8 : k;
+        const T* v_src = valid ? v + row * p.v_stride_token + kv_head * p.v_stride_head + c * 8 : v;
+        const uint32_t offset = (r * kChunks + (c ^ (r & 7))) * 16;
+        cp_async_16(s_k + offset, k_src, valid);
+        cp_async_16(s_v + offset, v_src, valid);
+      }
+    } else {
+      constexpr int kRawChunks = kChunks / 2;  // 16 fp8 values a chunk
+      constexpr int kPerThread = kTileKeys * kRawChunks / kThreads;
+      const uint32_t s_raw = s_kv + Tr::kStageBytes + buffer * Tr::kKvTileBytes;
+      const uint32_t s_raw_v = s_raw + Tr::kKvTileBytes / 2;
+      const uint8_t* k = static_cast<const uint8_t*>(p.k);
+      const uint8_t* v = static_cast<const uint8_t*>(p.v);
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int index = tid + i * kThreads;
+        const int r = index / kRawChunks;
+        const int c = index % kRawChunks;
+        const int64_t row = storage_row(kv_start + r);
+        const bool valid = row >= 0;
+        const uint8_t* k_src =
+            valid ? k + row * p.k_stride_token + kv_head * p.k_stride_head + c * 16 : k;
+        const uint8_t* v_src =
+            valid ? v + row * p.v_stride_token + kv_head * p.v_stride_head + c * 16 : v;
+        cp_async_16(s_raw + index * 16, k_src, valid);
+        cp_async_16(s_raw_v + index * 16, v_src, valid);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // fp8 only: raw buffer -> stage 0, this thread's own chunks (no barrier between copy and use).
+  auto convert_fp8 = [&](int buffer) {
+    constexpr int kRawChunks = kChunks / 2;
+    constexpr int kPerThread = kTileKeys * kRawChunks / kThreads;
+    const unsigned char* raw = smem + Tr::kQBytes + Tr::kStageBytes + buffer * Tr::kKvTileBytes;
+    unsigned char* stage = smem + Tr::kQBytes;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // K, then V
+      const unsigned char* src = raw + half * (Tr::kKvTileBytes / 2);
+      unsigned char* dst = stage + half * Tr::kKvTileBytes;
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int index = tid + i * kThreads;
+        const int r = index / kRawChunks;
+        const int c = index % kRawChunks;
+        const uint4 bits = *reinterpret_cast<const uint4*>(src + index * 16);
+        uint4 lo, hi;
+        lo.x = fp8x2_to<T>(static_cast<uint16_t>(bits.x & 0xffffu), e5m2);
+        lo.y = fp8x2_to<T>(static_cast<uint16_t>(bits.x >> 16), e5m2);
+        lo.z = fp8x2_to<T>(static_cast<uint16_t>(bits.y & 0xffffu), e5m2);
+        lo.w = fp8x2_to<T>(static_cast<uint16_t>(bits.y >> 16), e5m2);
+        hi.x = fp8x2_to<T>(static_cast<uint16_t>(bits.z & 0xffffu), e5m2);
+        hi.y = fp8x2_to<T>(static_cast<uint16_t>(bits.z >> 16), e5m2);
+        hi.z = fp8x2_to<T>(static_cast<uint16_t>(bits.w & 0xffffu), e5m2);
+        hi.w = fp8x2_to<T>(static_cast<uint16_t>(bits.w >> 16), e5m2);
+        *reinterpret_cast<uint4*>(dst + (r * kChunks + ((2 * c) ^ (r & 7))) * 16) = lo;
+        *reinterpret_cast<uint4*>(dst + (r * kChunks + ((2 * c + 1) ^ (r & 7))) * 16) = hi;
+      }
+    }
+  };
+
+  if (num_steps > 0) issue_kv(kv_begin, 0);
+
+  // ---- main loop ------------------------------------------------------------------------
+  float o[kMAtoms][kDimTiles][4];
+  float row_max[kMAtoms][2];  // raw (unscaled) logit units
+  float row_sum[kMAtoms][2];  // this thread's share; the quad is summed at the end
+#pragma unroll
+  for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+    for (int d = 0; d < kDimTiles; ++d) o[a][d][0] = o[a][d][1] = o[a][d][2] = o[a][d][3] = 0.f;
+    row_max[a][0] = row_max[a][1] = -INFINITY;
+    row_sum[a][0] = row_sum[a][1] = 0.f;
+  }
+
+  // Per-lane ldmatrix offsets (see the fragment layouts of mma.m16n8k16). The swizzled chunk of
+  // column chunk 2 * kk is (2 * kk) ^ (row & 7); its bits 3+ pass through, so only kk % 4 needs
+  // a register (4 per operand) and the rest folds into immediate offsets.
+  const int warp_row = warp * Tr::kRowsPerWarp;
+  constexpr uint32_t kRowBytes = kChunks * 16;
+  uint32_t q_offset[4], k_offset[4], v_offset[4];
+  {
+    const uint32_t a_row = warp_row + (lane & 15);
+    const uint32_t a_xor = (lane >> 4) ^ (lane & 7);
+    const uint32_t k_row = (lane & 7) + ((lane >> 4) << 3);
+    const uint32_t k_xor = ((lane >> 3) & 1) ^ (lane & 7);
+    const uint32_t v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
+    const uint32_t v_xor = (lane >> 4) ^ (lane & 7);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      q_offset[i] = s_q + a_row * kRowBytes + ((2 * i) ^ a_xor) * 16;
+      k_offset[i] = k_row * kRowBytes + ((2 * i) ^ k_xor) * 16;
+      v_offset[i] = v_row * kRowBytes + ((2 * i) ^ v_xor) * 16;
+    }
+  }
+
+  for (int step = 0; step < num_steps; ++step) {
+    const int kv_start = kv_begin + step * kTileKeys;
+    cp_async_wait_all();
+    __syncthreads();  // tile `step` landed for everyone; everyone is done with the other buffer
+    if (fp8) convert_fp8(step & 1);
+    if (step + 1 < num_steps) issue_kv(kv_start + kTileKeys, (step + 1) & 1);
+    if (fp8) __syncthreads();  // the converted tile is visible
+    const int stage = fp8 ? 0 : (step & 1);
+    const uint32_t s_k = s_kv + stage * Tr::kStageBytes;
+    const uint32_t s_v = s_k + Tr::kKvTileBytes;
+
+    // S = Q K^T
+    float s[kMAtoms][kKeyTiles][4];
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) s[a][n][0] = s[a][n][1] = s[a][n][2] = s[a][n][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t qa[kMAtoms][4];
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+        ldmatrix_x4(qa[a], q_offset[kk % 4] + (kk / 4) * 128 + a * 16 * kRowBytes);
+      }
+#pragma unroll
+      for (int np = 0; np < kTileKeys / 16; ++np) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, s_k + k_offset[kk % 4] + (kk / 4) * 128 + np * 16 * kRowBytes);
+#pragma unroll
+        for (int a = 0; a < kMAtoms; ++a) {
+          mma_16816<T>(s[a][2 * np], qa[a], kb[0], kb[1]);
+          mma_16816<T>(s[a][2 * np + 1], qa[a], kb[2], kb[3]);
+        }
+      }
+    }
+
+    if (soft_cap) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[a][n][e] = p.logit_cap * fast_tanh(s[a][n][e] * cap_inner);
+        }
+      }
+    }
+
+    // Masks only where some element of the tile can be hidden.
+    const bool needs_mask = custom || kv_start + kTileKeys > kv_end ||
+                            (causal && kv_start + kTileKeys - 1 > diagonal + tile_first_token) ||
+                            (window >= 0 && kv_start < diagonal + tile_last_token - window);
+    if (needs_mask) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int packed = row0 + warp_row + a * 16 + (lane >> 2) + 8 * h;
+          const int token = min(packed, rows_total - 1) / group;
+          const int last_visible = causal ? diagonal + token : kv_end;
+          const int first_visible = window >= 0 ? diagonal + token - window : 0;
+          const uint8_t* mask_row =
+              custom ? p.custom_mask + p.mask_indptr[request] + int64_t(token) * kv_len : nullptr;
+#pragma unroll
+          for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = kv_start + n * 8 + (lane & 3) * 2 + e;
+              bool visible = j < kv_end && j <= last_visible && j >= first_visible;
+              if (custom && visible) visible = mask_row[j] != 0;
+              if (!visible) s[a][n][2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      }
+    }
+
+    // Online softmax (rows g and g + 8 of each atom; a quad shares a row).
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          block_max = fmaxf(block_max, fmaxf(s[a][n][2 * h], s[a][n][2 * h + 1]));
+        }
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
+        const float new_max = fmaxf(row_max[a][h], block_max);
+        // A row that has seen only masked keys keeps max -inf; exponentiate against 0 then.
+        const float safe_max = new_max == -INFINITY ? 0.f : new_max;
+        const float factor = fast_exp2((row_max[a][h] - safe_max) * scale_log2);
+        row_max[a][h] = new_max;
+        row_sum[a][h] *= factor;
+#pragma unroll
+        for (int d = 0; d < kDimTiles; ++d) {
+          o[a][d][2 * h] *= factor;
+          o[a][d][2 * h + 1] *= factor;
+        }
+        const float offset = -safe_max * scale_log2;
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(fmaf(s[a][n][2 * h + e], scale_log2, offset));
+            s[a][n][2 * h + e] = pv;
+            row_sum[a][h] += pv;
+          }
+        }
+      }
+    }
+
+    // O += P V, P straight from the S accumulators (the C layout of two n8 tiles is the A
+    // layout of one k16 step).
+#pragma unroll
+    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+      uint32_t pa[kMAtoms][4];
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+        pa[a][0] = pack2<T>(s[a][2 * kk][0], s[a][2 * kk][1]);
+        pa[a][1] = pack2<T>(s[a][2 * kk][2], s[a][2 * kk][3]);
+        pa[a][2] = pack2<T>(s[a][2 * kk + 1][0], s[a][2 * kk + 1][1]);
+        pa[a][3] = pack2<T>(s[a][2 * kk + 1][2], s[a][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, s_v + v_offset[dp % 4] + (dp / 4) * 128 + kk * 16 * kRowBytes);
+#pragma unroll
+        for (int a = 0; a < kMAtoms; ++a) {
+          mma_16816<T>(o[a][2 * dp], pa[a], vb[0], vb[1]);
+          mma_16816<T>(o[a][2 * dp + 1], pa[a], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue -------------------------------------------------------------------------
+  float inv_sum[kMAtoms][2];
+  float lse[kMAtoms][2];
+#pragma unroll
+  for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float total = row_sum[a][h];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      // An empty row (no visible key) is the empty partial: o = 0, LSE = -inf.
+      inv_sum[a][h] = total > 0.f ? p.v_scale / total : 0.f;
+      lse[a][h] = total > 0.f ? (row_max[a][h] * scale_log2 + __log2f(total)) * kLn2 : -INFINITY;
+    }
+  }
+
+  if (item.partial < 0) {
+    // Stage the warp's rows of O in its own rows of the Q tile (no other warp reads them), then
+    // store 16-byte chunks.
+    unsigned char* s_out = smem;
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row + a * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int d = 0; d < kDimTiles; ++d) {
+          const uint32_t value =
+              pack2<T>(o[a][d][2 * h] * inv_sum[a][h], o[a][d][2 * h + 1] * inv_sum[a][h]);
+          *reinterpret_cast<uint32_t*>(s_out + (r * kChunks + (d ^ (r & 7))) * 16 +
+                                       (lane & 3) * 4) = value;
+        }
+      }
+    }
+    __syncwarp();
+    T* out = static_cast<T*>(p.out);
+    constexpr int kOutChunksPerLane = Tr::kRowsPerWarp * kChunks / 32;
+#pragma unroll
+    for (int i = 0; i < kOutChunksPerLane; ++i) {
+      const int index = lane + i * 32;
+      const int r = warp_row + index / kChunks;
+      const int c = index % kChunks;
+      const int packed = row0 + r;
+      if (packed < rows_total) {
+        const int token = packed / group;
+        const int head = kv_head * group + packed % group;
+        T* dst = out + (int64_t(q_begin) + token) * p.out_stride_token +
+                 int64_t(head) * p.out_stride_head + c * 8;
+        *reinterpret_cast<uint4*>(dst) =
+            *reinterpret_cast<const uint4*>(s_out + (r * kChunks + (c ^ (r & 7))) * 16);
+      }
+    }
+    if (p.lse != nullptr && (lane & 3) == 0) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int packed = row0 + warp_row + a * 16 + (lane >> 2) + 8 * h;
+          if (packed < rows_total) {
+            const int token = packed / group;
+            const int head = kv_head * group + packed % group;
+            p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse[a][h];
+          }
+        }
+      }
+    }
+  } else {
+    // A chunk of a split tile: fp32 partial output (already normalized) and its LSE.
+    const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows;
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row + a * 16 + (lane >> 2) + 8 * h;
+        if (row0 + r >= rows_total) continue;
+        float* dst = tiles.partial_out + (slot_row + r) * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+        for (int d = 0; d < kDimTiles; ++d) {
+          *reinterpret_cast<float2*>(dst + d * 8) =
+              make_float2(o[a][d][2 * h] * inv_sum[a][h], o[a][d][2 * h + 1] * inv_sum[a][h]);
+        }
+        if ((lane & 3) == 0) tiles.partial_lse[slot_row + r] = lse[a][h];
+      }
+    }
+  }
+}
+
+// ---- host side of an instance ----------------------------------------------------------------
+
+template <int kHeadDim>
+PrefillKernelShape shape_of() {
+  using Tr = PrefillTraits<kHeadDim>;
+  PrefillKernelShape shape;
+  shape.tile_rows = Tr::kTileRows;
+  shape.kv_tile = Tr::kTileKeys;
+  shape.ctas_per_sm = Tr::kMinBlocks;
+  return shape;
+}
+
+inline void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw_error(ErrorKind::kDeviceError, what, cudaGetErrorString(err));
+  }
+}
+
+template <int kHeadDim, typename T>
+void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                     cudaStream_t stream) {
+  using Tr = PrefillTraits<kHeadDim>;
+  auto kernel = batch_prefill_kernel<kHeadDim, T>;
+  const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (attr != cudaSuccess) {
+    throw_error(ErrorKind::kDeviceError, "batch_prefill", "cudaFuncSetAttribute: ",
+                cudaGetErrorString(attr));
+  }
+  kernel<<<tiles.num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tiles);
+  check_launch("batch_prefill");
+}
+
+/// The launcher of one instance file: throws kNotSupported when the head_dim was left out of
+/// KVATTN_CUDA_HEAD_DIMS (the template keeps the kernel from being instantiated at all then).
+template <int kHeadDim>
+void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                        cudaStream_t stream) {
+  if constexpr (head_dim_compiled(kHeadDim)) {
+    if (p.io_dtype == DType::kBFloat16) {
+      launch_instance<kHeadDim, __nv_bfloat16>(p, tiles, stream);
+    } else {
+      launch_instance<kHeadDim, __half>(p, tiles, stream);
+    }
+  } else {
+    throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
+                " (KVATTN_CUDA_HEAD_DIMS)");
+  }
+}
+
+// One per instance file (prefill_hd<D>.cu).
+void launch_prefill_hd64(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                         cudaStream_t stream);
+void launch_prefill_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                          cudaStream_t stream);
+void launch_prefill_hd256(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                          cudaStream_t stream);
+
+}  // namespace kvattn::cuda::prefill_detail
