@@ -1,0 +1,679 @@
+// `kvattn bench`: the SPEC §6 grid on one device, each row held to a ceiling measured in the same
+// run (read-only streaming bandwidth for decode; the matrix-product rate for prefill / extend),
+// with a sampled check of every row against the float64 reference.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli_args.h"
+#include "commands.h"
+#include "cpu_ceilings.h"
+#include "kvattn/kvattn.h"
+#include "oracle.h"
+#include "reference/scenario.h"
+#include "step_batch.h"
+#include "tool_support.h"
+
+#if defined(KVATTN_WITH_CUDA)
+#include "cuda/bench_support.h"
+#endif
+
+namespace kvattn::tools {
+namespace {
+
+// The grid's model shape (SPEC §6: Llama-3-8B attention on one GPU).
+constexpr int kQHeads = 32;
+constexpr int kKvHeads = 8;
+constexpr DType kDType = DType::kBFloat16;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr int64_t kGiB = int64_t(1) << 30;
+
+const std::vector<OptionSpec>& bench_options() {
+  static const std::vector<OptionSpec> specs = {
+      {"--device", "cpu|cuda", "device to time (default: cuda when a GPU is visible)"},
+      {"--quick", "", "a few representative rows, fewer repetitions"},
+      {"--json", "FILE", "write the SPEC §6 results file (bench/results/<device>-grid-<date>.json)"},
+      {"--workload", "all|decode|prefill|extend", "only rows of this workload (default all)"},
+      {"--max-row-seconds", "S",
+       "CPU: skip rows whose one call is estimated above S seconds (default 5; --quick 1)"},
+      {"--max-gib", "G", "skip rows whose world needs more memory (default: CPU min(8, half the "
+                         "free memory); CUDA 85% of the device)"},
+      {"--seed", "N", "seed of the random data (default 1)"},
+  };
+  return specs;
+}
+
+/// One row of the grid.
+struct GridRow {
+  std::string workload;  ///< "decode", "prefill" or "extend"
+  int batch = 1;
+  int kv_len = 0;        ///< KV tokens per request: decode the context, extend prefix + new
+  int qo_len = 1;        ///< query tokens per request
+  int prefix_len = 0;
+  int page_size = 1;
+  int head_dim = 128;
+  std::string variant;   ///< "page1-shuffled", "page16-shuffled", "causal"
+  bool in_quick = false;
+
+  bool is_decode() const { return workload == "decode"; }
+  int64_t tokens() const { return int64_t(batch) * qo_len; }
+  /// Decode: bytes of K and V read.
+  double kv_bytes() const {
+    return double(batch) * kv_len * kKvHeads * 2.0 * head_dim * dtype_size(kDType);
+  }
+  /// Prefill / extend: 4 b h d q (prefix + q / 2) — the causal half of the new-token square.
+  double flops() const {
+    return 4.0 * batch * kQHeads * head_dim * double(qo_len) * (prefix_len + qo_len / 2.0);
+  }
+  std::string label() const {
+    std::ostringstream os;
+    os << workload << " b" << batch << " kv" << kv_len;
+    if (!is_decode()) os << " q" << qo_len;
+    os << " d" << head_dim << " " << variant;
+    return os.str();
+  }
+};
+
+std::vector<GridRow> make_grid() {
+  std::vector<GridRow> rows;
+  for (int page_size : {1, 16}) {
+    for (int batch : {1, 16, 64, 256}) {
+      for (int kv_len : {1024, 4096, 16384, 32768}) {
+        if (kv_len == 32768 && batch > 16) continue;  // SPEC §6: 32768 only for batch <= 16
+        GridRow row;
+        row.workload = "decode";
+        row.batch = batch;
+        row.kv_len = kv_len;
+        row.page_size = page_size;
+        row.variant = "page" + std::to_string(page_size) + "-shuffled";
+        row.in_quick = (batch == 1 || batch == 16 || batch == 64) && kv_len <= 4096;
+        rows.push_back(row);
+      }
+    }
+  }
+  for (int head_dim : {128, 64, 256}) {
+    for (auto [batch, len] : {std::pair{1, 1024}, {1, 4096}, {1, 16384}, {8, 2048}}) {
+      GridRow row;
+      row.workload = "prefill";
+      row.batch = batch;
+      row.kv_len = len;
+      row.qo_len = len;
+      row.head_dim = head_dim;
+      row.variant = "causal";
+      row.in_quick = head_dim == 128 && len <= 4096 && batch == 1;
+      rows.push_back(row);
+    }
+  }
+  GridRow extend;
+  extend.workload = "extend";
+  extend.batch = 8;
+  extend.prefix_len = 4096;
+  extend.qo_len = 512;
+  extend.kv_len = 4096 + 512;
+  extend.variant = "causal";
+  extend.in_quick = true;
+  rows.push_back(extend);
+  return rows;
+}
+
+struct Ceilings {
+  double read_gbps = kNaN;
+  double copy_gbps = kNaN;          ///< CUDA only
+  double gemm_bf16_tflops = kNaN;   ///< CUDA only
+  double cpu_fma_fp32_gflops = kNaN;  ///< CPU only
+};
+
+struct RowResult {
+  GridRow row;
+  bool measured = false;
+  std::string note;  ///< why a row was skipped or failed
+  bool failed = false;
+  double time_us = kNaN;
+  double gbps = kNaN;
+  double tflops = kNaN;
+  double fraction = kNaN;
+  double max_rel_err = kNaN;
+  int reps = 0;
+  bool graph = false;
+  int input_sets = 1;
+};
+
+struct TimingResult {
+  double median_us = 0;
+  int reps = 0;
+  bool graph = false;
+};
+
+/// The world of one row: a KV pool of `sets` layers (each layer its own K/V and its own
+/// q/k/v/out, so consecutive timed calls read different memory and small rows do not sit in
+/// the cache), req_to_token with shuffled pages, one step's batch and a backend.
+class BenchWorld {
+ public:
+  BenchWorld(const GridRow& row, const ToolDevice& device, int sets, uint64_t seed,
+             void* cuda_stream)
+      : row_(row),
+        device_(device),
+        sets_(sets),
+        cache_(KvCache::allocate(cache_config(row, device, sets))),
+        pool_(ReqToTokenPool::allocate(row.batch, row.kv_len, device.device)) {
+    Rng rng(seed);
+    assign_slots(rng);
+    StepSpec spec;
+    spec.mode = row.is_decode() ? ForwardMode::kDecode : ForwardMode::kExtend;
+    for (int r = 0; r < row.batch; ++r) {
+      spec.req_pool_indices.push_back(r);
+      spec.seq_lens.push_back(row.kv_len);
+      if (row.is_decode()) {
+        spec.out_cache_loc.push_back(slots_[r][row.kv_len - 1]);
+      } else {
+        spec.prefix_lens.push_back(row.prefix_len);
+        spec.extend_lens.push_back(row.qo_len);
+        spec.out_cache_loc.insert(spec.out_cache_loc.end(), slots_[r].begin() + row.prefix_len,
+                                  slots_[r].end());
+      }
+    }
+    step_ = std::make_unique<StepBatch>(spec, device.device, &cache_, &pool_);
+
+    uint64_t fill_seed = seed * 7919;
+    for (int layer = 0; layer < sets; ++layer) {
+      fill_random(cache_.k_buffer(layer), fill_seed++, 1.f);
+      fill_random(cache_.v_buffer(layer), fill_seed++, 1.f);
+      const int64_t tokens = row.tokens();
+      q_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kQHeads, row.head_dim}));
+      k_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kKvHeads, row.head_dim}));
+      v_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kKvHeads, row.head_dim}));
+      out_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kQHeads, row.head_dim}));
+      for (const OwnedTensor* input : {&q_.back(), &k_.back(), &v_.back()}) {
+        fill_random(input->view, fill_seed++, 1.f);
+      }
+    }
+
+    BackendConfig config;
+    config.kv_cache = &cache_;
+    config.req_to_token_pool = &pool_;
+    config.num_q_heads = kQHeads;
+    config.num_kv_heads = kKvHeads;
+    config.head_dim = row.head_dim;
+    config.q_dtype = kDType;
+    config.cuda_stream = cuda_stream;
+    backend_ = make_backend(device.kind, config);
+    backend_->init_forward_metadata(step_->batch());
+  }
+
+  /// Bytes the world holds on the device: the pool of all layers plus every input set.
+  static int64_t world_bytes(const GridRow& row, int sets) {
+    const int64_t elem = dtype_size(kDType);
+    const int64_t pool = num_slots(row) * kKvHeads * 2 * row.head_dim * elem;
+    const int64_t inputs = row.tokens() * (2 * kQHeads + 2 * kKvHeads) * row.head_dim * elem;
+    return sets * (pool + inputs);
+  }
+  /// Bytes one call touches: the K/V it reads plus its inputs and output.
+  static int64_t call_bytes(const GridRow& row) {
+    const int64_t elem = dtype_size(kDType);
+    const int64_t kv = int64_t(row.batch) * row.kv_len * kKvHeads * 2 * row.head_dim * elem;
+    return kv + row.tokens() * (2 * kQHeads + 2 * kKvHeads) * row.head_dim * elem;
+  }
+
+  void forward(int set) {
+    backend_->forward(q_[set].view, k_[set].view, v_[set].view, out_[set].view, layer(set),
+                      step_->batch(), /*save_kv_cache=*/true);
+  }
+
+  /// Max relative error of sampled query rows of set 0 against the float64 reference. Each
+  /// sampled query (request r, absolute position p) sees positions [0, p] of its request, which
+  /// the oracle computes as a decode of length p + 1: exact for causal full attention.
+  double sampled_max_rel_err() {
+    forward(0);
+    synchronize(device_.device);
+    struct Sample {
+      int request;
+      int64_t out_row;
+      int position;
+    };
+    std::vector<Sample> samples;
+    if (row_.is_decode()) {
+      for (int r : {0, row_.batch / 3, 2 * row_.batch / 3, row_.batch - 1}) {
+        samples.push_back({r, r, row_.kv_len - 1});
+      }
+    } else {
+      for (int r : {0, row_.batch - 1}) {
+        for (int j : {0, row_.qo_len / 2 + 1, row_.qo_len - 1}) {
+          samples.push_back({r, int64_t(r) * row_.qo_len + j, row_.prefix_len + j});
+        }
+      }
+    }
+    std::sort(samples.begin(), samples.end(),
+              [](const Sample& a, const Sample& b) { return a.out_row < b.out_row; });
+    samples.erase(std::unique(samples.begin(), samples.end(),
+                              [](const Sample& a, const Sample& b) {
+                                return a.out_row == b.out_row;
+                              }),
+                  samples.end());
+
+    std::vector<std::vector<int32_t>> rows;
+    std::vector<int64_t> out_rows;
+    testing::RefBatch ref_batch;
+    ref_batch.mode = ForwardMode::kDecode;
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const Sample& s = samples[i];
+      rows.emplace_back(slots_[s.request].begin(), slots_[s.request].begin() + s.position + 1);
+      out_rows.push_back(s.out_row);
+      ref_batch.req_pool_indices.push_back(int32_t(i));
+      ref_batch.seq_lens.push_back(s.position + 1);
+    }
+    CompactPool compact = snapshot_rows(cache_, 0, rows);
+    ref_batch.max_context_len = compact.max_context_len;
+    ref_batch.req_to_token = std::move(compact.req_to_token);
+
+    const int64_t q_row = int64_t(kQHeads) * row_.head_dim;
+    const OwnedTensor q_host = copy_rows_to_host(q_[0].view, out_rows, q_row);
+    const OwnedTensor out_host = copy_rows_to_host(out_[0].view, out_rows, q_row);
+    std::vector<int64_t> dense(out_rows.size());
+    for (size_t i = 0; i < dense.size(); ++i) dense[i] = int64_t(i);
+    const std::vector<double> q = gather_rows_as_double(q_host.view, dense, q_row);
+    const testing::RefOutput ref =
+        testing::reference_attention(layer(0), ref_batch, compact.pool, q);
+    return max_rel_err(ref, out_host.view, dense);
+  }
+
+ private:
+  static int64_t num_slots(const GridRow& row) {
+    const int64_t pages_per_request = (row.kv_len + row.page_size - 1) / row.page_size;
+    return (1 + row.batch * pages_per_request) * row.page_size;  // + the reserved page 0
+  }
+
+  static KvCacheConfig cache_config(const GridRow& row, const ToolDevice& device, int sets) {
+    KvCacheConfig config;
+    config.num_layers = sets;
+    config.num_slots = num_slots(row);
+    config.num_kv_heads = kKvHeads;
+    config.head_dim = row.head_dim;
+    config.page_size = row.page_size;
+    config.dtype = kDType;
+    config.device = device.device;
+    return config;
+  }
+
+  /// Pages come from the allocator and are then shuffled, as in an engine that has served for a
+  /// while: page-1 rows gather every token from a random place.
+  void assign_slots(Rng& rng) {
+    const int page = row_.page_size;
+    const int64_t pages_per_request = (row_.kv_len + page - 1) / page;
+    SlotAllocator allocator(cache_.num_slots(), page);
+    std::vector<int32_t> pages = allocator.allocate_pages(row_.batch * pages_per_request);
+    for (size_t i = pages.size(); i > 1; --i) {
+      std::swap(pages[i - 1], pages[size_t(rng.next() % i)]);
+    }
+    slots_.resize(size_t(row_.batch));
+    for (int r = 0; r < row_.batch; ++r) {
+      std::vector<int32_t>& slots = slots_[size_t(r)];
+      slots.resize(size_t(row_.kv_len));
+      for (int i = 0; i < row_.kv_len; ++i) {
+        slots[size_t(i)] = pages[size_t(r * pages_per_request + i / page)] * page + i % page;
+      }
+      pool_.write(r, 0, slots);
+    }
+  }
+
+  AttentionLayer layer(int set) const {
+    AttentionLayer layer;
+    layer.layer_id = set;
+    layer.num_q_heads = kQHeads;
+    layer.num_kv_heads = kKvHeads;
+    layer.head_dim = row_.head_dim;
+    layer.scaling = float(1.0 / std::sqrt(double(row_.head_dim)));
+    return layer;
+  }
+
+  /// Rows of a [tokens, ...] tensor (row_elems values each) copied into a dense host tensor.
+  static OwnedTensor copy_rows_to_host(const TensorView& tensor, const std::vector<int64_t>& rows,
+                                       int64_t row_elems) {
+    OwnedTensor host = OwnedTensor::make(Device::cpu(), tensor.dtype(),
+                                         {int64_t(rows.size()), row_elems});
+    const int64_t row_bytes = row_elems * dtype_size(tensor.dtype());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      copy_bytes(static_cast<uint8_t*>(host.view.data()) + int64_t(i) * row_bytes,
+                 Device::cpu(), static_cast<const uint8_t*>(tensor.data()) + rows[i] * row_bytes,
+                 tensor.device(), size_t(row_bytes));
+    }
+    return host;
+  }
+
+  GridRow row_;
+  ToolDevice device_;
+  int sets_;
+  KvCache cache_;
+  ReqToTokenPool pool_;
+  std::vector<std::vector<int32_t>> slots_;  ///< [batch][kv_len] slot of each position
+  std::unique_ptr<StepBatch> step_;
+  std::vector<OwnedTensor> q_, k_, v_, out_;
+  std::unique_ptr<AttentionBackend> backend_;
+};
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+/// Host timing: one call per sample, rotating the input sets; median after one warm-up call.
+TimingResult time_cpu(BenchWorld& world, int sets, int min_reps, int max_reps,
+                      double max_seconds) {
+  world.forward(0);
+  std::vector<double> samples;
+  const auto begin = std::chrono::steady_clock::now();
+  for (int call = 0; call < max_reps; ++call) {
+    const auto start = std::chrono::steady_clock::now();
+    world.forward(call % sets);
+    samples.push_back(seconds_since(start) * 1e6);
+    if (call + 1 >= min_reps && seconds_since(begin) > max_seconds) break;
+  }
+  return {median(samples), int(samples.size()), false};
+}
+
+std::string json_number(double value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.6g", value);
+  return text;
+}
+
+std::string json_string(const std::string& value) {
+  std::string out = "\"";
+  for (char c : value) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+void write_json(const std::string& path, const std::string& device_name, const Ceilings& ceilings,
+                const std::vector<RowResult>& results) {
+  const std::filesystem::path file(path);
+  if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
+  std::ofstream out(path);
+  if (!out) throw_error(ErrorKind::kInvalidArgument, "--json", "cannot write '", path, "'");
+  out << "{\"device\": " << json_string(device_name) << ", \"commit\": "
+      << json_string(git_commit()) << ", \"date\": " << json_string(today_iso()) << ",\n";
+  out << " \"ceilings\": {\"copy_gbps\": " << json_number(ceilings.copy_gbps)
+      << ", \"read_gbps\": " << json_number(ceilings.read_gbps)
+      << ", \"gemm_bf16_tflops\": " << json_number(ceilings.gemm_bf16_tflops);
+  if (std::isfinite(ceilings.cpu_fma_fp32_gflops)) {
+    out << ", \"cpu_fma_fp32_tflops\": " << json_number(ceilings.cpu_fma_fp32_gflops / 1e3);
+  }
+  out << "},\n \"rows\": [";
+  bool first = true;
+  for (const RowResult& r : results) {
+    if (!r.measured) continue;
+    const GridRow& g = r.row;
+    out << (first ? "\n  " : ",\n  ");
+    first = false;
+    out << "{\"workload\": " << json_string(g.workload) << ", \"impl\": \"kvattn\""
+        << ", \"batch\": " << g.batch << ", \"kv_len\": " << g.kv_len
+        << ", \"qo_len\": " << g.qo_len << ", \"prefix_len\": " << g.prefix_len
+        << ", \"page_size\": " << g.page_size << ", \"head_dim\": " << g.head_dim
+        << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
+        << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
+        << ", \"variant\": " << json_string(g.variant)
+        << ", \"time_us\": " << json_number(r.time_us) << ", \"gbps\": " << json_number(r.gbps)
+        << ", \"tflops\": " << json_number(r.tflops)
+        << ", \"fraction\": " << json_number(r.fraction)
+        << ", \"max_rel_err\": " << json_number(r.max_rel_err) << "}";
+  }
+  out << "\n ],\n \"skipped\": [";
+  first = true;
+  for (const RowResult& r : results) {
+    if (r.measured) continue;
+    out << (first ? "\n  " : ",\n  ") << "{\"row\": " << json_string(r.row.label())
+        << ", \"why\": " << json_string(r.note) << "}";
+    first = false;
+  }
+  out << "\n ]}\n";
+}
+
+int64_t host_available_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t value = 0;
+  std::string unit;
+  while (meminfo >> key >> value >> unit) {
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return 16 * kGiB;
+}
+
+void print_header(bool cpu) {
+  std::printf("%-8s %5s %6s %6s %6s %4s %4s %-16s %10s %14s %8s %11s  %s\n", "workload", "batch",
+              "kv_len", "qo_len", "prefix", "page", "hd", "variant", "time",
+              cpu ? "GB/s|GFLOP/s" : "GB/s|TFLOP/s", "fraction", "max_rel_err", "note");
+}
+
+void print_row(const RowResult& r, bool cpu) {
+  const GridRow& g = r.row;
+  std::string time = "-";
+  std::string rate = "-";
+  std::string fraction = "-";
+  std::string err = "-";
+  char text[48];
+  if (r.measured) {
+    time = format_us(r.time_us);
+    if (g.is_decode()) {
+      std::snprintf(text, sizeof(text), "%.1f GB/s", r.gbps);
+    } else if (cpu) {
+      std::snprintf(text, sizeof(text), "%.1f GFLOP/s", r.tflops * 1e3);
+    } else {
+      std::snprintf(text, sizeof(text), "%.1f TFLOP/s", r.tflops);
+    }
+    rate = text;
+    std::snprintf(text, sizeof(text), "%.3f", r.fraction);
+    fraction = text;
+    if (std::isfinite(r.max_rel_err)) {
+      std::snprintf(text, sizeof(text), "%.2e", r.max_rel_err);
+      err = text;
+    } else if (!std::isnan(r.max_rel_err)) {
+      err = "inf";
+    }
+  }
+  std::printf("%-8s %5d %6d %6d %6d %4d %4d %-16s %10s %14s %8s %11s  %s\n", g.workload.c_str(),
+              g.batch, g.kv_len, g.qo_len, g.prefix_len, g.page_size, g.head_dim,
+              g.variant.c_str(), time.c_str(), rate.c_str(), fraction.c_str(), err.c_str(),
+              r.note.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+std::string bench_usage() {
+  return "usage: kvattn bench [options]\n"
+         "\n"
+         "Times the SPEC §6 grid (32 q / 8 kv heads, bf16): decode batch {1,16,64,256} x kv_len\n"
+         "{1024,4096,16384,32768 (batch <= 16)} with page 1 and page 16 (pages shuffled);\n"
+         "causal prefill (1,1024) (1,4096) (1,16384) (8,2048) at head_dim 128, 64 and 256;\n"
+         "extend batch 8 x (4096 prefix + 512 new). The ceilings are measured first, in the same\n"
+         "run: CPU read-only streaming bandwidth (1 GiB, all cores, AVX2) and the fp32 FMA rate;\n"
+         "CUDA read-only streaming (4 GiB), device copy and cuBLAS bf16 GEMM 8192^3. Decode\n"
+         "reports GB/s of K+V read as a fraction of the read bandwidth; prefill and extend report\n"
+         "FLOP/s (4*b*h*d*q*(prefix + q/2)) as a fraction of the matrix / FMA rate. Every row is\n"
+         "checked on sampled queries against the float64 reference (max_rel_err).\n"
+         "On the CPU, rows estimated too slow or too big for the machine are listed as skipped.\n"
+         "Progress goes to stderr. Exit code 1 when a row fails or exceeds the bf16 error bar.\n"
+         "\n"
+         "options:\n" +
+         format_options(bench_options());
+}
+
+int run_bench(const std::vector<std::string>& args) {
+  const ParsedArgs parsed(args, bench_options());
+  const ToolDevice device = select_device(parsed.get("--device", ""));
+  const bool cpu = device.device.is_cpu();
+  const bool quick = parsed.has("--quick");
+  const std::string workload =
+      parsed.get_choice("--workload", "all", {"all", "decode", "prefill", "extend"});
+  const double max_row_seconds = parsed.get_double("--max-row-seconds", quick ? 1.0 : 5.0, 0, 1e6);
+  const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
+  const std::string json_path = parsed.get("--json", "");
+  const std::string device_name = device_description(device);
+
+  std::vector<GridRow> grid;
+  for (const GridRow& row : make_grid()) {
+    if (quick && !row.in_quick) continue;
+    if (workload != "all" && row.workload != workload) continue;
+    grid.push_back(row);
+  }
+
+  std::fprintf(stderr, "kvattn bench on %s: measuring ceilings...\n", device_name.c_str());
+  Ceilings ceilings;
+  int64_t memory_limit = 0;
+  int64_t cache_bytes = 0;
+#if defined(KVATTN_WITH_CUDA)
+  std::unique_ptr<cuda::bench::Stream> stream;
+#endif
+  void* stream_handle = nullptr;
+  if (cpu) {
+    ceilings.read_gbps = measure_cpu_read_gbps(kGiB, quick ? 3 : 5);
+    ceilings.cpu_fma_fp32_gflops = measure_cpu_fma_gflops(quick ? 3 : 5);
+    memory_limit = std::min<int64_t>(8 * kGiB, host_available_bytes() / 2);
+    cache_bytes = cpu_last_level_cache_bytes();
+  } else {
+#if defined(KVATTN_WITH_CUDA)
+    const int index = device.device.index;
+    const cuda::bench::DeviceProperties props = cuda::bench::device_properties(index);
+    ceilings.read_gbps = cuda::bench::measure_read_gbps(index, 4 * kGiB, 20);
+    ceilings.copy_gbps = cuda::bench::measure_copy_gbps(index, 4 * kGiB, 20);
+    ceilings.gemm_bf16_tflops = cuda::bench::measure_gemm_bf16_tflops(index, 8192, 20);
+    memory_limit = props.global_bytes * 85 / 100;
+    cache_bytes = props.l2_bytes;
+    stream = std::make_unique<cuda::bench::Stream>(index);
+    stream_handle = stream->handle();
+#endif
+  }
+  if (parsed.has("--max-gib")) {
+    memory_limit = int64_t(parsed.get_double("--max-gib", 0, 0.01, 1e6) * double(kGiB));
+  }
+  // Consecutive calls must not find their data in the cache: rotate input sets until one round
+  // touches 4x the last-level cache (CPU L3 / GPU L2).
+  const int64_t rotate_bytes = 4 * cache_bytes;
+
+  std::printf("kvattn bench: %s, commit %s, %s\n", device_name.c_str(), git_commit().c_str(),
+              today_iso().c_str());
+  if (cpu) {
+    std::printf("ceilings (this run): read %.1f GB/s (1 GiB, %u threads, AVX2 loads); fp32 FMA "
+                "%.1f GFLOP/s\n",
+                ceilings.read_gbps, std::max(1u, std::thread::hardware_concurrency()),
+                ceilings.cpu_fma_fp32_gflops);
+    std::printf("fraction: decode of read GB/s; prefill/extend of the fp32 FMA rate. Rows whose "
+                "one call is estimated over %.1f s, or whose world needs over %.1f GiB, are "
+                "skipped.\n",
+                max_row_seconds, double(memory_limit) / double(kGiB));
+  } else {
+    std::printf("ceilings (this run): read %.0f GB/s (4 GiB), copy %.0f GB/s, bf16 GEMM 8192^3 "
+                "%.0f TFLOP/s\n",
+                ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
+    std::printf("fraction: decode of read GB/s; prefill/extend of the GEMM rate.\n");
+  }
+  std::printf("\n");
+  print_header(cpu);
+
+  std::vector<RowResult> results;
+  const double tolerance = testing::tolerance_for(kDType, kDType);
+  const auto bench_start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < grid.size(); ++i) {
+    RowResult result;
+    result.row = grid[i];
+    const GridRow& row = grid[i];
+    const int64_t per_call = BenchWorld::call_bytes(row);
+    const int sets = int(std::clamp<int64_t>((rotate_bytes + per_call - 1) / per_call, 1, 32));
+    result.input_sets = sets;
+    const int64_t needed = BenchWorld::world_bytes(row, sets);
+    // A rough time for one call from this run's ceilings: decode at half the read bandwidth,
+    // prefill at a fifth of the FMA rate (the CPU backend converts bf16 and runs fp32 FMAs).
+    const double estimate_s = row.is_decode()
+                                  ? row.kv_bytes() / (0.5 * ceilings.read_gbps * 1e9)
+                                  : row.flops() / (0.2 * ceilings.cpu_fma_fp32_gflops * 1e9);
+    std::fprintf(stderr, "[%zu/%zu %.0fs] %s ", i + 1, grid.size(), seconds_since(bench_start),
+                 row.label().c_str());
+    char why[96];
+    if (needed > memory_limit) {
+      std::snprintf(why, sizeof(why), "skipped: needs %.1f GiB (limit %.1f)",
+                    double(needed) / double(kGiB), double(memory_limit) / double(kGiB));
+      result.note = why;
+    } else if (cpu && estimate_s > max_row_seconds) {
+      std::snprintf(why, sizeof(why), "skipped: ~%.0f s per call on this CPU", estimate_s);
+      result.note = why;
+    } else {
+      try {
+        BenchWorld world(row, device, sets, seed + i, stream_handle);
+        TimingResult timing;
+        if (cpu) {
+          timing = time_cpu(world, sets, quick ? 2 : 3, quick ? 10 : 30, quick ? 0.3 : 1.0);
+        } else {
+#if defined(KVATTN_WITH_CUDA)
+          cuda::bench::TimingOptions options;
+          options.calls_per_rep = sets;
+          options.max_seconds = quick ? 0.3 : 1.0;
+          const cuda::bench::Timing t = cuda::bench::time_on_stream(
+              [&](int call) { world.forward(call); }, stream_handle, options);
+          timing = {t.median_us, t.reps, t.graph};
+#endif
+        }
+        result.measured = true;
+        result.time_us = timing.median_us;
+        result.reps = timing.reps;
+        result.graph = timing.graph;
+        if (row.is_decode()) {
+          result.gbps = row.kv_bytes() / (result.time_us * 1e3);
+          result.fraction = result.gbps / ceilings.read_gbps;
+        } else {
+          result.tflops = row.flops() / (result.time_us * 1e6);
+          result.fraction = cpu ? result.tflops * 1e3 / ceilings.cpu_fma_fp32_gflops
+                                : result.tflops / ceilings.gemm_bf16_tflops;
+        }
+        result.max_rel_err = world.sampled_max_rel_err();
+        if (!(result.max_rel_err <= tolerance)) {
+          result.failed = true;
+          result.note = "FAIL: error above " + json_number(tolerance);
+        }
+        std::ostringstream note;
+        note << (result.note.empty() ? "" : "; ") << timing.reps << " reps";
+        if (sets > 1) note << ", " << sets << " input sets";
+        if (timing.graph) note << ", graph";
+        result.note += note.str();
+      } catch (const std::exception& e) {
+        result.measured = false;
+        result.failed = true;
+        result.note = std::string("FAIL: ") + e.what();
+      }
+    }
+    std::fprintf(stderr, "%s\n", result.measured ? format_us(result.time_us).c_str()
+                                                 : result.note.c_str());
+    print_row(result, cpu);
+    results.push_back(result);
+  }
+
+  int measured = 0;
+  int skipped = 0;
+  int failed = 0;
+  for (const RowResult& r : results) {
+    if (r.failed) ++failed;
+    else if (r.measured) ++measured;
+    else ++skipped;
+  }
+  std::printf("\n%d rows measured, %d skipped, %d failed (%.0f s)\n", measured, skipped, failed,
+              seconds_since(bench_start));
+  if (!json_path.empty()) {
+    write_json(json_path, device_name, ceilings, results);
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace kvattn::tools

@@ -1,0 +1,122 @@
+#include "cpu_ceilings.h"
+
+#include <immintrin.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "kvattn/memory.h"
+#include "tool_support.h"
+
+namespace kvattn::tools {
+namespace {
+
+int host_threads() { return int(std::max(1u, std::thread::hardware_concurrency())); }
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+/// Runs work(thread_index) on all cores, started together; returns the wall seconds from the
+/// common start to the last finish.
+template <typename Work>
+double run_on_all_cores(int threads, Work work) {
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      work(t);
+    });
+  }
+  while (ready.load() < threads) {
+  }
+  const auto start = std::chrono::steady_clock::now();
+  go.store(true, std::memory_order_release);
+  for (std::thread& worker : workers) worker.join();
+  return seconds_since(start);
+}
+
+/// XOR of every 32-byte vector in [begin, end): four loads in flight per iteration.
+__m256i read_range(const __m256i* begin, const __m256i* end) {
+  __m256i a = _mm256_setzero_si256();
+  __m256i b = a, c = a, d = a;
+  const __m256i* p = begin;
+  for (; p + 4 <= end; p += 4) {
+    a = _mm256_xor_si256(a, _mm256_load_si256(p));
+    b = _mm256_xor_si256(b, _mm256_load_si256(p + 1));
+    c = _mm256_xor_si256(c, _mm256_load_si256(p + 2));
+    d = _mm256_xor_si256(d, _mm256_load_si256(p + 3));
+  }
+  for (; p < end; ++p) a = _mm256_xor_si256(a, _mm256_load_si256(p));
+  return _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+}
+
+}  // namespace
+
+double measure_cpu_read_gbps(int64_t bytes, int passes) {
+  const int threads = host_threads();
+  const int64_t num_vectors = bytes / 32;
+  Buffer buffer = Buffer::allocate(Device::cpu(), size_t(num_vectors) * 32);
+  // Random content written by all cores: pages are touched before timing, never zero pages.
+  fill_random(buffer.view(DType::kFloat32, {num_vectors * 8}), 0x5eed, 1.f);
+  const auto* data = static_cast<const __m256i*>(buffer.data());
+  std::vector<uint64_t> sinks(size_t(threads) * 8);
+  std::vector<double> gbps;
+  for (int pass = 0; pass < passes + 1; ++pass) {
+    const double seconds = run_on_all_cores(threads, [&](int t) {
+      const int64_t chunk = (num_vectors + threads - 1) / threads;
+      const int64_t first = std::min(num_vectors, t * chunk);
+      const int64_t last = std::min(num_vectors, first + chunk);
+      const __m256i acc = read_range(data + first, data + last);
+      sinks[size_t(t) * 8] = uint64_t(_mm256_extract_epi64(acc, 0));
+    });
+    if (pass > 0) gbps.push_back(double(num_vectors) * 32 / seconds / 1e9);  // pass 0 warms up
+  }
+  return median(gbps);
+}
+
+double measure_cpu_fma_gflops(int passes) {
+  const int threads = host_threads();
+  // 12 independent chains cover the FMA latency (4-5 cycles) times two FMA ports.
+  constexpr int kChains = 12;
+  constexpr int64_t kIterations = 20'000'000;
+  std::vector<float> sinks(size_t(threads) * 16);
+  std::vector<double> gflops;
+  for (int pass = 0; pass < passes + 1; ++pass) {
+    const double seconds = run_on_all_cores(threads, [&](int t) {
+      __m256 acc[kChains];
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(float(c + t));
+      const __m256 mul = _mm256_set1_ps(0.999999f);
+      const __m256 add = _mm256_set1_ps(1e-7f);
+      for (int64_t i = 0; i < kIterations; ++i) {
+        for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], mul, add);
+      }
+      __m256 total = acc[0];
+      for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[c]);
+      sinks[size_t(t) * 16] = _mm256_cvtss_f32(total);
+    });
+    const double flops = double(threads) * kIterations * kChains * 8 * 2;
+    if (pass > 0) gflops.push_back(flops / seconds / 1e9);
+  }
+  return median(gflops);
+}
+
+int64_t cpu_last_level_cache_bytes() {
+  long bytes = -1;
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+  bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+  return bytes > 0 ? int64_t(bytes) : int64_t(32) << 20;
+}
+
+}  // namespace kvattn::tools

@@ -1,0 +1,47 @@
+// One step's ForwardBatch built from host vectors, with the device tensors (and host copies) it
+// points to owned alongside it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvattn/kvattn.h"
+#include "tool_support.h"
+
+namespace kvattn::tools {
+
+/// What a step is, on the host.
+struct StepSpec {
+  ForwardMode mode = ForwardMode::kDecode;
+  std::vector<int32_t> req_pool_indices;  ///< [batch_size]
+  std::vector<int32_t> seq_lens;          ///< [batch_size] (verify: the committed prefix)
+  std::vector<int32_t> prefix_lens;       ///< [batch_size] EXTEND-like modes only
+  std::vector<int32_t> extend_lens;       ///< [batch_size] EXTEND-like modes only
+  std::vector<int32_t> out_cache_loc;     ///< [num_tokens]
+  int draft_token_num = 0;                ///< TARGET_VERIFY
+  std::vector<uint8_t> custom_mask;       ///< TARGET_VERIFY, SpecInfo::custom_mask layout
+};
+
+/// Owns the tensors of one ForwardBatch. Not movable: the batch points into it.
+class StepBatch {
+ public:
+  StepBatch(const StepSpec& spec, Device device, KvCache* kv_cache,
+            const ReqToTokenPool* req_to_token_pool);
+  StepBatch(const StepBatch&) = delete;
+  StepBatch& operator=(const StepBatch&) = delete;
+
+  const ForwardBatch& batch() const { return batch_; }
+  const StepSpec& spec() const { return spec_; }
+
+ private:
+  StepSpec spec_;
+  MirroredIndex req_pool_indices_;
+  MirroredIndex seq_lens_;
+  MirroredIndex prefix_lens_;
+  MirroredIndex extend_lens_;
+  MirroredIndex out_cache_loc_;
+  Buffer custom_mask_;
+  ForwardBatch batch_;
+};
+
+}  // namespace kvattn::tools
