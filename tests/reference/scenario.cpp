@@ -214,40 +214,29 @@ double tolerance_for(DType q_dtype, DType kv_dtype, BackendKind kind) {
   return tolerance_for(q_dtype, kv_dtype);
 }
 
-ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind) {
-  ScenarioResult result;
-  result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, kind);
-  const std::string what = describe_spec(spec);
-  std::unique_ptr<ScenarioWorld> world;
-  try {
-    world = ScenarioWorld::build(spec, kind);
-  } catch (const std::exception& e) {
-    result.detail = what + ": building the world failed: " + e.what();
-    return result;
-  }
-  ScenarioWorld& w = *world;
-
-  try {
-    if (w.multi_step) {
-      MultiStepDraftBackend draft(kind, w.config, spec.topk, spec.num_steps);
-      draft.init_forward_metadata(w.batch);
-      for (int step = 0; step < spec.num_steps; ++step) {
-        const ScenarioCall& c = w.calls[size_t(step)];
-        draft.forward_step(step, c.q, c.k, c.v, c.out, w.layer, c.out_cache_loc);
-      }
-    } else {
-      std::unique_ptr<AttentionBackend> backend = make_backend(kind, w.config);
-      backend->init_forward_metadata(w.batch);
-      for (const ScenarioCall& c : w.calls) {
-        backend->forward(c.q, c.k, c.v, c.out, w.layer, w.batch, spec.save_kv_cache);
-      }
+void run_world(ScenarioWorld& w, const AttentionLayer& layer) {
+  const ScenarioSpec& spec = w.spec;
+  if (w.multi_step) {
+    MultiStepDraftBackend draft(w.kind, w.config, spec.topk, spec.num_steps);
+    draft.init_forward_metadata(w.batch);
+    for (int step = 0; step < spec.num_steps; ++step) {
+      const ScenarioCall& c = w.calls[size_t(step)];
+      draft.forward_step(step, c.q, c.k, c.v, c.out, layer, c.out_cache_loc);
     }
-  } catch (const std::exception& e) {
-    result.detail = what + ": the backend threw: " + e.what();
-    result.kv_pool_ok = false;
-    return result;
+    return;
   }
+  std::unique_ptr<AttentionBackend> backend = make_backend(w.kind, w.config);
+  backend->init_forward_metadata(w.batch);
+  for (const ScenarioCall& c : w.calls) {
+    backend->forward(c.q, c.k, c.v, c.out, layer, w.batch, spec.save_kv_cache);
+  }
+}
 
+ScenarioResult judge_world(ScenarioWorld& w) {
+  const ScenarioSpec& spec = w.spec;
+  ScenarioResult result;
+  result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, w.kind);
+  const std::string what = describe_spec(spec);
   PoolCheck pool = check_pool(w);
   result.kv_pool_ok = pool.ok;
 
@@ -283,6 +272,28 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind) {
     result.detail = what + ": " + pool.detail;
   }
   return result;
+}
+
+ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind) {
+  std::unique_ptr<ScenarioWorld> world;
+  try {
+    world = ScenarioWorld::build(spec, kind);
+  } catch (const std::exception& e) {
+    ScenarioResult result;
+    result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, kind);
+    result.detail = describe_spec(spec) + ": building the world failed: " + e.what();
+    return result;
+  }
+  try {
+    run_world(*world, world->layer);
+  } catch (const std::exception& e) {
+    ScenarioResult result;
+    result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, kind);
+    result.detail = describe_spec(spec) + ": the backend threw: " + e.what();
+    result.kv_pool_ok = world->pool_unchanged();
+    return result;
+  }
+  return judge_world(*world);
 }
 
 }  // namespace kvattn::testing

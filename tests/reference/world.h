@@ -78,4 +78,12 @@ class ScenarioWorld {
   std::vector<Buffer> buffers_;
 };
 
+/// Runs every call of the world on a new backend of w.kind with `layer` (normally w.layer).
+/// Throws what the backend throws.
+void run_world(ScenarioWorld& w, const AttentionLayer& layer);
+
+/// After run_world: the outputs against the float64 reference (for w.layer) and the KV pool
+/// against its expected contents.
+ScenarioResult judge_world(ScenarioWorld& w);
+
 }  // namespace kvattn::testing
