@@ -1,0 +1,563 @@
+// The CUDA batch prefill kernel against a float64 formula written here: random inputs, poisoned
+// outputs (and poisoned padding that must stay untouched), NaN in every KV slot no request
+// uses, paged (page 1 shuffled, page 16) and ragged K/V, every mask, window, soft-cap, LSE,
+// split-KV, fp8 KV, head_dim 64/128/256, lengths that are not multiples of the tile, kv_len 0
+// and 1.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/kernels/prefill.h"
+#include "kvattn/dtype.h"
+#include "kvattn/error.h"
+#include "kvattn/memory.h"
+
+namespace kvattn::cuda {
+namespace {
+
+#define PREFILL_CUDA_OK(call)                                               \
+  do {                                                                      \
+    const cudaError_t status_ = (call);                                     \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
+  } while (0)
+
+/// Owned device bytes for the test.
+struct DeviceBytes {
+  void* ptr = nullptr;
+  explicit DeviceBytes(size_t bytes) {
+    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 16)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBytes() { cudaFree(ptr); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+};
+
+template <typename V>
+void* upload(std::vector<std::unique_ptr<DeviceBytes>>& keep, const std::vector<V>& host) {
+  keep.push_back(std::make_unique<DeviceBytes>(host.size() * sizeof(V)));
+  if (!host.empty()) {
+    cudaMemcpy(keep.back()->ptr, host.data(), host.size() * sizeof(V), cudaMemcpyHostToDevice);
+  }
+  return keep.back()->ptr;
+}
+
+struct Case {
+  std::string name;
+  std::vector<int> q_lens;
+  std::vector<int> kv_lens;
+  int num_q_heads = 8;
+  int num_kv_heads = 2;
+  int head_dim = 128;
+  DType io = DType::kBFloat16;
+  DType kv = DType::kBFloat16;
+  core::MaskMode mask = core::MaskMode::kCausal;
+  int window = -1;
+  float cap = 0.f;
+  bool paged = true;
+  int page_size = 1;
+  bool shuffle = true;
+  bool lse = true;
+  int concurrent_ctas = 0;  // > 0: allow split-KV
+  float k_scale = 1.f;
+  float v_scale = 1.f;
+  float input_range = 2.f;
+  uint32_t seed = 1;
+};
+
+uint16_t to_16bit(float x, DType t) { return t == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x); }
+float from_16bit(uint16_t b, DType t) { return t == DType::kBFloat16 ? bf16_to_float(b) : fp16_to_float(b); }
+
+constexpr uint16_t kPoison16 = 0xffff;  // NaN in bf16 and fp16
+
+// Runs one case end to end and checks it; prints the errors.
+void run_case(const Case& c) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(c.seed);
+  std::uniform_real_distribution<float> uni(-c.input_range, c.input_range);
+  const int batch = static_cast<int>(c.q_lens.size());
+  const int hq = c.num_q_heads, hkv = c.num_kv_heads, d = c.head_dim, group = hq / hkv;
+  const bool fp8 = is_fp8_dtype(c.kv);
+  const int kv_elem = dtype_size(c.kv);
+
+  std::vector<int32_t> qo_indptr{0};
+  std::vector<int64_t> kv_indptr{0};
+  for (int r = 0; r < batch; ++r) {
+    qo_indptr.push_back(qo_indptr.back() + c.q_lens[r]);
+    kv_indptr.push_back(kv_indptr.back() + c.kv_lens[r]);
+  }
+  const int64_t total_q = qo_indptr.back();
+  const int64_t total_kv = kv_indptr.back();
+
+  // q and out with padding after each token's heads (strides are not hq * d).
+  const int64_t q_stride_token = int64_t(hq) * d + 8;
+  std::vector<uint16_t> q_host(std::max<int64_t>(total_q * q_stride_token, 1), kPoison16);
+  std::vector<double> q_ref(total_q * hq * d);
+  for (int64_t t = 0; t < total_q; ++t) {
+    for (int h = 0; h < hq; ++h) {
+      for (int i = 0; i < d; ++i) {
+        const uint16_t bits = to_16bit(uni(rng), c.io);
+        q_host[t * q_stride_token + h * d + i] = bits;
+        q_ref[(t * hq + h) * d + i] = from_16bit(bits, c.io);
+      }
+    }
+  }
+
+  // K/V storage rows and, paged, the slot of every token (pages shuffled, spare pages NaN).
+  int64_t num_rows = total_kv;
+  std::vector<int32_t> kv_indices;
+  if (c.paged) {
+    std::vector<int64_t> pages_of(batch);
+    int64_t total_pages = 0;
+    for (int r = 0; r < batch; ++r) {
+      pages_of[r] = (c.kv_lens[r] + c.page_size - 1) / c.page_size;
+      total_pages += pages_of[r];
+    }
+    total_pages += 3;  // spare pages, never referenced
+    std::vector<int32_t> page_ids(total_pages);
+    std::iota(page_ids.begin(), page_ids.end(), 0);
+    if (c.shuffle) std::shuffle(page_ids.begin(), page_ids.end(), rng);
+    int64_t next = 0;
+    for (int r = 0; r < batch; ++r) {
+      for (int64_t p = 0; p < pages_of[r]; ++p) {
+        const int32_t page = page_ids[next++];
+        for (int s = 0; s < c.page_size && p * c.page_size + s < c.kv_lens[r]; ++s) {
+          kv_indices.push_back(page * c.page_size + s);
+        }
+      }
+    }
+    num_rows = total_pages * c.page_size;
+  }
+  const int64_t kv_stride_token = int64_t(hkv) * d;
+  // Every row starts as NaN; rows that tokens use get values.
+  std::vector<uint8_t> k_host(std::max<int64_t>(num_rows * kv_stride_token * kv_elem, 16));
+  std::vector<uint8_t> v_host(k_host.size());
+  auto poison = [&](std::vector<uint8_t>& buf) {
+    if (fp8) {
+      std::fill(buf.begin(), buf.end(), uint8_t(0x7f));  // NaN in e4m3 and e5m2
+    } else {
+      std::fill(buf.begin(), buf.end(), uint8_t(0xff));
+    }
+  };
+  poison(k_host);
+  poison(v_host);
+  std::vector<double> k_ref(total_kv * hkv * d), v_ref(total_kv * hkv * d);
+  auto store = [&](std::vector<uint8_t>& buf, int64_t element, float value, float scale) -> double {
+    if (c.kv == DType::kFloat8E4M3) {
+      buf[element] = float_to_fp8_e4m3(value / scale);
+      return double(fp8_e4m3_to_float(buf[element])) * scale;
+    }
+    if (c.kv == DType::kFloat8E5M2) {
+      buf[element] = float_to_fp8_e5m2(value / scale);
+      return double(fp8_e5m2_to_float(buf[element])) * scale;
+    }
+    const uint16_t bits = to_16bit(value, c.kv);
+    std::memcpy(&buf[element * 2], &bits, 2);
+    return double(from_16bit(bits, c.kv)) * scale;
+  };
+  for (int64_t t = 0; t < total_kv; ++t) {
+    const int64_t row = c.paged ? kv_indices[t] : t;
+    for (int h = 0; h < hkv; ++h) {
+      for (int i = 0; i < d; ++i) {
+        const int64_t e = row * kv_stride_token + h * d + i;
+        k_ref[(t * hkv + h) * d + i] = store(k_host, e, uni(rng), c.k_scale);
+        v_ref[(t * hkv + h) * d + i] = store(v_host, e, uni(rng), c.v_scale);
+      }
+    }
+  }
+
+  // Custom mask: ~70% visible, one row of the first request fully hidden.
+  std::vector<uint8_t> mask_host;
+  std::vector<int64_t> mask_indptr{0};
+  if (c.mask == core::MaskMode::kCustom) {
+    for (int r = 0; r < batch; ++r) {
+      for (int i = 0; i < c.q_lens[r]; ++i) {
+        for (int j = 0; j < c.kv_lens[r]; ++j) {
+          mask_host.push_back((r == 0 && i == 0) ? 0 : (rng() % 10 < 7));
+        }
+      }
+      mask_indptr.push_back(int64_t(mask_host.size()));
+    }
+  }
+
+  const double sm_scale = 1.0 / std::sqrt(double(d));
+
+  // ---- float64 reference ------------------------------------------------------------------
+  std::vector<double> out_ref(total_q * hq * d, 0.0);
+  std::vector<double> lse_ref(total_q * hq, -INFINITY);
+  for (int r = 0; r < batch; ++r) {
+    const int q_len = c.q_lens[r], kv_len = c.kv_lens[r];
+    for (int i = 0; i < q_len; ++i) {
+      const int64_t t = qo_indptr[r] + i;
+      for (int h = 0; h < hq; ++h) {
+        const int kh = h / group;
+        std::vector<double> logits;
+        std::vector<int> keys;
+        for (int j = 0; j < kv_len; ++j) {
+          bool visible = true;
+          if (c.mask == core::MaskMode::kCausal && j > kv_len - q_len + i) visible = false;
+          if (c.window >= 0 && j < kv_len - q_len + i - c.window) visible = false;
+          if (c.mask == core::MaskMode::kCustom &&
+              !mask_host[mask_indptr[r] + int64_t(i) * kv_len + j]) {
+            visible = false;
+          }
+          if (!visible) continue;
+          double x = 0;
+          const double* qv = &q_ref[(t * hq + h) * d];
+          const double* kv = &k_ref[((kv_indptr[r] + j) * hkv + kh) * d];
+          for (int e = 0; e < d; ++e) x += qv[e] * kv[e];
+          x *= sm_scale;
+          if (c.cap > 0) x = c.cap * std::tanh(x / c.cap);
+          logits.push_back(x);
+          keys.push_back(j);
+        }
+        if (logits.empty()) continue;
+        const double m = *std::max_element(logits.begin(), logits.end());
+        double sum = 0;
+        for (double& x : logits) sum += (x = std::exp(x - m));
+        double* o = &out_ref[(t * hq + h) * d];
+        for (size_t n = 0; n < keys.size(); ++n) {
+          const double* vv = &v_ref[((kv_indptr[r] + keys[n]) * hkv + kh) * d];
+          for (int e = 0; e < d; ++e) o[e] += logits[n] / sum * vv[e];
+        }
+        lse_ref[t * hq + h] = m + std::log(sum);
+      }
+    }
+  }
+
+  // ---- device run ---------------------------------------------------------------------------
+  std::vector<std::unique_ptr<DeviceBytes>> keep;
+  const int64_t out_stride_token = int64_t(hq) * d + 8;
+  std::vector<uint16_t> out_host(std::max<int64_t>(total_q * out_stride_token, 1), kPoison16);
+  std::vector<float> lse_host(std::max<int64_t>(total_q * hq, 1), std::nanf(""));
+
+  core::AttentionParams p;
+  p.q = upload(keep, q_host);
+  p.q_stride_token = q_stride_token;
+  p.q_stride_head = d;
+  p.out = upload(keep, out_host);
+  p.out_stride_token = out_stride_token;
+  p.out_stride_head = d;
+  p.lse = c.lse ? static_cast<float*>(upload(keep, lse_host)) : nullptr;
+  p.io_dtype = c.io;
+  p.k = upload(keep, k_host);
+  p.v = upload(keep, v_host);
+  p.k_stride_token = p.v_stride_token = kv_stride_token;
+  p.k_stride_head = p.v_stride_head = d;
+  p.kv_dtype = c.kv;
+  p.k_scale = c.k_scale;
+  p.v_scale = c.v_scale;
+  p.batch_size = batch;
+  p.qo_indptr = static_cast<const int32_t*>(upload(keep, qo_indptr));
+  p.kv_indptr = static_cast<const int64_t*>(upload(keep, kv_indptr));
+  p.kv_indices = c.paged ? static_cast<const int32_t*>(upload(keep, kv_indices)) : nullptr;
+  p.num_slots = num_rows;
+  p.mask = c.mask;
+  if (c.mask == core::MaskMode::kCustom) {
+    p.custom_mask = static_cast<const uint8_t*>(upload(keep, mask_host));
+    p.mask_indptr = static_cast<const int64_t*>(upload(keep, mask_indptr));
+  }
+  p.window_left = c.window;
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.logit_cap = c.cap;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = d;
+  p.v_head_dim = d;
+
+  const PrefillKernelShape shape = prefill_kernel_shape(d);
+  core::PrefillTileShape tile_shape;
+  tile_shape.num_q_heads = hq;
+  tile_shape.num_kv_heads = hkv;
+  tile_shape.tile_rows = shape.tile_rows;
+  tile_shape.kv_tile = shape.kv_tile;
+  tile_shape.mask = c.mask;
+  tile_shape.window_left = c.window;
+  tile_shape.concurrent_ctas = c.concurrent_ctas;
+  tile_shape.min_split_keys = 64;
+  const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, tile_shape);
+  if (c.concurrent_ctas > 0) EXPECT_GT(plan.num_partials, 0) << "the case meant to split";
+  const core::PrefillBufferLayout layout =
+      core::write_prefill_buffer(plan, d, nullptr, 0, nullptr, nullptr);
+  std::vector<unsigned char> metadata(layout.metadata_bytes);
+  keep.push_back(std::make_unique<DeviceBytes>(layout.total_bytes));
+  core::PrefillTiles tiles;
+  core::write_prefill_buffer(plan, d, metadata.data(), metadata.size(), keep.back()->ptr, &tiles);
+  // Poison the partial scratch too: the merge must read only what the kernel wrote.
+  PREFILL_CUDA_OK(cudaMemset(keep.back()->ptr, 0xff, layout.total_bytes));
+  PREFILL_CUDA_OK(cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(),
+                             cudaMemcpyHostToDevice));
+
+  launch_batch_prefill(p, tiles, nullptr);
+  PREFILL_CUDA_OK(cudaDeviceSynchronize());
+  PREFILL_CUDA_OK(cudaMemcpy(out_host.data(), p.out, out_host.size() * 2, cudaMemcpyDeviceToHost));
+  if (c.lse) {
+    PREFILL_CUDA_OK(cudaMemcpy(lse_host.data(), p.lse, lse_host.size() * 4,
+                               cudaMemcpyDeviceToHost));
+  }
+
+  // ---- compare ------------------------------------------------------------------------------
+  double diff2 = 0, ref2 = 0, worst = 0, worst_lse = 0;
+  int64_t bad = 0;
+  for (int64_t t = 0; t < total_q; ++t) {
+    for (int h = 0; h < hq; ++h) {
+      const double* r = &out_ref[(t * hq + h) * d];
+      double scale = 1e-3;
+      for (int e = 0; e < d; ++e) scale = std::max(scale, std::abs(r[e]));
+      for (int e = 0; e < d; ++e) {
+        const double o = from_16bit(out_host[t * out_stride_token + h * d + e], c.io);
+        const double err = std::abs(o - r[e]);
+        diff2 += err * err;
+        ref2 += r[e] * r[e];
+        if (!(err <= 1.5e-2 * scale)) {
+          if (bad++ < 5) {
+            ADD_FAILURE() << "out[token " << t << "][head " << h << "][" << e << "] = " << o
+                          << ", expected " << r[e];
+          }
+        }
+        worst = std::max(worst, std::isnan(o) ? INFINITY : err / scale);
+      }
+      if (c.lse) {
+        const double l = lse_host[t * hq + h];
+        const double lr = lse_ref[t * hq + h];
+        if (std::isinf(lr)) {
+          EXPECT_TRUE(std::isinf(l) && l < 0) << "lse[" << t << "][" << h << "] = " << l
+                                              << ", expected -inf";
+        } else {
+          const double err = std::abs(l - lr);
+          worst_lse = std::max(worst_lse, std::isnan(l) ? INFINITY : err);
+          EXPECT_LE(err, 1e-2 + 1e-3 * std::abs(lr)) << "lse[" << t << "][" << h << "] = " << l
+                                                     << ", expected " << lr;
+        }
+      }
+    }
+    // The padding after the last head must still be poison.
+    for (int e = hq * d; e < out_stride_token; ++e) {
+      EXPECT_EQ(out_host[t * out_stride_token + e], kPoison16) << "wrote padding of token " << t;
+    }
+  }
+  EXPECT_EQ(bad, 0) << bad << " elements off";
+  const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  EXPECT_LE(rel, 1e-2) << "relative L2 error";
+  std::printf("  %-40s items %5zu partials %4d  rel_l2 %.2e  worst %.2e  lse %.2e\n",
+              c.name.c_str(), plan.items.size(), plan.num_partials, rel, worst, worst_lse);
+}
+
+class PrefillKernel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(PrefillKernel, CausalPagedPage1Shuffled) {
+  Case c;
+  c.name = "causal paged p1 hd128 bf16";
+  c.q_lens = {37, 130, 1};
+  c.kv_lens = {37, 300, 77};
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, CausalPagedPage16Fp16Hd64) {
+  Case c;
+  c.name = "causal paged p16 hd64 fp16";
+  c.q_lens = {200, 65};
+  c.kv_lens = {200, 1000};
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.page_size = 16;
+  c.seed = 2;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, RaggedWithLse) {
+  Case c;
+  c.name = "causal ragged hd128 bf16 + lse";
+  c.q_lens = {129, 64, 5};
+  c.kv_lens = {129, 64, 5};
+  c.paged = false;
+  c.seed = 3;
+  run_case(c);
+  c.name = "none ragged hd128 bf16 + lse";
+  c.mask = core::MaskMode::kNone;
+  c.kv_lens = {129, 80, 200};
+  c.seed = 4;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, HeadDim256NoMaskPage16) {
+  Case c;
+  c.name = "none paged p16 hd256 bf16";
+  c.q_lens = {50, 3};
+  c.kv_lens = {70, 33};
+  c.head_dim = 256;
+  c.mask = core::MaskMode::kNone;
+  c.page_size = 16;
+  c.seed = 5;
+  run_case(c);
+  c.name = "causal paged p1 hd256 fp16";
+  c.mask = core::MaskMode::kCausal;
+  c.io = c.kv = DType::kFloat16;
+  c.page_size = 1;
+  c.q_lens = {97};
+  c.kv_lens = {161};
+  c.seed = 6;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, CustomMask) {
+  Case c;
+  c.name = "custom paged p1 hd128 bf16";
+  c.q_lens = {7, 16, 1};
+  c.kv_lens = {100, 40, 9};
+  c.mask = core::MaskMode::kCustom;
+  c.seed = 7;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, SlidingWindow) {
+  Case c;
+  c.name = "causal window 37 hd128";
+  c.q_lens = {150, 1};
+  c.kv_lens = {400, 90};
+  c.window = 37;
+  c.seed = 8;
+  run_case(c);
+  c.name = "none window 100 hd64";
+  c.mask = core::MaskMode::kNone;
+  c.head_dim = 64;
+  c.window = 100;
+  c.seed = 9;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, SoftCap) {
+  Case c;
+  c.name = "causal softcap 2 hd64";
+  c.q_lens = {90};
+  c.kv_lens = {130};
+  c.head_dim = 64;
+  c.cap = 2.f;
+  c.input_range = 3.f;
+  c.seed = 10;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, KvLenZeroAndOne) {
+  Case c;
+  c.name = "kv_len 0 and 1";
+  c.q_lens = {4, 1, 2};
+  c.kv_lens = {0, 1, 1};  // causal, q_len 2 over kv_len 1: the first query sees nothing
+  c.seed = 11;
+  run_case(c);
+  c.name = "kv_len 0 none";
+  c.mask = core::MaskMode::kNone;
+  c.q_lens = {3};
+  c.kv_lens = {0};
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, GqaGroups) {
+  Case c;
+  c.name = "group 8 hd128";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 2;
+  c.q_lens = {33, 70};
+  c.kv_lens = {33, 120};
+  c.seed = 12;
+  run_case(c);
+  c.name = "group 1 (MHA) hd128";
+  c.num_q_heads = c.num_kv_heads = 3;
+  c.seed = 13;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, SplitKvDecodeLikeAndPrefill) {
+  Case c;
+  c.name = "split decode-like hd128 (q_len 1)";
+  c.q_lens = {1, 1, 1};
+  c.kv_lens = {3000, 17, 1500};
+  c.concurrent_ctas = 264;
+  c.seed = 14;
+  run_case(c);
+  c.name = "split prefill hd64 fp16 + window";
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.q_lens = {70};
+  c.kv_lens = {2500};
+  c.window = 1500;
+  c.seed = 15;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, Fp8Kv) {
+  Case c;
+  c.name = "fp8 e4m3 hd128 bf16 scales";
+  c.q_lens = {45, 1};
+  c.kv_lens = {300, 64};
+  c.kv = DType::kFloat8E4M3;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.seed = 16;
+  run_case(c);
+  c.name = "fp8 e5m2 hd64 fp16 page 16";
+  c.head_dim = 64;
+  c.io = DType::kFloat16;
+  c.kv = DType::kFloat8E5M2;
+  c.page_size = 16;
+  c.k_scale = 1.5f;
+  c.v_scale = 0.25f;
+  c.seed = 17;
+  run_case(c);
+  c.name = "fp8 e4m3 hd256 bf16 split";
+  c.head_dim = 256;
+  c.io = DType::kBFloat16;
+  c.kv = DType::kFloat8E4M3;
+  c.page_size = 1;
+  c.q_lens = {1, 2};
+  c.kv_lens = {900, 40};
+  c.concurrent_ctas = 264;
+  c.seed = 18;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, RejectsUnsupported) {
+  core::AttentionParams p;
+  p.num_q_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_dim = 96;
+  p.v_head_dim = 96;
+  core::PrefillTiles tiles;
+  auto kind_of = [&]() {
+    try {
+      launch_batch_prefill(p, tiles, nullptr);
+    } catch (const Error& e) {
+      return e.kind();
+    }
+    return ErrorKind::kInvalidArgument;  // no throw: reported below as the wrong kind
+  };
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // head_dim 96
+  p.head_dim = 128;
+  p.v_head_dim = 64;
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // v_head_dim != head_dim
+  p.v_head_dim = 128;
+  p.io_dtype = DType::kFloat32;
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);
+  p.io_dtype = DType::kBFloat16;
+  p.kv_dtype = DType::kFloat16;
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);
+  EXPECT_THROW(prefill_kernel_shape(80), Error);
+}
+
+}  // namespace
+}  // namespace kvattn::cuda

@@ -1,0 +1,237 @@
+// Timing of the prefill kernel on the grid of SPEC §6, next to the cuBLAS bf16 GEMM ceiling
+// measured in the same run. Runs only with KVATTN_PREFILL_BENCH=1 (it takes seconds of device
+// time); prints a table and, with KVATTN_PREFILL_BENCH_JSON=<path>, writes the rows there.
+//
+// Timing: CUDA events around the launch (the plan is built once, outside), 3 warm-up runs,
+// the median of the timed runs. Inputs are random (never zeros), and larger than L2 where the
+// shape allows.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/kernels/prefill.h"
+#include "kvattn/dtype.h"
+#include "kvattn/memory.h"
+
+namespace kvattn::cuda {
+namespace {
+
+#define BENCH_CUDA_OK(call)                                                               \
+  do {                                                                                    \
+    const cudaError_t status_ = (call);                                                   \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_);      \
+  } while (0)
+
+struct DeviceBytes {
+  void* ptr = nullptr;
+  explicit DeviceBytes(size_t bytes) {
+    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 16)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBytes() { cudaFree(ptr); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+};
+
+// Random bf16 in [-1, 1) from a cheap generator (hundreds of MB are filled).
+void fill_random_bf16(void* device, size_t count, uint64_t seed) {
+  std::vector<uint16_t> host(count);
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (size_t i = 0; i < count; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const float f = float(int32_t(x >> 40) - (1 << 23)) / float(1 << 23);
+    host[i] = float_to_bf16(f);
+  }
+  cudaMemcpy(device, host.data(), count * 2, cudaMemcpyHostToDevice);
+}
+
+template <typename F>
+double median_ms(F&& run, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) run();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(start);
+    run();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+double gemm_bf16_tflops() {
+  const int n = 8192;
+  DeviceBytes a(size_t(n) * n * 2), b(size_t(n) * n * 2), c(size_t(n) * n * 2);
+  fill_random_bf16(a.ptr, size_t(n) * n, 1);
+  fill_random_bf16(b.ptr, size_t(n) * n, 2);
+  cublasHandle_t handle;
+  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 0;
+  const float alpha = 1.f, beta = 0.f;
+  auto run = [&]() {
+    cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.ptr, CUDA_R_16BF, n, b.ptr,
+                 CUDA_R_16BF, n, &beta, c.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                 CUBLAS_GEMM_DEFAULT);
+  };
+  const double ms = median_ms(run, 3, 10);
+  cublasDestroy(handle);
+  return 2.0 * n * n * double(n) / (ms * 1e-3) / 1e12;
+}
+
+struct Workload {
+  std::string name;
+  int batch;
+  int prefix;   // cached tokens before the new ones (extend)
+  int q_len;    // new tokens per request
+  int head_dim;
+  bool paged;   // page 1, shuffled slots
+};
+
+struct Row {
+  Workload w;
+  double ms;
+  double tflops;
+  int items;
+};
+
+Row time_workload(const Workload& w) {
+  const int hq = 32, hkv = 8, d = w.head_dim;
+  const int kv_len = w.prefix + w.q_len;
+  std::vector<int32_t> qo_indptr{0};
+  std::vector<int64_t> kv_indptr{0};
+  for (int r = 0; r < w.batch; ++r) {
+    qo_indptr.push_back(qo_indptr.back() + w.q_len);
+    kv_indptr.push_back(kv_indptr.back() + kv_len);
+  }
+  const int64_t total_q = qo_indptr.back(), total_kv = kv_indptr.back();
+  DeviceBytes q(size_t(total_q) * hq * d * 2), out(size_t(total_q) * hq * d * 2);
+  DeviceBytes k(size_t(total_kv) * hkv * d * 2), v(size_t(total_kv) * hkv * d * 2);
+  fill_random_bf16(q.ptr, size_t(total_q) * hq * d, 3);
+  fill_random_bf16(k.ptr, size_t(total_kv) * hkv * d, 4);
+  fill_random_bf16(v.ptr, size_t(total_kv) * hkv * d, 5);
+  std::vector<int32_t> slots(total_kv);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), std::mt19937(6));
+  DeviceBytes qo_d(qo_indptr.size() * 4), kv_d(kv_indptr.size() * 8), idx_d(slots.size() * 4);
+  cudaMemcpy(qo_d.ptr, qo_indptr.data(), qo_indptr.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(kv_d.ptr, kv_indptr.data(), kv_indptr.size() * 8, cudaMemcpyHostToDevice);
+  cudaMemcpy(idx_d.ptr, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice);
+
+  core::AttentionParams p;
+  p.q = q.ptr;
+  p.q_stride_token = int64_t(hq) * d;
+  p.q_stride_head = d;
+  p.out = out.ptr;
+  p.out_stride_token = int64_t(hq) * d;
+  p.out_stride_head = d;
+  p.io_dtype = p.kv_dtype = DType::kBFloat16;
+  p.k = k.ptr;
+  p.v = v.ptr;
+  p.k_stride_token = p.v_stride_token = int64_t(hkv) * d;
+  p.k_stride_head = p.v_stride_head = d;
+  p.batch_size = w.batch;
+  p.qo_indptr = static_cast<const int32_t*>(qo_d.ptr);
+  p.kv_indptr = static_cast<const int64_t*>(kv_d.ptr);
+  p.kv_indices = w.paged ? static_cast<const int32_t*>(idx_d.ptr) : nullptr;
+  p.num_slots = total_kv;
+  p.mask = core::MaskMode::kCausal;
+  p.sm_scale = 1.f / std::sqrt(float(d));
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = p.v_head_dim = d;
+
+  const PrefillKernelShape shape = prefill_kernel_shape(d);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  core::PrefillTileShape ts;
+  ts.num_q_heads = hq;
+  ts.num_kv_heads = hkv;
+  ts.tile_rows = shape.tile_rows;
+  ts.kv_tile = shape.kv_tile;
+  ts.mask = p.mask;
+  ts.concurrent_ctas = sms * shape.ctas_per_sm;
+  const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, ts);
+  const core::PrefillBufferLayout layout =
+      core::write_prefill_buffer(plan, d, nullptr, 0, nullptr, nullptr);
+  std::vector<unsigned char> meta(layout.metadata_bytes);
+  DeviceBytes buffer(layout.total_bytes);
+  core::PrefillTiles tiles;
+  core::write_prefill_buffer(plan, d, meta.data(), meta.size(), buffer.ptr, &tiles);
+  cudaMemcpy(buffer.ptr, meta.data(), meta.size(), cudaMemcpyHostToDevice);
+
+  const double ms = median_ms([&]() { launch_batch_prefill(p, tiles, nullptr); }, 3, 15);
+  // Visible (query, key) pairs under the bottom-right causal mask; for a plain prefill this is
+  // s(s+1)/2, the s^2/2 of SPEC §6 up to 1/s.
+  double pairs = 0;
+  for (int i = 0; i < w.q_len; ++i) pairs += double(w.prefix + i + 1);
+  pairs *= w.batch;
+  const double flops = 4.0 * hq * d * pairs;
+  return Row{w, ms, flops / (ms * 1e-3) / 1e12, static_cast<int>(plan.items.size())};
+}
+
+TEST(PrefillBench, Grid) {
+  if (std::getenv("KVATTN_PREFILL_BENCH") == nullptr) GTEST_SKIP() << "set KVATTN_PREFILL_BENCH=1";
+  if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const double gemm = gemm_bf16_tflops();
+  const std::vector<Workload> grid = {
+      {"prefill", 1, 0, 16384, 128, false}, {"prefill", 1, 0, 16384, 128, true},
+      {"prefill", 1, 0, 4096, 128, false},  {"prefill", 1, 0, 1024, 128, false},
+      {"prefill", 8, 0, 2048, 128, false},  {"extend", 8, 4096, 512, 128, true},
+      {"prefill", 1, 0, 4096, 64, false},   {"prefill", 1, 0, 4096, 256, false},
+  };
+  std::vector<Row> rows;
+  for (const Workload& w : grid) {
+    rows.push_back(time_workload(w));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  const char* json = std::getenv("KVATTN_PREFILL_BENCH_JSON");
+  if (json != nullptr) {
+    if (FILE* f = std::fopen(json, "w")) {
+      std::fprintf(f, "{\"gemm_bf16_tflops\": %.1f, \"rows\": [\n", gemm);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const Row& r = rows[i];
+        std::fprintf(f,
+                     "  {\"workload\": \"%s\", \"batch\": %d, \"prefix_len\": %d, \"qo_len\": %d, "
+                     "\"head_dim\": %d, \"page_size\": %s, \"time_us\": %.1f, \"tflops\": %.1f, "
+                     "\"fraction\": %.3f}%s\n",
+                     r.w.name.c_str(), r.w.batch, r.w.prefix, r.w.q_len, r.w.head_dim,
+                     r.w.paged ? "1" : "null", r.ms * 1e3, r.tflops, r.tflops / gemm,
+                     i + 1 < rows.size() ? "," : "");
+      }
+      std::fprintf(f, "]}\n");
+      std::fclose(f);
+    }
+  }
+  std::printf("\ncuBLAS bf16 GEMM 8192^3: %.1f TFLOP/s\n", gemm);
+  std::printf("%-8s %5s %6s %6s %4s %6s %6s %10s %8s %6s\n", "workload", "batch", "prefix", "q_len",
+              "hd", "kv", "tiles", "time_us", "TFLOP/s", "frac");
+  for (const Row& r : rows) {
+    std::printf("%-8s %5d %6d %6d %4d %6s %6d %10.1f %8.1f %6.3f\n", r.w.name.c_str(), r.w.batch,
+                r.w.prefix, r.w.q_len, r.w.head_dim, r.w.paged ? "page1" : "ragged", r.items,
+                r.ms * 1e3, r.tflops, r.tflops / gemm);
+  }
+}
+
+}  // namespace
+}  // namespace kvattn::cuda
