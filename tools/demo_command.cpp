@@ -17,6 +17,7 @@
 
 #include "cli_args.h"
 #include "commands.h"
+#include "core/batch_layout.h"
 #include "kvattn/kvattn.h"
 #include "oracle.h"
 #include "reference/scenario.h"
@@ -123,6 +124,7 @@ struct StepStats {
   int64_t query_tokens = 0;
   int64_t kv_tokens = 0;
   double seconds = 0;  ///< metadata + all layers, device synchronized
+  bool ragged = false;  ///< EXTEND / MIXED by the ragged + paged-prefix path
 };
 
 struct CheckStats {
@@ -180,9 +182,12 @@ class ServingSession {
                 kNumLayers, kQHeads, kKvHeads, kHeadDim, dtype_name(kDType),
                 static_cast<long long>(cache_.num_slots()), page_size_);
     std::printf("workload: %zu requests, prompts %d..%d tokens, %d share a %d-token system "
-                "prompt, %d..%d new tokens each; at most %d running, %d prompt tokens per step\n\n",
+                "prompt, %d..%d new tokens each; at most %d running, %d prompt tokens per step\n",
                 requests_.size(), kMinPrompt, kMaxPrompt, shared, kSharedPrefixLen,
                 kMinNewTokens, kMaxNewTokens, kMaxRunning, kPrefillTokenBudget);
+    std::printf("steps with >= %lld new tokens take the ragged + paged-prefix EXTEND path; a "
+                "verify step (%d-token draft trees) follows every %d decode steps\n\n",
+                static_cast<long long>(kRaggedThreshold), kDraftTokens, kVerifyEvery);
 
     warm_shared_prefix();  // step 0
     ++step_;
@@ -480,6 +485,8 @@ class ServingSession {
       stats.kv_tokens += r.kv_extent;
     }
     const int64_t tokens = stats.query_tokens;
+    stats.ragged = core::use_ragged_extend(spec.mode, tokens, kRaggedThreshold,
+                                           /*has_window=*/false, /*is_encoder_decoder=*/false);
     StepBatch batch(spec, device_.device, &cache_, &pool_);
     struct LayerData {
       TensorView q, k, v, q_host;
@@ -511,7 +518,7 @@ class ServingSession {
     const bool check = check_every_ > 0 && spec.mode != ForwardMode::kIdle &&
                        (step_ % check_every_ == 0 || spec.mode == ForwardMode::kTargetVerify);
     if (check) {
-      const int l = int(step_ % kNumLayers);
+      const int l = checks_.steps % kNumLayers;  // each check looks at the next layer
       check_note = check_step(spec, rows, layer(l), layers[size_t(l)].q_host,
                               outs[size_t(l)].view);
     }
@@ -631,6 +638,7 @@ class ServingSession {
                   tokens_per_s);
     if (text.size() < 36) text += std::string(36 - text.size(), ' ');
     text += line;
+    if (stats.ragged) text += "  ragged+prefix";
     if (*label) text += std::string("  ") + label;
     if (!check_note.empty()) text += "  [" + check_note + "]";
     std::printf("%s\n", text.c_str());
@@ -640,9 +648,11 @@ class ServingSession {
   void print_summary(double wall_seconds) {
     int64_t generated = 0;
     int64_t prompt = 0;
+    int shared = 0;
     for (const Request& r : requests_) {
       generated += r.generated;
       prompt += r.prompt_len;
+      shared += r.shares_prefix;
     }
     auto count = [&](ForwardMode m) { return mode_counts_[int(m)]; };
     std::printf("\nsummary\n");
@@ -651,10 +661,10 @@ class ServingSession {
                 step_, count(ForwardMode::kExtend) - 1, count(ForwardMode::kMixed),
                 count(ForwardMode::kDecode), count(ForwardMode::kTargetVerify),
                 count(ForwardMode::kIdle));
-    std::printf("  requests: %zu finished, %lld prompt tokens prefilled (+%d shared, cached), "
-                "%lld tokens generated\n",
-                requests_.size(), static_cast<long long>(prompt), kSharedPrefixLen,
-                static_cast<long long>(generated));
+    std::printf("  requests: %zu finished, %lld prompt tokens prefilled, %lld tokens generated; "
+                "%d requests reused the system prompt's KV (%d tokens not recomputed)\n",
+                requests_.size(), static_cast<long long>(prompt),
+                static_cast<long long>(generated), shared, shared * kSharedPrefixLen);
     std::printf("  prefill: %lld query tokens x %d layers in %.2f s of attention: %.0f tokens/s\n",
                 static_cast<long long>(prefill_tokens_), kNumLayers, prefill_seconds_,
                 prefill_seconds_ > 0 ? double(prefill_tokens_) / prefill_seconds_ : 0.0);

@@ -147,24 +147,35 @@ OwnedTensor to_host(const TensorView& tensor) {
   return out;
 }
 
-std::string git_commit() {
-  // __FILE__ is tools/tool_support.cpp under the source tree (CMake passes absolute paths).
-  std::string source_dir = __FILE__;
+namespace {
+
+/// The source tree: __FILE__ is tools/tool_support.cpp under it (CMake passes absolute paths).
+std::string source_dir() {
+  std::string dir = __FILE__;
   for (int up = 0; up < 2; ++up) {
-    const size_t slash = source_dir.find_last_of('/');
-    source_dir = slash == std::string::npos ? "." : source_dir.substr(0, slash);
+    const size_t slash = dir.find_last_of('/');
+    dir = slash == std::string::npos ? "." : dir.substr(0, slash);
   }
-  std::string sha = run_and_read_line("git -C '" + source_dir + "' rev-parse HEAD 2>/dev/null");
-  if (sha.size() == 40) {
-    const std::string dirty = run_and_read_line(
-        "git -C '" + source_dir + "' status --porcelain --untracked-files=no 2>/dev/null");
-    return dirty.empty() ? sha : sha + "-dirty";
-  }
+  return dir;
+}
+
+}  // namespace
+
+std::string git_commit() {
+  const std::string sha =
+      run_and_read_line("git -C '" + source_dir() + "' rev-parse HEAD 2>/dev/null");
+  if (sha.size() == 40) return sha;
 #if defined(KVATTN_GIT_COMMIT)
   return KVATTN_GIT_COMMIT;
 #else
   return "unknown";
 #endif
+}
+
+bool git_dirty() {
+  return !run_and_read_line("git -C '" + source_dir() +
+                            "' status --porcelain --untracked-files=no 2>/dev/null")
+              .empty();
 }
 
 std::string today_iso() {

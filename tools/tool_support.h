@@ -82,6 +82,8 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
 /// The commit the binary runs from: `git rev-parse HEAD` in the source tree at run time, else
 /// the KVATTN_GIT_COMMIT define, else "unknown".
 std::string git_commit();
+/// Whether tracked files of the source tree differ from that commit.
+bool git_dirty();
 /// Today as "2026-12-01" (local time).
 std::string today_iso();
 /// "AMD EPYC (2 threads)" or the CUDA device name.
