@@ -1,0 +1,204 @@
+"""kvattn: paged-KV attention for LLM serving engines.
+
+The C++ core (decode, extend with a cached prefix, speculative verify and draft, on the CPU and
+on CUDA) behind one backend interface, reached from Python with tensors crossing by DLPack,
+zero-copy, in both directions: torch tensors (CPU and CUDA), NumPy arrays, anything with
+``__dlpack__``.
+
+Two ways in:
+
+* this module: the C++ API one to one (``KvCache``, ``ReqToTokenPool``, ``SlotAllocator``,
+  ``AttentionLayer``, ``ForwardBatch``, ``make_backend``, ``MultiStepDraftBackend``), for NumPy,
+  torch or any DLPack producer;
+* ``kvattn.torch_backend.KvattnAttnBackend``: a drop-in attention backend for engines built on
+  the SGLang ``AttentionBackend`` interface (duck-typed forward batches and layers).
+
+Errors are ``kvattn.Error`` subclasses that are also the matching builtin exceptions:
+``InvalidArgumentError`` (ValueError), ``NotSupportedError`` (NotImplementedError),
+``OutOfResourcesError`` (MemoryError), ``DeviceError`` (RuntimeError); ``.argument`` names the
+argument at fault. The log-sum-exp convention of the library is the natural log.
+"""
+
+from __future__ import annotations
+
+from . import _kvattn
+from ._kvattn import (
+    AttentionLayer,
+    BackendConfig,
+    BackendKind,
+    DeviceError,
+    DType,
+    Error,
+    ForwardBatch,
+    ForwardMode,
+    InvalidArgumentError,
+    KvCache,
+    KvCacheConfig,
+    NotSupportedError,
+    OutOfResourcesError,
+    ReqToTokenPool,
+    SlotAllocator,
+    TensorCoreDecode,
+    cuda_compiled,
+    cuda_device_count,
+    dtype,
+    dtype_name,
+)
+from ._arrays import empty_output
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionLayer",
+    "Backend",
+    "BackendConfig",
+    "BackendKind",
+    "DType",
+    "DeviceError",
+    "Error",
+    "ForwardBatch",
+    "ForwardMode",
+    "InvalidArgumentError",
+    "KvCache",
+    "KvCacheConfig",
+    "MultiStepDraftBackend",
+    "NotSupportedError",
+    "OutOfResourcesError",
+    "ReqToTokenPool",
+    "SlotAllocator",
+    "TensorCoreDecode",
+    "cuda_compiled",
+    "cuda_device_count",
+    "dtype",
+    "dtype_name",
+    "empty_output",
+    "make_backend",
+]
+
+
+class Backend:
+    """One attention backend (SPEC section 4); made by :func:`make_backend`.
+
+    ``forward`` allocates the output ``[num_tokens, num_q_heads * v_head_dim]`` (same array kind,
+    dtype and device as ``q``) unless ``out`` is given. Everything else is the C++ interface one
+    to one; ``native`` is the underlying ``kvattn._kvattn.Backend``.
+    """
+
+    __slots__ = ("native",)
+
+    def __init__(self, native: _kvattn.Backend):
+        self.native = native
+
+    @property
+    def kind(self):
+        return self.native.kind
+
+    @property
+    def device(self) -> str:
+        return self.native.device
+
+    @property
+    def kv_cache(self):
+        return self.native.kv_cache
+
+    @property
+    def req_to_token_pool(self):
+        return self.native.req_to_token_pool
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Once per step: index arrays, masks and the work plan (= out_graph + in_graph)."""
+        self.native.init_forward_metadata(batch)
+
+    def init_forward_metadata_out_graph(self, batch: ForwardBatch, in_capture: bool = False):
+        self.native.init_forward_metadata_out_graph(batch, in_capture)
+
+    def init_forward_metadata_in_graph(self, batch: ForwardBatch) -> None:
+        self.native.init_forward_metadata_in_graph(batch)
+
+    def _out(self, q, layer, out):
+        if out is not None:
+            return out
+        return empty_output(q, q.shape[0], layer.num_q_heads * layer.resolved_v_head_dim)
+
+    def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
+                save_kv_cache: bool = True, out=None):
+        """Per layer: dispatches on batch.mode; returns out."""
+        out = self._out(q, layer, out)
+        self.native.forward(q, k, v, out, layer, batch, save_kv_cache)
+        return out
+
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
+                       save_kv_cache: bool = True, out=None):
+        out = self._out(q, layer, out)
+        self.native.forward_decode(q, k, v, out, layer, batch, save_kv_cache)
+        return out
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
+                       save_kv_cache: bool = True, out=None):
+        out = self._out(q, layer, out)
+        self.native.forward_extend(q, k, v, out, layer, batch, save_kv_cache)
+        return out
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.native.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.native.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self) -> None:
+        self.native.on_after_cuda_graph_warmup()
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        """[tree mask, positions]: DLPack arrays over the backend's buffers, or None."""
+        return self.native.get_verify_buffers_to_fill_after_draft()
+
+    def update_verify_buffers_to_fill_after_draft(self, batch: ForwardBatch,
+                                                  cuda_graph_bs: int = 0) -> None:
+        self.native.update_verify_buffers_to_fill_after_draft(batch, cuda_graph_bs)
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, batch: ForwardBatch):
+        self.native.init_forward_metadata_for_breakable_cuda_graph_capture(batch)
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, batch: ForwardBatch):
+        self.native.prepare_forward_metadata_for_breakable_cuda_graph_replay(batch)
+
+    def supports_indexer_metadata(self) -> bool:
+        return self.native.supports_indexer_metadata()
+
+
+def make_backend(kind, config: BackendConfig) -> Backend:
+    """A backend of kind ``"cpu"`` or ``"cuda"`` (or a :class:`BackendKind`) for ``config``."""
+    return Backend(_kvattn.make_backend(kind, config))
+
+
+class MultiStepDraftBackend:
+    """Speculative multi-step draft: ``topk`` branches per request, ``num_steps`` draft decode
+    steps; ``init_forward_metadata`` builds the index sets of all steps in one go."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, kind, config: BackendConfig, topk: int, num_steps: int):
+        self.native = _kvattn.MultiStepDraftBackend(kind, config, topk, num_steps)
+
+    @property
+    def topk(self) -> int:
+        return self.native.topk
+
+    @property
+    def num_steps(self) -> int:
+        return self.native.num_steps
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.native.init_forward_metadata(batch)
+
+    def forward_step(self, step: int, q, k, v, layer: AttentionLayer, out_cache_loc=None,
+                     out=None):
+        """One draft step: q/k/v have batch_size * topk rows (request-major, branch-minor);
+        k/v are saved at out_cache_loc when given. Returns out."""
+        if out is None:
+            out = empty_output(q, q.shape[0], layer.num_q_heads * layer.resolved_v_head_dim)
+        self.native.forward_step(step, q, k, v, out, layer, out_cache_loc)
+        return out
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.native.init_cuda_graph_state(max_bs)

@@ -1,0 +1,136 @@
+// The nanobind module kvattn._kvattn: the Python-side holders of the C++ objects and the
+// DLPack <-> TensorView conversions they share.
+//
+// Every holder keeps alive the Python objects whose memory its C++ object points into (the
+// arrays a ForwardBatch or a wrapped KvCache views, the pools a backend was made for), so a view
+// can never outlive its memory while Python still references the holder.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "kvattn/kvattn.h"
+
+namespace kvattn::python {
+
+namespace nb = nanobind;
+
+/// Any array that crosses by DLPack or the buffer protocol: any dtype, any device, any shape.
+using Array = nb::ndarray<>;
+
+/// DLPack dtype codes this binding reads (DLPack 1.1 numbering).
+enum DlpackCode : uint8_t {
+  kDlInt = 0,
+  kDlUInt = 1,
+  kDlFloat = 2,
+  kDlBfloat = 4,
+  kDlBool = 6,
+  kDlFloat8E4M3FN = 10,
+  kDlFloat8E5M2 = 12,
+};
+
+/// DLPack device types this binding reads.
+enum DlpackDevice : int {
+  kDlCpu = 1,
+  kDlCuda = 2,
+  kDlCudaHost = 3,  ///< pinned host memory: addressable from the host
+  kDlCudaManaged = 13,
+};
+
+/// A TensorView of `array`, zero-copy. `storage` names the dtype the caller expects where an
+/// unsigned-integer array of the same width may stand for it (NumPy has no bf16 or fp8: a uint16
+/// array carries bf16 bits, a uint8 array fp8 bits). Throws kvattn::Error (ValueError in Python)
+/// naming `name` for an unsupported dtype, device or rank.
+TensorView to_view(const Array& array, const char* name,
+                   std::optional<DType> storage = std::nullopt);
+
+/// to_view for an optional argument: an absent view for an invalid (None) array.
+TensorView to_view_or_absent(const Array& array, const char* name,
+                             std::optional<DType> storage = std::nullopt);
+
+/// An array over a TensorView's memory, owned by `owner` (the Python object that keeps the memory
+/// alive). `as_bits` exports bf16/fp16 as uint16 and fp8 as uint8, for consumers without them.
+nb::object view_to_array(const TensorView& view, nb::handle owner, bool as_bits = false);
+
+/// Slot or page ids from a NumPy array, a list or any sequence of ints (throws naming `name`).
+std::vector<int32_t> int32_values(nb::handle values, const char* name);
+
+/// A NumPy int32 array that owns a copy of `values`.
+nb::object int32_numpy(std::vector<int32_t> values);
+
+/// A DType from a DType member or its name ("bf16", "fp8_e4m3", ...).
+DType dtype_arg(nb::handle value);
+/// A Device from a Device or a string: "cpu", "cuda", "cuda:1".
+Device device_arg(nb::handle value);
+
+// ---- holders ----------------------------------------------------------------------------------
+
+/// kvattn.KvCache: the pool plus the engine-owned arrays it wraps.
+struct PyKvCache {
+  PyKvCache(KvCache c, std::vector<Array> w) : cache(std::move(c)), wrapped(std::move(w)) {}
+  // KvCache owns move-only buffers (std::vector hides that from is_copy_constructible).
+  PyKvCache(PyKvCache&&) = default;
+  PyKvCache(const PyKvCache&) = delete;
+  PyKvCache& operator=(const PyKvCache&) = delete;
+
+  KvCache cache;
+  std::vector<Array> wrapped;  ///< engine-owned K and V arrays (empty when allocated)
+};
+
+/// kvattn.ReqToTokenPool: the pool plus the engine-owned array it wraps.
+struct PyReqToTokenPool {
+  ReqToTokenPool pool;
+  Array wrapped;
+};
+
+/// kvattn.BackendConfig: the C++ config plus the pools it names.
+struct PyBackendConfig {
+  BackendConfig config;
+  nb::object kv_cache;           ///< a PyKvCache
+  nb::object req_to_token_pool;  ///< a PyReqToTokenPool
+};
+
+/// The tensor fields of a ForwardBatch, by name; index into PyForwardBatch::arrays.
+struct BatchTensorField {
+  const char* name;
+  TensorView& (*field)(ForwardBatch&);
+};
+inline constexpr int kNumBatchTensorFields = 13;
+extern const BatchTensorField kBatchTensorFields[kNumBatchTensorFields];
+
+/// kvattn.ForwardBatch: the C++ batch plus every array and pool its views point into.
+struct PyForwardBatch {
+  ForwardBatch batch;
+  Array arrays[kNumBatchTensorFields];        ///< what the views point into
+  nb::object objects[kNumBatchTensorFields];  ///< what the caller passed (returned by getters)
+  nb::object kv_cache;
+  nb::object req_to_token_pool;
+};
+
+/// kvattn.Backend: one AttentionBackend plus the pools it was made for.
+struct PyBackend {
+  std::unique_ptr<AttentionBackend> impl;
+  BackendConfig config;
+  nb::object kv_cache;
+  nb::object req_to_token_pool;
+};
+
+/// kvattn.MultiStepDraftBackend.
+struct PyDraftBackend {
+  std::unique_ptr<MultiStepDraftBackend> impl;
+  BackendConfig config;
+  nb::object kv_cache;
+  nb::object req_to_token_pool;
+};
+
+// ---- the parts of the module -------------------------------------------------------------------
+
+void bind_basics(nb::module_& m);   ///< errors, enums, Device, AttentionLayer, helpers
+void bind_pools(nb::module_& m);    ///< KvCacheConfig, KvCache, ReqToTokenPool, SlotAllocator
+void bind_backend(nb::module_& m);  ///< ForwardBatch, BackendConfig, Backend, draft backend
+
+}  // namespace kvattn::python
