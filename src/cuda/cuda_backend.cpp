@@ -1,0 +1,627 @@
+// The CUDA backend (see cuda_backend.h for the step flow).
+#include "cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/backend_factory.h"
+#include "core/validate.h"
+#include "cuda/kernels/index.h"
+#include "cuda/kernels/kv_write.h"
+#include "cuda/kernels/prefill.h"
+#include "kvattn/error.h"
+#include "kvattn/kv_cache.h"
+
+namespace kvattn::cuda {
+namespace {
+
+// cudaMalloc'd bases are 256-byte aligned; the prefill region starts on such a boundary too.
+constexpr size_t kRegionAlignment = 256;
+size_t align_region(size_t bytes) {
+  return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+}
+
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Grows `buffer` to at least `bytes` (by half again, so a slowly growing batch reallocates
+// rarely). A frozen buffer may not move: graphs captured earlier hold its address.
+void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what) {
+  if (buffer.bytes() >= bytes && buffer.data() != nullptr) return;
+  if (frozen) {
+    throw_error(ErrorKind::kOutOfResources, what, "needs ", bytes, " bytes, the CUDA-graph buffer ",
+                "sized by init_cuda_graph_state holds ", buffer.bytes());
+  }
+  const size_t grown = std::max<size_t>(bytes + bytes / 2, 256);
+  buffer = Buffer();  // free first: the old contents are not needed
+  buffer = Buffer::allocate(device, grown);
+}
+
+bool is_fp8(DType d) { return d == DType::kFloat8E4M3 || d == DType::kFloat8E5M2; }
+
+// KVATTN_DECODE_TENSOR_CORES=0/1 overrides the config (kvattn/backend.h).
+TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
+  const char* env = std::getenv("KVATTN_DECODE_TENSOR_CORES");
+  if (env == nullptr || env[0] == '\0') return configured;
+  const std::string value(env);
+  if (value == "0") return TensorCoreDecode::kOff;
+  if (value == "1") return TensorCoreDecode::kOn;
+  throw_error(ErrorKind::kInvalidArgument, "KVATTN_DECODE_TENSOR_CORES", "got '", value,
+              "', expected 0 or 1");
+}
+
+}  // namespace
+
+// ---- setup, buffers, params ------------------------------------------------------------------
+
+DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
+  DecodeSetup setup;
+  const KvCacheConfig& kv = config.kv_cache->config();
+  const int v_head_dim = config.v_head_dim > 0 ? config.v_head_dim : config.head_dim;
+  const int group = config.num_q_heads / config.num_kv_heads;
+  const DeviceInfo& dev = device_info(device);
+
+  setup.info = decode_kernel_info(config.head_dim, v_head_dim, kv.dtype, group, device);
+  setup.plan_config.ctas_per_item = config.num_kv_heads * setup.info.head_passes;
+  setup.plan_config.concurrent_ctas = dev.sm_count * setup.info.ctas_per_sm;
+  setup.plan_config.chunk_align = setup.info.tile_tokens;
+  setup.plan_config.min_chunk = std::max(256, setup.info.tile_tokens);
+
+  // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim (kernels/prefill.h).
+  const bool io_ok = config.q_dtype == DType::kBFloat16 || config.q_dtype == DType::kFloat16;
+  setup.prefill_supported = false;
+  if (io_ok && v_head_dim == config.head_dim) {
+    try {
+      const PrefillKernelShape shape = prefill_kernel_shape(config.head_dim);
+      setup.prefill_supported = true;
+      setup.prefill_tile_rows = shape.tile_rows;
+      setup.prefill_kv_tile = shape.kv_tile;
+      setup.concurrent_prefill_ctas = dev.sm_count * shape.ctas_per_sm;
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kNotSupported) throw;
+    }
+  }
+  const TensorCoreDecode choice = resolve_tensor_core_choice(config.decode_tensor_cores);
+  const bool wanted = choice == TensorCoreDecode::kOn ||
+                      (choice == TensorCoreDecode::kAuto && (group > 4 || is_fp8(kv.dtype)));
+  setup.tensor_cores = wanted && setup.prefill_supported;
+  return setup;
+}
+
+void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv_indices_capacity,
+                 int v_head_dim, Device device, cudaStream_t stream) {
+  if (!call.fence) call.fence = std::make_unique<CopyFence>();
+  call.fence->wait();  // the previous step's copy out of staging must be done
+  call.capacity = capacity;
+  call.offsets = core::write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
+  size_t copy_bytes = call.offsets.metadata_bytes;
+  size_t metadata_bytes = copy_bytes;
+  const size_t prefill_offset = align_region(call.offsets.metadata_bytes);
+  if (call.prefill) {
+    const core::PrefillBufferLayout region =
+        core::write_prefill_buffer(call.prefill_plan, v_head_dim, nullptr, 0, nullptr, nullptr);
+    copy_bytes = prefill_offset + region.metadata_bytes;
+    metadata_bytes = prefill_offset + region.total_bytes;
+  }
+  ensure_bytes(call.metadata, metadata_bytes, call.frozen, device, "call metadata");
+  if (call.offsets.scratch_bytes > 0) {
+    ensure_bytes(call.scratch, call.offsets.scratch_bytes, call.frozen, device, "decode partials");
+  }
+  if (call.paged) {
+    ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
+                 call.frozen, device, "kv_indices");
+  }
+  call.staging.reserve(copy_bytes);
+  core::write_call_metadata(capacity, &call.layout, call.prefill ? nullptr : &call.decode_plan,
+                            call.staging.data(), call.staging.bytes());
+  if (call.prefill) {
+    char* base = static_cast<char*>(call.metadata.data()) + prefill_offset;
+    core::write_prefill_buffer(call.prefill_plan, v_head_dim,
+                               static_cast<char*>(call.staging.data()) + prefill_offset,
+                               call.staging.bytes() - prefill_offset, base, &call.prefill_tiles);
+  }
+  check_cuda(cudaMemcpyAsync(call.metadata.data(), call.staging.data(), copy_bytes,
+                             cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync(call metadata)");
+  call.fence->record(stream);
+}
+
+void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
+                         int64_t kv_indices_capacity, size_t prefill_region_bytes, Device device) {
+  call.frozen = false;
+  const core::CallMetadataLayout offsets =
+      core::write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
+  ensure_bytes(call.metadata, align_region(offsets.metadata_bytes) + prefill_region_bytes, false,
+               device, "call metadata");
+  if (offsets.scratch_bytes > 0) {
+    ensure_bytes(call.scratch, offsets.scratch_bytes, false, device, "decode partials");
+  }
+  ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
+               false, device, "kv_indices");
+  call.frozen = true;
+}
+
+HeadStrides head_strides(const TensorView& t, int dim) {
+  HeadStrides s;
+  s.token = t.stride(0);
+  s.head = t.ndim() == 3 ? t.stride(1) : dim;
+  return s;
+}
+
+core::AttentionParams make_params(const CallState& call, const BackendConfig& config,
+                                  const AttentionLayer& layer, const TensorView& q,
+                                  const TensorView& out, float* lse, const TensorView& ragged_k,
+                                  const TensorView& ragged_v) {
+  const KvCache& cache = *config.kv_cache;
+  const int v_head_dim = layer.resolved_v_head_dim();
+  core::AttentionParams p;
+  const HeadStrides qs = head_strides(q, layer.head_dim);
+  const HeadStrides os = head_strides(out, v_head_dim);
+  p.q = q.data();
+  p.q_stride_token = qs.token;
+  p.q_stride_head = qs.head;
+  p.out = out.data();
+  p.out_stride_token = os.token;
+  p.out_stride_head = os.head;
+  p.lse = lse;
+  p.io_dtype = config.q_dtype;
+  if (call.paged) {
+    const TensorView& kb = cache.k_buffer(layer.layer_id);
+    const TensorView& vb = cache.v_buffer(layer.layer_id);
+    p.k = kb.data();
+    p.v = vb.data();
+    p.k_stride_token = kb.stride(0);
+    p.k_stride_head = kb.stride(1);
+    p.v_stride_token = vb.stride(0);
+    p.v_stride_head = vb.stride(1);
+    p.kv_dtype = cache.config().dtype;
+    if (is_fp8(p.kv_dtype)) {
+      p.k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
+      p.v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
+    }
+    p.kv_indices = static_cast<const int32_t*>(call.kv_indices.data());
+  } else {
+    const HeadStrides ks = head_strides(ragged_k, layer.head_dim);
+    const HeadStrides vs = head_strides(ragged_v, v_head_dim);
+    p.k = ragged_k.data();
+    p.v = ragged_v.data();
+    p.k_stride_token = ks.token;
+    p.k_stride_head = ks.head;
+    p.v_stride_token = vs.token;
+    p.v_stride_head = vs.head;
+    p.kv_dtype = config.q_dtype;
+  }
+  p.batch_size = call.layout.batch_size;
+  p.qo_indptr = call.meta<int32_t>(call.offsets.qo_indptr);
+  p.kv_indptr = call.meta<int64_t>(call.offsets.kv_indptr);
+  p.num_slots = cache.num_slots();
+  p.mask = call.layout.mask;
+  if (p.mask == core::MaskMode::kCustom) {
+    p.custom_mask = call.custom_mask;
+    p.mask_indptr = call.meta<int64_t>(call.offsets.mask_indptr);
+  }
+  p.window_left = call.layout.window_left;
+  p.sm_scale = layer.scaling;
+  p.logit_cap = layer.logit_cap;
+  p.num_q_heads = layer.num_q_heads;
+  p.num_kv_heads = layer.num_kv_heads;
+  p.head_dim = layer.head_dim;
+  p.v_head_dim = v_head_dim;
+  return p;
+}
+
+void run_call(const CallState& call, const core::AttentionParams& params, int device,
+              cudaStream_t stream) {
+  if (call.prefill) {
+    launch_batch_prefill(params, call.prefill_tiles, stream);
+    return;
+  }
+  const bool capturing = stream_is_capturing(stream);
+  DecodeLaunch launch;
+  launch.params = params;
+  launch.items = call.meta<core::DecodeWorkItem>(call.offsets.decode_items);
+  launch.num_items = call.meta<int32_t>(call.offsets.num_items);
+  launch.merge_indptr = call.meta<int32_t>(call.offsets.merge_indptr);
+  launch.partial_out = reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) +
+                                                call.offsets.partial_out);
+  launch.partial_lse = reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) +
+                                                call.offsets.partial_lse);
+  // A captured graph replays later plans for the same batch size: cover the capacity.
+  launch.grid_items = capturing ? call.item_limit : int(call.decode_plan.items.size());
+  launch.has_partials = capturing || call.decode_plan.num_partials > 0;
+  launch_decode(launch, device, stream);
+}
+
+void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
+             const TensorView& v, const TensorView& loc, uint32_t* error_word,
+             cudaStream_t stream) {
+  const KvCache& cache = *config.kv_cache;
+  const TensorView& kb = cache.k_buffer(layer.layer_id);
+  const TensorView& vb = cache.v_buffer(layer.layer_id);
+  const int v_head_dim = layer.resolved_v_head_dim();
+  const HeadStrides ks = head_strides(k, layer.head_dim);
+  const HeadStrides vs = head_strides(v, v_head_dim);
+  KvWriteLaunch w;
+  w.k = k.data();
+  w.k_stride_token = ks.token;
+  w.k_stride_head = ks.head;
+  w.v = v.data();
+  w.v_stride_token = vs.token;
+  w.v_stride_head = vs.head;
+  w.io_dtype = config.q_dtype;
+  w.loc = loc.data();
+  w.loc_int64 = loc.dtype() == DType::kInt64;
+  w.num_tokens = loc.size(0);
+  w.k_cache = kb.data();
+  w.k_cache_stride_token = kb.stride(0);
+  w.k_cache_stride_head = kb.stride(1);
+  w.v_cache = vb.data();
+  w.v_cache_stride_token = vb.stride(0);
+  w.v_cache_stride_head = vb.stride(1);
+  w.kv_dtype = cache.config().dtype;
+  if (is_fp8(w.kv_dtype)) {
+    w.k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
+    w.v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
+  }
+  w.num_kv_heads = layer.num_kv_heads;
+  w.head_dim = layer.head_dim;
+  w.v_head_dim = v_head_dim;
+  w.num_slots = cache.num_slots();
+  w.error_word = error_word;
+  launch_kv_write(w, stream);
+}
+
+// ---- the backend -----------------------------------------------------------------------------
+
+namespace {
+
+ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool, const TensorView& req_pool_indices) {
+  ReqToTokenSource s;
+  s.table = pool.table().data_as<const int32_t>();
+  s.row_stride = pool.table().stride(0);
+  s.max_reqs = pool.max_reqs();
+  s.max_context_len = pool.max_context_len();
+  s.req_pool_indices = req_pool_indices.data();
+  s.req_pool_indices_int64 = req_pool_indices.dtype() == DType::kInt64;
+  return s;
+}
+
+class CudaBackend final : public AttentionBackend {
+ public:
+  explicit CudaBackend(const BackendConfig& config)
+      : config_(config), device_(config.kv_cache->config().device) {
+    set_device();
+    if (config_.v_head_dim == 0) config_.v_head_dim = config_.head_dim;
+    setup_ = make_decode_setup(config_, device_.index);
+    if (config_.is_encoder_decoder) {
+      model_sets_ = {core::IndexSet::kDecoderSelf, core::IndexSet::kEncoder};
+    } else if (config_.sliding_window_size >= 0) {
+      model_sets_ = {core::IndexSet::kWindow, core::IndexSet::kFull};
+    } else {
+      model_sets_ = {core::IndexSet::kFull};
+    }
+  }
+
+  BackendKind kind() const override { return BackendKind::kCuda; }
+  Device device() const override { return device_; }
+
+  void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) override {
+    set_device();
+    errors_.check_and_clear("init_forward_metadata");
+    step_ = Step();
+    core::validate_batch(batch, config_, device_);
+    const core::HostLengths lens = core::read_host_lengths(batch, config_.is_encoder_decoder);
+    step_.mode = batch.mode;
+    step_.batch_size = batch.batch_size;
+    if (batch.mode == ForwardMode::kIdle) {
+      step_.ready = true;
+      return;
+    }
+    const bool verify = batch.mode == ForwardMode::kTargetVerify;
+    const bool decode = batch.mode == ForwardMode::kDecode;
+    if (!decode && !setup_.prefill_supported) {
+      throw_error(ErrorKind::kNotSupported, "mode",
+                  forward_mode_name(batch.mode), " on CUDA needs the prefill kernel, which serves ",
+                  "bf16/fp16 q with v_head_dim == head_dim and a compiled head_dim; got q ",
+                  dtype_name(config_.q_dtype), ", head_dim ", config_.head_dim, ", v_head_dim ",
+                  config_.v_head_dim);
+    }
+    // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size.
+    step_.graph_pool = graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
+    check_arg(!in_capture || step_.graph_pool, "in_capture",
+              "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ",
+              batch.batch_size, " and a DECODE or TARGET_VERIFY batch");
+    auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
+    const cudaStream_t stream = as_stream(config_.cuda_stream);
+
+    int64_t new_tokens = 0;
+    for (int32_t e : lens.extend_lens) new_tokens += e;
+    step_.ragged = core::use_ragged_extend(batch.mode, new_tokens, config_.ragged_extend_threshold,
+                                           config_.sliding_window_size >= 0,
+                                           config_.is_encoder_decoder);
+    step_.num_tokens = decode ? batch.batch_size
+                       : verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num
+                                : new_tokens;
+
+    for (size_t s = 0; s < model_sets_.size(); ++s) {
+      CallState& call = pool[s];
+      call.layout = core::make_paged_layout(batch.mode, model_sets_[s], config_.sliding_window_size,
+                                            lens, batch.spec.draft_token_num,
+                                            /*prefix_only=*/step_.ragged);
+      call.paged = true;
+      call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
+      if (verify && model_sets_[s] == core::IndexSet::kWindow) fold_window(call, batch, lens);
+      plan_call(call, decode && !setup_.tensor_cores);
+    }
+    if (step_.ragged) {
+      step_.any_prefix = std::any_of(lens.prefix_lens.begin(), lens.prefix_lens.end(),
+                                     [](int32_t p) { return p > 0; });
+      CallState& ragged = pool[kRaggedSlot];
+      ragged.layout = core::make_ragged_layout(lens);
+      ragged.paged = false;
+      ragged.custom_mask = nullptr;
+      plan_call(ragged, false);
+      const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
+      const size_t out_bytes = rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
+      ensure_bytes(ragged_scratch_, align_region(out_bytes) + 2 * rows * sizeof(float), false,
+                   device_, "ragged extend scratch");
+    }
+    const int num_calls = int(model_sets_.size()) + (step_.ragged ? 1 : 0);
+    for (int c = 0; c < num_calls; ++c) {
+      CallState& call = pool[c < int(model_sets_.size()) ? c : kRaggedSlot];
+      core::CallCapacity cap;
+      cap.batch_size = step_.graph_pool ? graph_max_bs_ : call.layout.batch_size;
+      cap.decode_items = call.prefill ? 0
+                         : step_.graph_pool ? core::decode_item_capacity(graph_max_bs_, setup_.plan_config)
+                                            : call.item_limit;
+      cap.custom_mask = verify;
+      cap.num_q_heads = config_.num_q_heads;
+      cap.v_head_dim = config_.v_head_dim;
+      const int64_t keys = step_.graph_pool ? graph_kv_capacity_ : call.layout.total_kv();
+      upload_call(call, cap, keys, config_.v_head_dim, device_, stream);
+    }
+    step_.ready = true;
+    step_.indices_built = false;
+  }
+
+  void init_forward_metadata_in_graph(const ForwardBatch& batch) override {
+    set_device();
+    require_step(batch, "init_forward_metadata_in_graph");
+    if (step_.mode == ForwardMode::kIdle) return;
+    const cudaStream_t stream = as_stream(config_.cuda_stream);
+    const bool capturing = stream_is_capturing(stream);
+    auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
+    for (size_t s = 0; s < model_sets_.size(); ++s) {
+      const CallState& call = pool[s];
+      KvIndexBuild build;
+      build.source = req_to_token_source(*config_.req_to_token_pool, batch.req_pool_indices);
+      build.kv_start = call.meta<int32_t>(call.offsets.kv_start);
+      build.kv_len = call.meta<int32_t>(call.offsets.kv_len);
+      build.kv_indptr = call.meta<int64_t>(call.offsets.kv_indptr);
+      build.batch_size = call.layout.batch_size;
+      build.kv_indices = static_cast<int32_t*>(call.kv_indices.data());
+      build.num_slots = config_.kv_cache->num_slots();
+      build.error_word = errors_.device_ptr();
+      // A captured launch must cover any later replay's lengths.
+      build.max_kv_len = capturing ? config_.req_to_token_pool->max_context_len() : call.max_kv_len;
+      launch_build_kv_indices(build, stream);
+    }
+    step_.indices_built = true;
+  }
+
+  void forward_decode(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
+                      bool save_kv_cache) override {
+    forward_any(q, k, v, out, layer, batch, save_kv_cache, "forward_decode");
+  }
+
+  void forward_extend(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
+                      bool save_kv_cache) override {
+    forward_any(q, k, v, out, layer, batch, save_kv_cache, "forward_extend");
+  }
+
+  void init_cuda_graph_state(int max_bs, int64_t max_num_tokens) override {
+    set_device();
+    check_arg(max_bs >= 1, "max_bs", "got ", max_bs, ", expected >= 1");
+    check_arg(max_num_tokens >= max_bs, "max_num_tokens", "got ", max_num_tokens,
+              ", expected >= max_bs ", max_bs);
+    const int max_context = config_.req_to_token_pool->max_context_len();
+    graph_kv_capacity_ = int64_t(max_bs) * max_context;
+    // The prefill region (TARGET_VERIFY, tensor-core decode) depends on the plan: reserve what a
+    // batch of max_bs requests with max_num_tokens queries over max_context keys would need,
+    // twice over for split partials.
+    size_t prefill_bytes = 0;
+    if (setup_.prefill_supported) {
+      std::vector<int32_t> qo(size_t(max_bs) + 1, 0);
+      std::vector<int64_t> kv(size_t(max_bs) + 1, 0);
+      const int64_t per_request = std::max<int64_t>(1, max_num_tokens / max_bs);
+      for (int r = 0; r < max_bs; ++r) {
+        qo[r + 1] = qo[r] + int32_t(per_request);
+        kv[r + 1] = kv[r] + max_context;
+      }
+      core::PrefillTileShape shape = prefill_shape(core::MaskMode::kNone, -1);
+      const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo, kv, shape);
+      prefill_bytes = 2 * core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr,
+                                                     nullptr).total_bytes;
+    }
+    for (size_t s = 0; s < model_sets_.size(); ++s) {
+      core::CallCapacity cap;
+      cap.batch_size = max_bs;
+      cap.decode_items = core::decode_item_capacity(max_bs, setup_.plan_config);
+      cap.custom_mask = true;
+      cap.num_q_heads = config_.num_q_heads;
+      cap.v_head_dim = config_.v_head_dim;
+      reserve_frozen_call(graph_calls_[s], cap, graph_kv_capacity_, prefill_bytes, device_);
+    }
+    graph_max_bs_ = max_bs;
+  }
+
+  int cuda_graph_seq_len_fill_value() const override { return 0; }
+
+ private:
+  static constexpr int kRaggedSlot = 2;
+
+  struct Step {
+    bool ready = false;
+    bool indices_built = false;
+    ForwardMode mode = ForwardMode::kIdle;
+    int batch_size = 0;
+    int64_t num_tokens = 0;
+    bool graph_pool = false;
+    bool ragged = false;
+    bool any_prefix = false;
+  };
+
+  void set_device() const { check_cuda(cudaSetDevice(device_.index), "cudaSetDevice"); }
+
+  core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left) const {
+    core::PrefillTileShape shape;
+    shape.num_q_heads = config_.num_q_heads;
+    shape.num_kv_heads = config_.num_kv_heads;
+    shape.tile_rows = setup_.prefill_tile_rows;
+    shape.kv_tile = setup_.prefill_kv_tile;
+    shape.mask = mask;
+    shape.window_left = window_left;
+    shape.concurrent_ctas = setup_.concurrent_prefill_ctas;
+    return shape;
+  }
+
+  void plan_call(CallState& call, bool cuda_core_decode) {
+    call.max_kv_len = 0;
+    for (int32_t len : call.layout.kv_len) call.max_kv_len = std::max(call.max_kv_len, len);
+    call.prefill = !cuda_core_decode;
+    if (cuda_core_decode) {
+      call.item_limit = core::decode_item_capacity(call.layout.batch_size, setup_.plan_config);
+      call.decode_plan = core::plan_decode(call.layout.kv_len, setup_.plan_config, call.item_limit);
+    } else {
+      call.item_limit = 0;
+      call.prefill_plan = core::plan_prefill_tiles(
+          call.layout.qo_indptr, call.layout.kv_indptr,
+          prefill_shape(call.layout.mask, call.layout.window_left));
+    }
+  }
+
+  // TARGET_VERIFY on a window layer: the window becomes part of the tree mask (host work: the
+  // mask and positions come back to the host once per step, and the folded mask goes up).
+  void fold_window(CallState& call, const ForwardBatch& batch, const core::HostLengths& lens) {
+    const TensorView& mask = batch.spec.custom_mask;
+    check_arg(batch.positions.defined(), "positions",
+              "missing: TARGET_VERIFY on a sliding-window model needs the tree positions");
+    const int64_t num_tree = int64_t(batch.batch_size) * batch.spec.draft_token_num;
+    core::check_index_tensor(batch.positions, "positions", num_tree, batch.positions.device());
+    std::vector<uint8_t> host_mask(static_cast<size_t>(mask.numel()));
+    copy_bytes(host_mask.data(), Device::cpu(), mask.data(), mask.device(), host_mask.size());
+    std::vector<int64_t> positions(static_cast<size_t>(num_tree));
+    if (batch.positions.dtype() == DType::kInt64) {
+      copy_bytes(positions.data(), Device::cpu(), batch.positions.data(), batch.positions.device(),
+                 positions.size() * sizeof(int64_t));
+    } else {
+      std::vector<int32_t> narrow(static_cast<size_t>(num_tree));
+      copy_bytes(narrow.data(), Device::cpu(), batch.positions.data(), batch.positions.device(),
+                 narrow.size() * sizeof(int32_t));
+      std::copy(narrow.begin(), narrow.end(), positions.begin());
+    }
+    const std::vector<uint8_t> folded = core::fold_window_into_tree_mask(
+        lens, batch.spec.draft_token_num, config_.sliding_window_size, host_mask.data(),
+        positions.data());
+    ensure_bytes(call.folded_mask, std::max<size_t>(folded.size(), 1), false, device_, "folded tree mask");
+    copy_bytes(call.folded_mask.data(), device_, folded.data(), Device::cpu(), folded.size());
+    call.custom_mask = static_cast<const uint8_t*>(call.folded_mask.data());
+  }
+
+  void require_step(const ForwardBatch& batch, const char* where) const {
+    check_arg(step_.ready, where, "call init_forward_metadata (out_graph) for this batch first");
+    check_arg(batch.mode == step_.mode && batch.batch_size == step_.batch_size, where,
+              "the batch (", forward_mode_name(batch.mode), ", batch_size ", batch.batch_size,
+              ") is not the one init_forward_metadata planned (", forward_mode_name(step_.mode),
+              ", batch_size ", step_.batch_size, ")");
+  }
+
+  void forward_any(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
+                   bool save_kv_cache, const char* where) {
+    set_device();
+    errors_.check_and_clear(where);
+    require_step(batch, where);
+    check_arg(step_.indices_built, where,
+              "call init_forward_metadata_in_graph (or init_forward_metadata) first");
+    core::validate_forward_tensors(q, k, v, out, layer, batch, config_, device_, step_.num_tokens,
+                                   save_kv_cache);
+    const cudaStream_t stream = as_stream(config_.cuda_stream);
+    if (save_kv_cache && k.defined()) {
+      const TensorView& loc = layer.is_cross_attention ? batch.encoder_out_cache_loc : batch.out_cache_loc;
+      save_kv(config_, layer, k, v, loc, errors_.device_ptr(), stream);
+    }
+    if (step_.num_tokens == 0) return;
+    const core::IndexSet set = core::index_set_for(layer, config_.is_encoder_decoder);
+    const auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
+    size_t slot = 0;
+    while (slot < model_sets_.size() && model_sets_[slot] != set) ++slot;
+    check_arg(slot < model_sets_.size(), "layer", "needs an index set this model does not keep");
+    const CallState& paged = pool[slot];
+    if (!step_.ragged) {
+      run_call(paged, make_params(paged, config_, layer, q, out, nullptr, {}, {}), device_.index,
+               stream);
+      return;
+    }
+    // Ragged + paged prefix (SPEC §3 (b)): new tokens against themselves (causal, no gather),
+    // the prefix without a mask, then the merge of the two states.
+    check_arg(k.defined() && v.defined(), "k",
+              "the ragged EXTEND path attends to this step's k/v directly: pass them");
+    const CallState& ragged = pool[kRaggedSlot];
+    if (!step_.any_prefix) {
+      run_call(ragged, make_params(ragged, config_, layer, q, out, nullptr, k, v), device_.index,
+               stream);
+      return;
+    }
+    const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
+    char* scratch = static_cast<char*>(ragged_scratch_.data());
+    const size_t out_bytes = rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
+    float* lse_prefix = reinterpret_cast<float*>(scratch + align_region(out_bytes));
+    float* lse_new = lse_prefix + rows;
+    const TensorView new_out(scratch, config_.q_dtype, device_,
+                             {step_.num_tokens, config_.num_q_heads, config_.v_head_dim});
+    run_call(paged, make_params(paged, config_, layer, q, out, lse_prefix, {}, {}), device_.index,
+             stream);
+    run_call(ragged, make_params(ragged, config_, layer, q, new_out, lse_new, k, v), device_.index,
+             stream);
+    MergeStatesLaunch m;
+    const HeadStrides os = head_strides(out, config_.v_head_dim);
+    m.o_a = out.data();
+    m.lse_a = lse_prefix;
+    m.o_b = new_out.data();
+    m.lse_b = lse_new;
+    m.out = out.data();
+    m.stride_token = os.token;
+    m.stride_head = os.head;
+    m.b_stride_token = int64_t(config_.num_q_heads) * config_.v_head_dim;
+    m.b_stride_head = config_.v_head_dim;
+    m.io_dtype = config_.q_dtype;
+    m.num_tokens = step_.num_tokens;
+    m.num_heads = config_.num_q_heads;
+    m.v_head_dim = config_.v_head_dim;
+    launch_merge_states(m, stream);
+  }
+
+  BackendConfig config_;
+  Device device_;
+  DecodeSetup setup_;
+  std::vector<core::IndexSet> model_sets_;
+  ErrorWord errors_;
+  Step step_;
+  CallState eager_calls_[3];
+  CallState graph_calls_[3];
+  Buffer ragged_scratch_;
+  int graph_max_bs_ = 0;
+  int64_t graph_kv_capacity_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionBackend> make_cuda_backend(const BackendConfig& config) {
+  return std::make_unique<CudaBackend>(config);
+}
+
+}  // namespace kvattn::cuda

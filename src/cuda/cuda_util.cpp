@@ -1,0 +1,138 @@
+#include "cuda/cuda_util.h"
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kvattn/error.h"
+
+namespace kvattn::cuda {
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  const ErrorKind kind =
+      status == cudaErrorMemoryAllocation ? ErrorKind::kOutOfResources : ErrorKind::kDeviceError;
+  throw_error(kind, what, cudaGetErrorName(status), ": ", cudaGetErrorString(status));
+}
+
+void check_launch(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return;
+  throw_error(ErrorKind::kDeviceError, kernel, "launch failed: ", cudaGetErrorName(status), ": ",
+              cudaGetErrorString(status));
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status == cudaStreamCaptureStatusActive;
+}
+
+const DeviceInfo& device_info(int device) {
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> infos;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= int(infos.size())) infos.resize(size_t(device) + 1);
+  DeviceInfo& info = infos[size_t(device)];
+  if (info.sm_count == 0) {
+    check_cuda(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+    check_cuda(cudaDeviceGetAttribute(&info.max_smem_per_block_optin,
+                                      cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "cudaDeviceGetAttribute(maxSharedMemoryPerBlockOptin)");
+    check_cuda(cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor,
+                                      device),
+               "cudaDeviceGetAttribute(computeCapabilityMajor)");
+  }
+  return info;
+}
+
+// ---- ErrorWord -----------------------------------------------------------------------------
+
+ErrorWord::ErrorWord() {
+  void* host = nullptr;
+  check_cuda(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc(error word)");
+  host_ = static_cast<volatile uint32_t*>(host);
+  *host_ = 0;
+  void* device = nullptr;
+  const cudaError_t status = cudaHostGetDevicePointer(&device, host, 0);
+  if (status != cudaSuccess) {
+    cudaFreeHost(host);
+    check_cuda(status, "cudaHostGetDevicePointer(error word)");
+  }
+  device_ = static_cast<uint32_t*>(device);
+}
+
+ErrorWord::~ErrorWord() {
+  if (host_ != nullptr) cudaFreeHost(const_cast<uint32_t*>(host_));
+}
+
+void ErrorWord::check_and_clear(const char* where) {
+  const uint32_t bits = *host_;
+  if (bits == 0) return;
+  *host_ = 0;
+  std::string what;
+  if (bits & kBadKvSlot) what += " req_to_token held a slot outside the KV pool (read as slot 0);";
+  if (bits & kBadCacheLoc) what += " out_cache_loc held a slot outside the KV pool (not written);";
+  if (bits & kBadRequestIndex) {
+    what += " req_pool_indices held a row outside req_to_token (treated as empty);";
+  }
+  throw_error(ErrorKind::kInvalidArgument, where,
+              "a device kernel of an earlier call met bad indices:", what,
+              " outputs of that step are not valid");
+}
+
+// ---- PinnedBuffer --------------------------------------------------------------------------
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ != nullptr) cudaFreeHost(data_);
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : data_(other.data_), bytes_(other.bytes_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void PinnedBuffer::reserve(size_t bytes) {
+  if (bytes <= bytes_) return;
+  const size_t grown = std::max(bytes, bytes_ * 2);
+  void* fresh = nullptr;
+  check_cuda(cudaHostAlloc(&fresh, grown, cudaHostAllocDefault), "cudaHostAlloc(staging)");
+  if (data_ != nullptr) cudaFreeHost(data_);
+  data_ = fresh;
+  bytes_ = grown;
+}
+
+// ---- CopyFence -----------------------------------------------------------------------------
+
+CopyFence::CopyFence() {
+  check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
+}
+
+CopyFence::~CopyFence() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+void CopyFence::record(cudaStream_t stream) {
+  check_cuda(cudaEventRecord(event_, stream), "cudaEventRecord");
+  recorded_ = true;
+}
+
+void CopyFence::wait() {
+  if (recorded_) check_cuda(cudaEventSynchronize(event_), "cudaEventSynchronize");
+}
+
+}  // namespace kvattn::cuda

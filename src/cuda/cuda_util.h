@@ -1,0 +1,94 @@
+// Error checking and small RAII helpers for the CUDA backend. Plain C++ (only the runtime API
+// header), so both nvcc- and g++-compiled files use it. Every CUDA failure becomes
+// kvattn::Error(kDeviceError) naming the call; nothing here exits.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvattn::cuda {
+
+/// Throws kvattn::Error (kOutOfResources for an allocation failure, else kDeviceError) naming
+/// `what` when `status` is not cudaSuccess.
+void check_cuda(cudaError_t status, const char* what);
+
+/// Call right after a kernel launch: turns a launch failure (bad configuration, missing image,
+/// a sticky error from an earlier kernel) into kvattn::Error naming `kernel`.
+void check_launch(const char* kernel);
+
+/// True while `stream` is being captured into a CUDA graph (launch sizes must then be fixed).
+bool stream_is_capturing(cudaStream_t stream);
+
+/// Facts about a device the planners need, read once per device.
+struct DeviceInfo {
+  int sm_count = 0;
+  int max_smem_per_block_optin = 0;
+  int compute_major = 0;
+};
+const DeviceInfo& device_info(int device);
+
+/// Bits of the device error word (see ErrorWord).
+enum DeviceErrorBits : uint32_t {
+  kBadKvSlot = 1u,       ///< req_to_token held a slot outside [0, num_slots): read as slot 0
+  kBadCacheLoc = 2u,     ///< out_cache_loc held a slot outside the pool: that K/V was not written
+  kBadRequestIndex = 4u, ///< req_pool_indices held a row outside req_to_token: treated as empty
+};
+
+/// A word that kernels set bits in when they meet bad indices on the device (which the host
+/// could not validate). It lives in mapped pinned host memory, so kernels write it directly and
+/// the host reads it without a copy or a sync; the backend checks it at its next host call and
+/// throws kvattn::Error(kInvalidArgument) there (the failing kernel itself never read or wrote
+/// outside the pool).
+class ErrorWord {
+ public:
+  ErrorWord();
+  ~ErrorWord();
+  ErrorWord(const ErrorWord&) = delete;
+  ErrorWord& operator=(const ErrorWord&) = delete;
+  uint32_t* device_ptr() const { return device_; }
+  /// Throws (and clears the word) when a kernel has set a bit since the last check.
+  void check_and_clear(const char* where);
+
+ private:
+  volatile uint32_t* host_ = nullptr;
+  uint32_t* device_ = nullptr;
+};
+
+/// Page-locked host memory (the staging buffer of async host-to-device copies).
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  /// Grows to at least `bytes` (contents are lost on growth).
+  void reserve(size_t bytes);
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// An event that marks when a staging buffer's last async copy has been consumed, so the host
+/// can reuse the buffer (waits only when the previous step's copy is still queued).
+class CopyFence {
+ public:
+  CopyFence();
+  ~CopyFence();
+  CopyFence(const CopyFence&) = delete;
+  CopyFence& operator=(const CopyFence&) = delete;
+  void record(cudaStream_t stream);
+  void wait();  ///< host waits for the last recorded point
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  bool recorded_ = false;
+};
+
+}  // namespace kvattn::cuda

@@ -1,0 +1,167 @@
+#include "cuda/draft_runner.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/validate.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/kernels/index.h"
+#include "kvattn/error.h"
+#include "kvattn/kv_cache.h"
+
+namespace kvattn::cuda {
+namespace {
+
+class CudaDraftRunner final : public core::DraftRunner {
+ public:
+  CudaDraftRunner(const BackendConfig& config, int topk, int num_steps)
+      : config_(config), device_(config.kv_cache->config().device), topk_(topk),
+        num_steps_(num_steps), steps_(size_t(num_steps)) {
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    check_arg(!config.is_encoder_decoder, "is_encoder_decoder",
+              "the multi-step draft backend serves decoder-only models");
+    if (config_.v_head_dim == 0) config_.v_head_dim = config_.head_dim;
+    setup_ = make_decode_setup(config_, device_.index);
+    errors_ = std::make_unique<ErrorWord>();
+  }
+
+  void init_forward_metadata(const ForwardBatch& batch) override {
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    errors_->check_and_clear("MultiStepDraftBackend::init_forward_metadata");
+    ready_ = false;
+    core::validate_batch(batch, config_, device_);
+    const core::HostLengths lens = core::read_host_lengths(batch, false);
+    const int bs = batch.batch_size;
+    const int entries = bs * topk_;
+    const ReqToTokenPool& pool = *config_.req_to_token_pool;
+    for (int r = 0; r < bs; ++r) {
+      const int64_t last = int64_t(lens.seq_lens[r]) + int64_t(num_steps_) * topk_;
+      check_arg(last <= pool.max_context_len(), "seq_lens[" + std::to_string(r) + "]",
+                "the draft tokens need req_to_token positions up to ", last,
+                ", the pool has max_context_len ", pool.max_context_len());
+    }
+    graph_pool_ = graph_max_bs_ > 0 && bs <= graph_max_bs_;
+    const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
+    entries_ = entries;
+    max_kv_len_ = 0;
+    for (int s = 0; s < num_steps_; ++s) {
+      CallState& call = steps_[size_t(s)];
+      core::PagedLayout& layout = call.layout;
+      layout = core::PagedLayout();
+      layout.batch_size = entries;
+      layout.mask = core::MaskMode::kCausal;
+      layout.qo_indptr.resize(size_t(entries) + 1);
+      layout.kv_start.assign(size_t(entries), 0);
+      layout.kv_len.resize(size_t(entries));
+      layout.kv_indptr.assign(size_t(entries) + 1, 0);
+      for (int e = 0; e < entries; ++e) {
+        layout.qo_indptr[e] = e;
+        layout.kv_len[e] = lens.seq_lens[e / topk_] + s + 1;
+        layout.kv_indptr[e + 1] = layout.kv_indptr[e] + layout.kv_len[e];
+        max_kv_len_ = std::max(max_kv_len_, layout.kv_len[e]);
+      }
+      layout.qo_indptr[entries] = entries;
+      call.paged = true;
+      call.prefill = false;
+      call.custom_mask = nullptr;
+      call.item_limit = core::decode_item_capacity(entries, setup_.plan_config);
+      call.decode_plan = core::plan_decode(layout.kv_len, setup_.plan_config, call.item_limit);
+      call.max_kv_len = max_kv_len_;
+      core::CallCapacity cap;
+      cap.batch_size = graph_pool_ ? graph_max_bs_ * topk_ : entries;
+      cap.decode_items = graph_pool_ ? core::decode_item_capacity(cap.batch_size, setup_.plan_config)
+                                     : call.item_limit;
+      cap.num_q_heads = config_.num_q_heads;
+      cap.v_head_dim = config_.v_head_dim;
+      const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
+      upload_call(call, cap, keys, config_.v_head_dim, device_, stream);
+    }
+    // The index sets of all steps: one launch per kMaxDraftStepsPerLaunch steps.
+    for (int first = 0; first < num_steps_; first += kMaxDraftStepsPerLaunch) {
+      DraftIndexBuild build;
+      const ReqToTokenPool& p = *config_.req_to_token_pool;
+      build.source.table = p.table().data_as<const int32_t>();
+      build.source.row_stride = p.table().stride(0);
+      build.source.max_reqs = p.max_reqs();
+      build.source.max_context_len = p.max_context_len();
+      build.source.req_pool_indices = batch.req_pool_indices.data();
+      build.source.req_pool_indices_int64 = batch.req_pool_indices.dtype() == DType::kInt64;
+      build.batch_size = bs;
+      build.topk = topk_;
+      build.first_step = first;
+      build.num_steps = std::min(kMaxDraftStepsPerLaunch, num_steps_ - first);
+      for (int i = 0; i < build.num_steps; ++i) {
+        const CallState& call = steps_[size_t(first + i)];
+        build.kv_len[i] = call.meta<int32_t>(call.offsets.kv_len);
+        build.kv_indptr[i] = call.meta<int64_t>(call.offsets.kv_indptr);
+        build.kv_indices[i] = static_cast<int32_t*>(steps_[size_t(first + i)].kv_indices.data());
+      }
+      build.num_slots = config_.kv_cache->num_slots();
+      build.error_word = errors_->device_ptr();
+      build.max_kv_len = stream_is_capturing(stream) ? p.max_context_len() : max_kv_len_;
+      launch_build_draft_kv_indices(build, stream);
+    }
+    ready_ = true;
+  }
+
+  void forward_step(int step, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& out, const AttentionLayer& layer,
+                    const TensorView& out_cache_loc) override {
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    errors_->check_and_clear("MultiStepDraftBackend::forward_step");
+    check_arg(ready_, "forward_step", "call init_forward_metadata first");
+    check_arg(!layer.is_cross_attention, "layer.is_cross_attention",
+              "draft steps run self-attention layers only");
+    ForwardBatch view;  // what validate_forward_tensors reads: the step's slots
+    view.mode = ForwardMode::kDecode;
+    view.batch_size = entries_;
+    view.out_cache_loc = out_cache_loc;
+    const bool save = out_cache_loc.defined() && k.defined();
+    core::validate_forward_tensors(q, k, v, out, layer, view, config_, device_, entries_, save);
+    const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
+    if (save) save_kv(config_, layer, k, v, out_cache_loc, errors_->device_ptr(), stream);
+    if (entries_ == 0) return;
+    const CallState& call = steps_[size_t(step)];
+    run_call(call, make_params(call, config_, layer, q, out, nullptr, {}, {}), device_.index, stream);
+  }
+
+  void init_cuda_graph_state(int max_bs) override {
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    const int entries = max_bs * topk_;
+    graph_kv_capacity_ = int64_t(entries) * config_.req_to_token_pool->max_context_len();
+    for (CallState& call : steps_) {
+      core::CallCapacity cap;
+      cap.batch_size = entries;
+      cap.decode_items = core::decode_item_capacity(entries, setup_.plan_config);
+      cap.num_q_heads = config_.num_q_heads;
+      cap.v_head_dim = config_.v_head_dim;
+      reserve_frozen_call(call, cap, graph_kv_capacity_, 0, device_);
+    }
+    graph_max_bs_ = max_bs;
+  }
+
+ private:
+  BackendConfig config_;
+  Device device_;
+  int topk_;
+  int num_steps_;
+  DecodeSetup setup_;
+  std::unique_ptr<ErrorWord> errors_;
+  std::vector<CallState> steps_;
+  bool ready_ = false;
+  bool graph_pool_ = false;
+  int graph_max_bs_ = 0;
+  int64_t graph_kv_capacity_ = 0;
+  int entries_ = 0;
+  int32_t max_kv_len_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<core::DraftRunner> make_cuda_draft_runner(const BackendConfig& config, int topk,
+                                                          int num_steps) {
+  return std::make_unique<CudaDraftRunner>(config, topk, num_steps);
+}
+
+}  // namespace kvattn::cuda

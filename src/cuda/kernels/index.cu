@@ -1,0 +1,113 @@
+// Device index building (see index.h).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/cuda_util.h"
+#include "cuda/kernels/index.h"
+#include "kvattn/error.h"
+
+namespace kvattn::cuda {
+namespace {
+
+constexpr int kIndexThreads = 256;
+// Each CTA copies this many keys per pass: one int32 per thread, 4 passes in flight.
+constexpr int kKeysPerIndexCta = 4 * kIndexThreads;
+// More CTAs per entry than this only adds launch size (a 32K-key row needs 32).
+constexpr int kMaxIndexCtasPerEntry = 64;
+
+__device__ __forceinline__ void flag(uint32_t* word, uint32_t bit) {
+  // The word lives in mapped host memory: a plain read-modify-write (no system-scope atomics
+  // needed); a racing writer can at worst drop another writer's bit, never clear the word.
+  volatile uint32_t* w = word;
+  *w = *w | bit;
+}
+
+// The req_to_token row of entry `request`, or null (flagged) when the row index is outside.
+__device__ __forceinline__ const int32_t* source_row(const ReqToTokenSource& s, int request,
+                                                     uint32_t* error_word) {
+  const int64_t row = s.req_pool_indices_int64
+                          ? static_cast<const int64_t*>(s.req_pool_indices)[request]
+                          : static_cast<const int32_t*>(s.req_pool_indices)[request];
+  if (row < 0 || row >= s.max_reqs) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) flag(error_word, kBadRequestIndex);
+    return nullptr;
+  }
+  return s.table + row * s.row_stride;
+}
+
+__device__ __forceinline__ int32_t checked_slot(const int32_t* row, int64_t position,
+                                                const ReqToTokenSource& s, int64_t num_slots,
+                                                uint32_t* error_word) {
+  if (row == nullptr) return 0;
+  if (position < 0 || position >= s.max_context_len) {
+    flag(error_word, kBadRequestIndex);
+    return 0;
+  }
+  const int32_t slot = row[position];
+  if (slot < 0 || slot >= num_slots) {
+    flag(error_word, kBadKvSlot);
+    return 0;
+  }
+  return slot;
+}
+
+__global__ void __launch_bounds__(kIndexThreads) build_kv_indices_kernel(const KvIndexBuild b) {
+  const int request = int(blockIdx.y);
+  const int32_t* row = source_row(b.source, request, b.error_word);
+  const int64_t start = b.kv_start[request];
+  const int64_t len = b.kv_len[request];
+  int32_t* out = b.kv_indices + b.kv_indptr[request];
+  for (int64_t i = int64_t(blockIdx.x) * kIndexThreads + threadIdx.x; i < len;
+       i += int64_t(gridDim.x) * kIndexThreads) {
+    out[i] = checked_slot(row, start + i, b.source, b.num_slots, b.error_word);
+  }
+}
+
+__global__ void __launch_bounds__(kIndexThreads) build_draft_kv_indices_kernel(const DraftIndexBuild b) {
+  const int entry = int(blockIdx.y);  // request * topk + branch
+  const int local_step = int(blockIdx.z);
+  const int step = b.first_step + local_step;
+  const int request = entry / b.topk;
+  const int branch = entry % b.topk;
+  const int32_t* row = source_row(b.source, request, b.error_word);
+  const int64_t len = b.kv_len[local_step][entry];
+  const int64_t prefix = len - step - 1;
+  int32_t* out = b.kv_indices[local_step] + b.kv_indptr[local_step][entry];
+  for (int64_t i = int64_t(blockIdx.x) * kIndexThreads + threadIdx.x; i < len;
+       i += int64_t(gridDim.x) * kIndexThreads) {
+    // Key i: a prefix token, or the branch's draft token of step i - prefix.
+    const int64_t position = i < prefix ? i : prefix + (i - prefix) * b.topk + branch;
+    out[i] = checked_slot(row, position, b.source, b.num_slots, b.error_word);
+  }
+}
+
+uint32_t ctas_per_entry(int max_kv_len) {
+  const int wanted = (std::max(max_kv_len, 1) + kKeysPerIndexCta - 1) / kKeysPerIndexCta;
+  return uint32_t(std::min(wanted, kMaxIndexCtasPerEntry));
+}
+
+}  // namespace
+
+void launch_build_kv_indices(const KvIndexBuild& b, cudaStream_t stream) {
+  if (b.batch_size == 0) return;
+  check_arg(b.batch_size < 65536, "batch_size", "got ", b.batch_size, ", expected < 65536");
+  const dim3 grid(ctas_per_entry(b.max_kv_len), uint32_t(b.batch_size));
+  build_kv_indices_kernel<<<grid, kIndexThreads, 0, stream>>>(b);
+  check_launch("build_kv_indices_kernel");
+}
+
+void launch_build_draft_kv_indices(const DraftIndexBuild& b, cudaStream_t stream) {
+  if (b.batch_size == 0) return;
+  check_arg(int64_t(b.batch_size) * b.topk < 65536, "batch_size", "batch_size * topk = ",
+            int64_t(b.batch_size) * b.topk, ", expected < 65536");
+  check_arg(b.num_steps >= 1 && b.num_steps <= kMaxDraftStepsPerLaunch, "num_steps", "got ",
+            b.num_steps, ", expected 1..", kMaxDraftStepsPerLaunch, " per launch");
+  const dim3 grid(ctas_per_entry(b.max_kv_len), uint32_t(b.batch_size * b.topk),
+                  uint32_t(b.num_steps));
+  build_draft_kv_indices_kernel<<<grid, kIndexThreads, 0, stream>>>(b);
+  check_launch("build_draft_kv_indices_kernel");
+}
+
+}  // namespace kvattn::cuda

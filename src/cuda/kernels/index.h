@@ -1,0 +1,65 @@
+// Building token-level KV index arrays on the device (the in-graph half of
+// init_forward_metadata): each batch entry's slots are copied from its req_to_token row. The
+// host already placed kv_start / kv_len / kv_indptr in the call's metadata; the kernels only
+// copy rows, so they record into a CUDA graph with fixed launch sizes. A slot outside
+// [0, num_slots) is written as slot 0 and flagged in the error word; a request row outside
+// req_to_token likewise. No kernel downstream ever reads outside the pool.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvattn::cuda {
+
+/// Where the rows come from: the engine's req_to_token and the batch's row indices.
+struct ReqToTokenSource {
+  const int32_t* table = nullptr;  ///< [max_reqs, max_context_len] device
+  int64_t row_stride = 0;          ///< elements between rows
+  int max_reqs = 0;
+  int max_context_len = 0;
+  const void* req_pool_indices = nullptr;  ///< [batch_size] int32 or int64 device
+  bool req_pool_indices_int64 = false;
+};
+
+/// kv_indices[kv_indptr[r] + i] = req_to_token[req_pool_indices[r], kv_start[r] + i] for i in
+/// [0, kv_len[r]) and every entry r < batch_size.
+struct KvIndexBuild {
+  ReqToTokenSource source;
+  const int32_t* kv_start = nullptr;   ///< [batch_size] device (call metadata)
+  const int32_t* kv_len = nullptr;     ///< [batch_size] device
+  const int64_t* kv_indptr = nullptr;  ///< [batch_size + 1] device
+  int batch_size = 0;
+  int32_t* kv_indices = nullptr;       ///< [kv_indptr[batch_size]] device
+  int64_t num_slots = 0;
+  uint32_t* error_word = nullptr;      ///< device-visible ErrorWord
+  /// Keys the grid is sized for per entry (the step's longest; graph capture: max_context_len).
+  int max_kv_len = 0;
+};
+void launch_build_kv_indices(const KvIndexBuild& build, cudaStream_t stream);
+
+/// Steps one draft-index launch covers (their pointers travel in the kernel parameters).
+constexpr int kMaxDraftStepsPerLaunch = 16;
+
+/// Multi-step draft (see MultiStepDraftBackend): for step s and entry e = r * topk + b, the keys
+/// are the request's prefix [0, prefix_r) followed by the branch's draft tokens of steps 0..s,
+/// at req_to_token positions prefix_r + t * topk + b. Steps [first_step, first_step +
+/// num_steps) in one launch; step first_step + i writes kv_indices[i] at its kv_indptr[i].
+struct DraftIndexBuild {
+  ReqToTokenSource source;             ///< req_pool_indices has batch_size (requests) entries
+  int batch_size = 0;
+  int topk = 0;
+  int first_step = 0;
+  int num_steps = 0;                   ///< <= kMaxDraftStepsPerLaunch
+  /// Per step, the host plan's arrays on the device: kv_len [batch_size * topk] (= prefix + step
+  /// + 1, so the copy never outgrows the planned range) and kv_indptr [batch_size * topk + 1].
+  const int32_t* kv_len[kMaxDraftStepsPerLaunch] = {};
+  const int64_t* kv_indptr[kMaxDraftStepsPerLaunch] = {};
+  int32_t* kv_indices[kMaxDraftStepsPerLaunch] = {};
+  int64_t num_slots = 0;
+  uint32_t* error_word = nullptr;
+  int max_kv_len = 0;                  ///< grid sizing, as in KvIndexBuild
+};
+void launch_build_draft_kv_indices(const DraftIndexBuild& build, cudaStream_t stream);
+
+}  // namespace kvattn::cuda

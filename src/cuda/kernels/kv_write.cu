@@ -1,0 +1,83 @@
+// set_kv_buffer on the device (see kv_write.h).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/cuda_util.h"
+#include "cuda/kernels/decode_numerics.cuh"
+#include "cuda/kernels/kv_write.h"
+#include "kvattn/error.h"
+
+namespace kvattn::cuda {
+namespace {
+
+using detail::load_io;
+using detail::store_kv;
+
+constexpr int kWriteThreads = 256;
+// Enough CTAs to fill an H200 several times over; larger writes loop (grid-stride).
+constexpr int64_t kMaxWriteCtas = 132 * 16;
+
+// One thread per element of a (token, kv head) row of K followed by V.
+template <DType kKv>
+__global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(const KvWriteLaunch w) {
+  const int64_t row_elems = int64_t(w.head_dim) + w.v_head_dim;
+  const int64_t total = w.num_tokens * w.num_kv_heads * row_elems;
+  const bool fp8 = kKv == DType::kFloat8E4M3 || kKv == DType::kFloat8E5M2;
+  for (int64_t index = int64_t(blockIdx.x) * kWriteThreads + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * kWriteThreads) {
+    const int64_t row = index / row_elems;
+    const int64_t e = index % row_elems;
+    const int64_t token = row / w.num_kv_heads;
+    const int64_t head = row % w.num_kv_heads;
+    const int64_t slot = w.loc_int64 ? static_cast<const int64_t*>(w.loc)[token]
+                                     : static_cast<const int32_t*>(w.loc)[token];
+    if (slot < 0 || slot >= w.num_slots) {
+      if (e == 0 && head == 0) {
+        volatile uint32_t* word = w.error_word;
+        *word = *word | kBadCacheLoc;
+      }
+      continue;
+    }
+    if (e < w.head_dim) {
+      const float x = load_io(w.k, w.io_dtype, token * w.k_stride_token + head * w.k_stride_head + e);
+      // Division, not a reciprocal multiply, so the stored value matches the host's k / k_scale.
+      store_kv<kKv>(w.k_cache, slot * w.k_cache_stride_token + head * w.k_cache_stride_head + e,
+                    fp8 ? x / w.k_scale : x);
+    } else {
+      const int64_t ev = e - w.head_dim;
+      const float x = load_io(w.v, w.io_dtype, token * w.v_stride_token + head * w.v_stride_head + ev);
+      store_kv<kKv>(w.v_cache, slot * w.v_cache_stride_token + head * w.v_cache_stride_head + ev,
+                    fp8 ? x / w.v_scale : x);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_kv_write(const KvWriteLaunch& w, cudaStream_t stream) {
+  const int64_t total = w.num_tokens * w.num_kv_heads * (int64_t(w.head_dim) + w.v_head_dim);
+  if (total == 0) return;
+  const dim3 grid(uint32_t(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, kMaxWriteCtas)));
+  switch (w.kv_dtype) {
+    case DType::kBFloat16:
+      kv_write_kernel<DType::kBFloat16><<<grid, kWriteThreads, 0, stream>>>(w);
+      break;
+    case DType::kFloat16:
+      kv_write_kernel<DType::kFloat16><<<grid, kWriteThreads, 0, stream>>>(w);
+      break;
+    case DType::kFloat8E4M3:
+      kv_write_kernel<DType::kFloat8E4M3><<<grid, kWriteThreads, 0, stream>>>(w);
+      break;
+    case DType::kFloat8E5M2:
+      kv_write_kernel<DType::kFloat8E5M2><<<grid, kWriteThreads, 0, stream>>>(w);
+      break;
+    default:
+      throw_error(ErrorKind::kNotSupported, "kv_dtype", dtype_name(w.kv_dtype),
+                  " is not a KV storage dtype");
+  }
+  check_launch("kv_write_kernel");
+}
+
+}  // namespace kvattn::cuda

@@ -1,0 +1,44 @@
+// Writing a step's new K/V into the paged cache on the device (set_kv_buffer). fp8 storage holds
+// k / k_scale and v / v_scale, saturated to the largest finite value. A slot outside the pool is
+// skipped and flagged in the error word (the backend reports it at its next host call).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvattn/dtype.h"
+
+namespace kvattn::cuda {
+
+struct KvWriteLaunch {
+  const void* k = nullptr;  ///< [num_tokens, num_kv_heads, head_dim] io_dtype
+  int64_t k_stride_token = 0;
+  int64_t k_stride_head = 0;
+  const void* v = nullptr;  ///< [num_tokens, num_kv_heads, v_head_dim] io_dtype
+  int64_t v_stride_token = 0;
+  int64_t v_stride_head = 0;
+  DType io_dtype = DType::kBFloat16;
+  const void* loc = nullptr;  ///< [num_tokens] int32 or int64 slots
+  bool loc_int64 = false;
+  int64_t num_tokens = 0;
+  void* k_cache = nullptr;  ///< [num_slots, num_kv_heads, head_dim] kv_dtype
+  int64_t k_cache_stride_token = 0;
+  int64_t k_cache_stride_head = 0;
+  void* v_cache = nullptr;  ///< [num_slots, num_kv_heads, v_head_dim] kv_dtype
+  int64_t v_cache_stride_token = 0;
+  int64_t v_cache_stride_head = 0;
+  DType kv_dtype = DType::kBFloat16;
+  float k_scale = 1.f;  ///< fp8 only: stored = k / k_scale
+  float v_scale = 1.f;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int v_head_dim = 0;
+  int64_t num_slots = 0;
+  uint32_t* error_word = nullptr;
+};
+
+/// Asynchronous on `stream`; throws kDeviceError when the launch fails.
+void launch_kv_write(const KvWriteLaunch& launch, cudaStream_t stream);
+
+}  // namespace kvattn::cuda
