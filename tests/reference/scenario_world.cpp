@@ -35,14 +35,14 @@ class Rng {
     return std::uniform_int_distribution<int>(lo, hi)(engine_);
   }
   bool coin() { return (engine_() >> 17) & 1; }
-  /// Normal(0, 1), never within 0.05 of zero: a zero input would hide a missing term.
+  /// Symmetric around 0 with unit variance (sum of two uniforms), never within 0.05 of zero:
+  /// a zero input would hide a missing term. Cheap: worlds draw millions of these.
   double value() {
-    std::normal_distribution<double> normal(0.0, 1.0);
-    double x;
-    do {
-      x = normal(engine_);
-    } while (std::fabs(x) < 0.05);
-    return x;
+    const uint64_t bits = engine_();
+    const double u1 = double(bits & 0xffffffu) * 0x1p-24;
+    const double u2 = double((bits >> 24) & 0xffffffu) * 0x1p-24;
+    const double x = (u1 + u2 - 1.0) * 2.449489742783178;  // sqrt(6): unit variance
+    return std::fabs(x) < 0.05 ? std::copysign(0.05 + std::fabs(x), x) : x;
   }
   std::mt19937_64& engine() { return engine_; }
 
@@ -389,12 +389,21 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
   }
   {
     // Layer 0 is a decoy: finite values everywhere, so a backend reading the wrong layer
-    // produces wrong numbers rather than NaN.
-    auto& image = w.pool_bytes_before[0];
-    for (int64_t i = 0; i < k_elems; ++i)
-      store_kv(image[0], kv_dtype, i, rng.value(), decoy_k_scale);
-    for (int64_t i = 0; i < v_elems; ++i)
-      store_kv(image[1], kv_dtype, i, rng.value(), decoy_v_scale);
+    // produces wrong numbers rather than NaN. Drawn from a small table of encoded values (a
+    // prime count, so rows do not repeat in step with the head dims).
+    constexpr int kTable = 4099;
+    const int elem = dtype_size(kv_dtype);
+    for (int which = 0; which < 2; ++which) {
+      std::vector<uint8_t> table(size_t(kTable) * elem);
+      for (int i = 0; i < kTable; ++i)
+        store_kv(table, kv_dtype, i, rng.value(), which == 0 ? decoy_k_scale : decoy_v_scale);
+      std::vector<uint8_t>& image = w.pool_bytes_before[0][size_t(which)];
+      const int64_t count = which == 0 ? k_elems : v_elems;
+      const int64_t offset = rng.uniform(0, kTable - 1);
+      for (int64_t i = 0; i < count; ++i)
+        std::memcpy(image.data() + i * elem, table.data() + ((i + offset) % kTable) * elem,
+                    size_t(elem));
+    }
   }
   {
     // The tested layer: every owned slot gets K/V, except the slots this step saves into
