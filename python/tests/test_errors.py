@@ -1,0 +1,250 @@
+"""Bad input becomes a Python exception carrying the library's message, and never corrupts the
+KV pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvattn
+from attention_reference import World
+
+
+@pytest.fixture
+def world():
+    w = World(np.random.default_rng(5), page_size=4)
+    for r, p in enumerate([6, 9]):
+        w.fill(w.add_tokens(r, p))
+        w.add_tokens(r, 1)
+    return w
+
+
+def decode_batch(world, **overrides):
+    loc = np.array([world.token_slots[0][-1], world.token_slots[1][-1]], np.int32)
+    fields = dict(out_cache_loc=loc)
+    fields.update(overrides)
+    return world.batch("DECODE", [0, 1], [7, 10], **fields)
+
+
+def decode_inputs(world):
+    q, _ = world.random_q(2)
+    k, _ = world.random_q(2, world.num_kv_heads, world.head_dim)
+    v, _ = world.random_q(2, world.num_kv_heads, world.v_head_dim)
+    return q, k, v
+
+
+def pool_snapshot(world):
+    return [k.copy() for k in world.k] + [v.copy() for v in world.v]
+
+
+def assert_pool_unchanged(world, snapshot):
+    for before, after in zip(snapshot, world.k + world.v):
+        np.testing.assert_array_equal(before.view(np.uint8), after.view(np.uint8))
+
+
+def test_error_hierarchy():
+    assert issubclass(kvattn.InvalidArgumentError, kvattn.Error)
+    assert issubclass(kvattn.InvalidArgumentError, ValueError)
+    assert issubclass(kvattn.NotSupportedError, NotImplementedError)
+    assert issubclass(kvattn.OutOfResourcesError, MemoryError)
+    assert issubclass(kvattn.DeviceError, RuntimeError)
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="page_size") as info:
+        kvattn.KvCacheConfig(num_slots=12, num_kv_heads=1, head_dim=8, page_size=3).validate()
+    assert info.value.argument == "page_size"
+    assert str(info.value).startswith("kvattn: page_size")
+
+
+def test_wrong_q_dtype(world):
+    batch = decode_batch(world)
+    world.backend.init_forward_metadata(batch)
+    q, k, v = decode_inputs(world)
+    with pytest.raises(ValueError, match="float64 is not supported"):
+        world.backend.forward(q.astype(np.float64), k, v, world.layer(), batch)
+    with pytest.raises(ValueError, match="int8 is not supported"):
+        world.backend.forward(q.astype(np.int8), k, v, world.layer(), batch)
+
+
+def test_wrong_output_shape_leaves_pool_unchanged(world):
+    batch = decode_batch(world)
+    world.backend.init_forward_metadata(batch)
+    q, k, v = decode_inputs(world)
+    snapshot = pool_snapshot(world)
+    bad_out = np.empty((2, world.num_q_heads * world.v_head_dim + 1), np.float32)
+    with pytest.raises(ValueError, match="out"):
+        world.backend.forward(q, k, v, world.layer(), batch, out=bad_out)
+    assert_pool_unchanged(world, snapshot)
+
+
+def test_out_of_range_slot_never_written(world):
+    loc = np.array([world.token_slots[0][-1], world.config.num_slots + 3], np.int32)
+    batch = decode_batch(world, out_cache_loc=loc)
+    q, k, v = decode_inputs(world)
+    snapshot = pool_snapshot(world)
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        world.backend.init_forward_metadata(batch)
+        world.backend.forward(q, k, v, world.layer(), batch)
+    assert_pool_unchanged(world, snapshot)
+
+
+def test_req_pool_index_out_of_range(world):
+    batch = world.batch("DECODE", [0, 99], [7, 10],
+                        out_cache_loc=np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        world.backend.init_forward_metadata(batch)
+
+
+def test_prefix_longer_than_sequence(world):
+    prefix = np.array([8, 1], np.int32)
+    extend = np.array([1, 1], np.int32)
+    batch = world.batch("EXTEND", [0, 1], [7, 10], out_cache_loc=np.array([1, 2], np.int32),
+                        extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix,
+                        extend_seq_lens=extend, extend_seq_lens_cpu=extend)
+    with pytest.raises(ValueError):
+        world.backend.init_forward_metadata(batch)
+
+
+def test_heads_not_divisible(world):
+    batch = decode_batch(world)
+    world.backend.init_forward_metadata(batch)
+    q, k, v = decode_inputs(world)
+    with pytest.raises(ValueError, match="head"):
+        world.backend.forward(q, k, v, world.layer(num_q_heads=3), batch)
+
+
+def test_forward_before_init_forward_metadata():
+    w = World(np.random.default_rng(6))
+    w.fill(w.add_tokens(0, 3))
+    w.add_tokens(0, 1)
+    batch = w.batch("DECODE", [0], [4], out_cache_loc=np.array([w.token_slots[0][-1]], np.int32))
+    q, _ = w.random_q(1)
+    with pytest.raises(ValueError, match="init_forward_metadata"):
+        w.backend.forward(q, None, None, w.layer(), batch, save_kv_cache=False)
+
+
+def test_index_tensor_of_floats(world):
+    batch = decode_batch(world)
+    batch.seq_lens = np.array([7.0, 10.0], np.float32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        world.backend.init_forward_metadata(batch)
+
+
+def test_wrap_rejects_mismatched_buffers():
+    config = kvattn.KvCacheConfig(num_slots=16, num_kv_heads=2, head_dim=8, dtype="fp16")
+    good = np.zeros((16, 2, 8), np.float16)
+    with pytest.raises(ValueError, match="k_buffers"):
+        kvattn.KvCache.wrap(config, [np.zeros((16, 2, 4), np.float16)], [good])
+    with pytest.raises(ValueError, match="k_buffers"):
+        kvattn.KvCache.wrap(config, [np.zeros((16, 2, 8), np.float32)], [good])
+    with pytest.raises(ValueError):
+        kvattn.KvCache.wrap(config, [np.zeros((16, 8, 2), np.float16).transpose(0, 2, 1)],
+                            [good])
+    with pytest.raises(ValueError):
+        kvattn.KvCache.wrap(config, [good], [])  # one layer, no V
+
+
+def test_wrap_bits_only_for_matching_width():
+    config = kvattn.KvCacheConfig(num_slots=16, num_kv_heads=2, head_dim=8, dtype="bf16")
+    bits = np.zeros((16, 2, 8), np.uint16)
+    kvattn.KvCache.wrap(config, [bits], [bits.copy()])  # uint16 carries bf16 bits
+    with pytest.raises(ValueError, match="uint8"):
+        kvattn.KvCache.wrap(config, [np.zeros((16, 2, 8), np.uint8)], [bits])
+
+
+def test_allocator_errors():
+    allocator = kvattn.SlotAllocator(16, 4)  # pages 1..3 usable
+    pages = allocator.allocate_pages(3)
+    with pytest.raises(MemoryError) as info:
+        allocator.allocate_pages(1)
+    assert isinstance(info.value, kvattn.OutOfResourcesError)
+    with pytest.raises(ValueError):
+        allocator.free_pages([0])
+    allocator.free_pages(pages)
+    with pytest.raises(ValueError):
+        allocator.free_pages([int(pages[0])])  # not in use any more
+    with pytest.raises(ValueError, match="pages"):
+        allocator.free_pages("not pages")
+
+
+def test_req_to_token_pool_errors():
+    pool = kvattn.ReqToTokenPool.allocate(2, 8)
+    with pytest.raises(ValueError):
+        pool.write(2, 0, [1])
+    with pytest.raises(ValueError):
+        pool.write(0, 6, [1, 2, 3])
+    with pytest.raises(ValueError):
+        kvattn.ReqToTokenPool.wrap(np.zeros((2, 8), np.int64))
+
+
+def test_bad_names():
+    with pytest.raises(ValueError, match="device"):
+        kvattn.KvCacheConfig(num_slots=16, num_kv_heads=1, head_dim=8, device="tpu")
+    with pytest.raises(ValueError):
+        kvattn.KvCacheConfig(num_slots=16, num_kv_heads=1, head_dim=8, dtype="fp64")
+    with pytest.raises(ValueError, match="mode"):
+        kvattn.ForwardBatch("PREFILL", 1)
+    with pytest.raises(ValueError, match="not a ForwardBatch field"):
+        kvattn.ForwardBatch("DECODE", 1, seq_len=np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="seq_lens"):
+        kvattn.ForwardBatch("DECODE", 1, seq_lens="7")
+
+
+def test_cuda_backend_without_cuda(world):
+    if kvattn.cuda_compiled() and kvattn.cuda_device_count() > 0:
+        pytest.skip("a CUDA device is present")
+    # the pool is on the host: a CUDA backend is refused either way
+    with pytest.raises(kvattn.Error) as info:
+        kvattn.make_backend("cuda", world.backend_config)
+    expected = ValueError if kvattn.cuda_compiled() else NotImplementedError
+    assert isinstance(info.value, expected)
+
+
+def test_draft_step_out_of_range(world):
+    draft = kvattn.MultiStepDraftBackend("cpu", world.backend_config, 1, 2)
+    draft.init_forward_metadata(world.batch("DECODE", [0, 1], [7, 10], topk=1, num_steps=2))
+    q, k, v = decode_inputs(world)
+    with pytest.raises(ValueError, match="step"):
+        draft.forward_step(2, q, k, v, world.layer())
+
+
+def test_gil_released_while_kernels_run():
+    """A long forward in one thread must let another Python thread run meanwhile."""
+    w = World(np.random.default_rng(7), num_q_heads=8, num_kv_heads=2, head_dim=64,
+              num_slots=1 << 15, max_context_len=1 << 14, max_reqs=2)
+    w.fill(w.add_tokens(0, 4096))
+    w.add_tokens(0, 1024)
+    prefix = np.array([4096], np.int32)
+    extend = np.array([1024], np.int32)
+    batch = w.batch("EXTEND", [0], [5120],
+                    out_cache_loc=np.asarray(w.token_slots[0][4096:], np.int32),
+                    extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix,
+                    extend_seq_lens=extend, extend_seq_lens_cpu=extend)
+    w.backend.init_forward_metadata(batch)
+    q, _ = w.random_q(1024)
+    layer = w.layer()
+    out = w.poisoned_out(1024)
+    elapsed = []
+    in_call = [False]
+
+    def run():
+        start = time.perf_counter()
+        in_call[0] = True
+        w.backend.forward(q, None, None, layer, batch, save_kv_cache=False, out=out)
+        in_call[0] = False
+        elapsed.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=run)
+    ticks = 0  # loop turns of this thread while the other is inside forward
+    worker.start()
+    while worker.is_alive():
+        if in_call[0]:
+            ticks += 1
+    worker.join()
+    assert elapsed and elapsed[0] > 0.02, "the forward was too short to tell"
+    # Holding the GIL for the whole call would leave this thread no turn while it runs.
+    assert ticks > 1000, f"only {ticks} ticks in {elapsed[0]:.3f} s"
