@@ -13,7 +13,7 @@ namespace kvattn::testing {
 namespace {
 
 // Seeds of the matrix. Each row derives its own seed from these; a failure prints it.
-constexpr uint64_t kMatrixSeeds[] = {1, 2, 3};
+constexpr uint64_t kMatrixSeeds[] = {1, 2, 3, 4, 5};
 
 class CpuScenarioMatrix : public ::testing::TestWithParam<uint64_t> {};
 

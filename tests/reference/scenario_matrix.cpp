@@ -97,6 +97,11 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
   });
   add("decode no save", decode, [](ScenarioSpec& s) { s.save_kv_cache = false; });
   add("decode strided q", decode, [](ScenarioSpec& s) { s.strided_q = true; });
+  add("decode b32 page16", decode, [](ScenarioSpec& s) {
+    s.batch_size = 32;
+    s.max_kv_len = 100;
+    s.page_size = 16;
+  });
 
   // ---- EXTEND ----------------------------------------------------------------------------------
   add("extend", extend, nullptr);
@@ -169,6 +174,19 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
   });
   add("extend no save", extend, [](ScenarioSpec& s) { s.save_kv_cache = false; });
   add("extend strided q", extend, [](ScenarioSpec& s) { s.strided_q = true; });
+  add("extend fp16 q, fp8 e4m3", extend, [](ScenarioSpec& s) {
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.21f;
+    s.v_scale = 3.5f;
+  });
+  add("extend b1 long prefix page16", extend, [](ScenarioSpec& s) {
+    s.batch_size = 1;
+    s.min_kv_len = 600;
+    s.max_kv_len = 900;
+    s.allow_tiny = false;
+    s.page_size = 16;
+  });
 
   // ---- MIXED, TARGET_VERIFY, DRAFT_EXTEND -----------------------------------------------------
   add("mixed", ForwardMode::kMixed, [](ScenarioSpec& s) { s.batch_size = 5; });
@@ -198,7 +216,23 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.draft_token_num = 6;
     s.sliding_window = 10;
   });
+  add("mixed cross model, self layer", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.cross_attention = true;
+    s.cross_layer = false;
+  });
+  add("verify hd256 page128", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 4;
+    s.head_dim = 256;
+    s.max_kv_len = 150;
+    s.page_size = 128;
+  });
   add("draft extend", ForwardMode::kDraftExtend, [](ScenarioSpec& s) { s.max_q_len = 5; });
+  add("draft extend fp8 e5m2", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
+    s.max_q_len = 6;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.v_scale = 0.4f;
+  });
   add("draft extend page16", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
     s.page_size = 16;
     s.max_q_len = 9;
