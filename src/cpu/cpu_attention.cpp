@@ -18,24 +18,32 @@ using core::AttentionParams;
 using core::MaskMode;
 using core::SoftmaxState;
 
-// Keys per inner block. The block's widened K and V ([32, head_dim] floats each, 16 KiB at
-// head_dim 128) and the score tile [rows, 32] stay in L1/L2 while all rows of the tile use them.
+// Keys per inner block: the online-softmax rescale runs once per block, and a widened block
+// ([32, head_dim] floats, 16 KiB at head_dim 128) stays in L1 while a tile's rows use it.
 constexpr int kKvBlock = 32;
 // Packed query rows per tile (tokens x group heads): 64 rows of head_dim 128 are 32 KiB of q,
 // enough to amortize widening each K/V row over 64 dot products in prefill.
 constexpr int kTileRows = 64;
+// Up to this many rows per kv head, a tile reads K/V straight from the pool (widening in
+// registers: each element still serves every row) instead of widening a block into scratch
+// first. Decode (group rows) and small verify tiles take this path; its work items span every
+// kv head of a request, so each key's K and V rows of all heads are one sequential read.
+constexpr int kDirectRows = 16;
 // A split piece covers at least this many keys, so the merge (rows x v_head_dim per piece) stays
 // small next to the attention work (rows x keys x (head_dim + v_head_dim)).
 constexpr int kMinSplitKeys = 256;
 // Work items per thread that the split aims for: with an atomic counter handing them out, a few
 // per thread even out unequal tiles.
 constexpr int kItemsPerThread = 4;
+constexpr int kCacheLine = 64;
 
-// One tile of work: query tokens [q_begin, q_end) of a request for one kv head, over relative
-// keys [kv_begin, kv_end) (already clipped to what the tile's rows can see).
+// One tile of work: query tokens [q_begin, q_end) of a request for kv heads [head_begin,
+// head_end), over relative keys [kv_begin, kv_end) (already clipped to what the tile's rows can
+// see).
 struct WorkItem {
   int32_t request = 0;
-  int32_t kv_head = 0;
+  int32_t head_begin = 0;
+  int32_t head_end = 0;
   int32_t q_begin = 0;
   int32_t q_end = 0;
   int32_t kv_begin = 0;
@@ -47,20 +55,23 @@ struct WorkItem {
 // A split tile: merges num_partials consecutive partial slots into the output.
 struct MergeItem {
   int32_t request = 0;
-  int32_t kv_head = 0;
+  int32_t head_begin = 0;
+  int32_t head_end = 0;
   int32_t q_begin = 0;
   int32_t q_end = 0;
   int64_t first_partial = 0;
   int32_t num_partials = 0;
 };
 
+// A thread's tile buffers. Rows of an item: (kv head - head_begin) * tile_rows + token *
+// group + head in group.
 struct ThreadScratch {
-  std::vector<float> q;                // [tile_rows, head_dim], pre-scaled
-  std::vector<float> o;                // [tile_rows, v_head_dim], unnormalized
-  std::vector<float> s;                // [tile_rows, kKvBlock] scores, then probabilities
-  std::vector<float> k;                // [kKvBlock, head_dim]
-  std::vector<float> v;                // [kKvBlock, v_head_dim]
-  std::vector<SoftmaxState> state;     // [tile_rows]
+  std::vector<float> q;             // [item_rows, head_dim], pre-scaled
+  std::vector<float> o;             // [item_rows, v_head_dim], unnormalized
+  std::vector<float> s;             // [item_rows, kKvBlock] scores, then probabilities
+  std::vector<float> k;             // [kKvBlock, head_dim] widened keys (scratch path)
+  std::vector<float> v;             // [kKvBlock, v_head_dim] widened values
+  std::vector<SoftmaxState> state;  // [item_rows]
 };
 
 }  // namespace
@@ -69,8 +80,8 @@ struct AttentionWorkspace::Impl {
   std::vector<ThreadScratch> threads;
   std::vector<WorkItem> items;
   std::vector<MergeItem> merges;
-  std::vector<float> partial_out;  // [num_partials, tile_rows, v_head_dim]
-  std::vector<float> partial_lse;  // [num_partials, tile_rows]
+  std::vector<float> partial_out;  // [num_partials, item_rows, v_head_dim]
+  std::vector<float> partial_lse;  // [num_partials, item_rows]
 };
 
 AttentionWorkspace::AttentionWorkspace() : impl_(std::make_unique<Impl>()) {}
@@ -84,73 +95,55 @@ struct CallContext {
   DType out_dtype = DType::kFloat32;
   int group = 1;            // q heads per kv head
   int tile_tokens = 1;      // query tokens per tile
-  int tile_rows = 1;        // tile_tokens * group
+  int tile_rows = 1;        // tile_tokens * group: the rows one kv head serves
+  bool direct = false;      // read K/V straight from the pool (see kDirectRows)
+  int item_heads = 1;       // kv heads per work item
+  int item_rows = 1;        // item_heads * tile_rows
   float q_scale = 1.f;      // sm_scale * k_scale, folded into q
   const float* fp8_table = nullptr;
   int64_t kv_element = 2;   // bytes per K/V element
 };
 
-// ---- widening K/V blocks --------------------------------------------------------------------
+// ---- row loaders: 8 elements of a K/V row widened to float ---------------------------------------
+// The kernels below are templates over these, so each storage dtype gets its own inner loops
+// (4 instantiations); the scratch path reuses the fp32 one on widened blocks.
 
-// Widens rows of one kv head into dst [nk, dim]; row j is at base + row_offset(j) bytes.
-template <typename LoadRow>
-void load_block_rows(const char* base, const int64_t* row_offsets /*[nk]*/, int nk, int dim,
-                     float* dst /*[nk, dim]*/, LoadRow load8) {
-  for (int j = 0; j < nk; ++j) {
-    const char* row = base + row_offsets[j];
-    float* out = dst + int64_t(j) * dim;
-    for (int i = 0; i < dim; i += 8) _mm256_storeu_ps(out + i, load8(row, i));
+struct Fp32Rows {
+  __m256 operator()(const char* row, int i) const {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
   }
-}
-
-void load_block(const char* base, const int64_t* row_offsets, int nk, int dim, DType dtype,
-                const float* fp8_table, float* dst) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      load_block_rows(base, row_offsets, nk, dim, dst, [](const char* row, int i) {
-        return simd::load8_bf16(reinterpret_cast<const uint16_t*>(row) + i);
-      });
-      return;
-    case DType::kFloat16:
-      load_block_rows(base, row_offsets, nk, dim, dst, [](const char* row, int i) {
-        return simd::load8_fp16(reinterpret_cast<const uint16_t*>(row) + i);
-      });
-      return;
-    case DType::kFloat32:
-      load_block_rows(base, row_offsets, nk, dim, dst, [](const char* row, int i) {
-        return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
-      });
-      return;
-    default:  // fp8 e4m3 / e5m2 (the dtype was checked when the call started)
-      load_block_rows(base, row_offsets, nk, dim, dst, [fp8_table](const char* row, int i) {
-        return simd::load8_fp8(reinterpret_cast<const uint8_t*>(row) + i, fp8_table);
-      });
-      return;
+};
+struct Bf16Rows {
+  __m256 operator()(const char* row, int i) const {
+    return simd::load8_bf16(reinterpret_cast<const uint16_t*>(row) + i);
   }
-}
-
-// Asks for the cache lines of rows [0, nk) ahead of their use (slots are scattered when pages
-// are shuffled, which defeats the hardware prefetcher).
-void prefetch_rows(const char* base, const int64_t* row_offsets, int nk, int64_t row_bytes) {
-  for (int j = 0; j < nk; ++j) {
-    const char* row = base + row_offsets[j];
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+};
+struct Fp16Rows {
+  __m256 operator()(const char* row, int i) const {
+    return simd::load8_fp16(reinterpret_cast<const uint16_t*>(row) + i);
   }
-}
+};
+struct Fp8Rows {
+  const float* table;  // [256] the format's values
+  __m256 operator()(const char* row, int i) const {
+    return simd::load8_fp8(reinterpret_cast<const uint8_t*>(row) + i, table);
+  }
+};
 
 // ---- scores: s[r][j] = q[r] . k[j] ------------------------------------------------------------
+// Key j's row starts at keys[j] + head_offset bytes.
 
 // 4 query rows x 2 keys: 8 accumulators, one hsum8 at the end.
-inline void dot_4x2(const float* q /*[4, dim]*/, const float* k /*[2, dim]*/, int dim,
-                    float* s /*[4, ld]*/, int ld) {
+template <typename Load>
+inline void dot_4x2(const float* q /*[4, dim]*/, const char* k0, const char* k1, int dim,
+                    float* s /*[4, ld]*/, int ld, const Load& load) {
   __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps();
   __m256 a10 = _mm256_setzero_ps(), a11 = _mm256_setzero_ps();
   __m256 a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps();
   __m256 a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
-  const float* k1 = k + dim;
   for (int i = 0; i < dim; i += 8) {
-    const __m256 k0v = _mm256_loadu_ps(k + i);
-    const __m256 k1v = _mm256_loadu_ps(k1 + i);
+    const __m256 k0v = load(k0, i);
+    const __m256 k1v = load(k1, i);
     __m256 qv = _mm256_loadu_ps(q + i);
     a00 = _mm256_fmadd_ps(qv, k0v, a00);
     a01 = _mm256_fmadd_ps(qv, k1v, a01);
@@ -174,48 +167,65 @@ inline void dot_4x2(const float* q /*[4, dim]*/, const float* k /*[2, dim]*/, in
 }
 
 // 1 query row x 8 keys.
-inline void dot_1x8(const float* q /*[dim]*/, const float* k /*[8, dim]*/, int dim,
-                    float* s /*[8]*/) {
+template <typename Load>
+inline void dot_1x8(const float* q /*[dim]*/, const char* const* keys, int64_t head_offset,
+                    int dim, float* s /*[8]*/, const Load& load) {
   __m256 a[8];
-  for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+  const char* k[8];
+  for (int c = 0; c < 8; ++c) {
+    a[c] = _mm256_setzero_ps();
+    k[c] = keys[c] + head_offset;
+  }
   for (int i = 0; i < dim; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c * dim + i), a[c]);
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qv, load(k[c], i), a[c]);
   }
   _mm256_storeu_ps(s, simd::hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
 }
 
-inline float dot_1x1(const float* q, const float* k, int dim) {
+template <typename Load>
+inline float dot_1x1(const float* q, const char* k, int dim, const Load& load) {
   __m256 a = _mm256_setzero_ps();
-  for (int i = 0; i < dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+  for (int i = 0; i < dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load(k, i), a);
   return simd::hsum(a);
 }
 
-void compute_scores(const float* q /*[rows, dim]*/, int rows, const float* k /*[nk, dim]*/,
-                    int nk, int dim, float* s /*[rows, ld]*/, int ld) {
+template <typename Load>
+void compute_scores(const float* q /*[rows, dim]*/, int rows, const char* const* keys /*[nk]*/,
+                    int64_t head_offset, int nk, int dim, float* s /*[rows, ld]*/, int ld,
+                    const Load& load) {
   int r = 0;
   for (; r + 4 <= rows; r += 4) {
     const float* qr = q + int64_t(r) * dim;
     float* sr = s + int64_t(r) * ld;
     int j = 0;
-    for (; j + 2 <= nk; j += 2) dot_4x2(qr, k + int64_t(j) * dim, dim, sr + j, ld);
+    for (; j + 2 <= nk; j += 2) {
+      dot_4x2(qr, keys[j] + head_offset, keys[j + 1] + head_offset, dim, sr + j, ld, load);
+    }
     for (; j < nk; ++j) {
-      for (int rr = 0; rr < 4; ++rr) sr[rr * ld + j] = dot_1x1(qr + rr * dim, k + int64_t(j) * dim, dim);
+      for (int rr = 0; rr < 4; ++rr) {
+        sr[rr * ld + j] = dot_1x1(qr + rr * dim, keys[j] + head_offset, dim, load);
+      }
     }
   }
   for (; r < rows; ++r) {
     const float* qr = q + int64_t(r) * dim;
     float* sr = s + int64_t(r) * ld;
     int j = 0;
-    for (; j + 8 <= nk; j += 8) dot_1x8(qr, k + int64_t(j) * dim, dim, sr + j);
-    for (; j < nk; ++j) sr[j] = dot_1x1(qr, k + int64_t(j) * dim, dim);
+    for (; j + 8 <= nk; j += 8) dot_1x8(qr, keys + j, head_offset, dim, sr + j, load);
+    for (; j < nk; ++j) sr[j] = dot_1x1(qr, keys[j] + head_offset, dim, load);
   }
 }
 
 // ---- o[r] += sum_j p[r][j] * v[j] ----------------------------------------------------------------
+// Value j's row starts at values[j] + head_offset bytes.
 
-void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows, const float* v /*[nk, dv]*/,
-                   int nk, int dv, float* o /*[rows, dv]*/) {
+template <typename Load>
+void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
+                   const char* const* values /*[nk]*/, int64_t head_offset, int nk, int dv,
+                   float* o /*[rows, dv]*/, const Load& load) {
+  const char* v[kKvBlock];
+  for (int j = 0; j < nk; ++j) v[j] = values[j] + head_offset;
   int r = 0;
   for (; r + 4 <= rows; r += 4) {
     const float* p0 = p + int64_t(r) * ld;
@@ -228,8 +238,8 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows, const float*
         acc[rr][1] = _mm256_loadu_ps(o0 + rr * dv + c + 8);
       }
       for (int j = 0; j < nk; ++j) {
-        const __m256 v0 = _mm256_loadu_ps(v + int64_t(j) * dv + c);
-        const __m256 v1 = _mm256_loadu_ps(v + int64_t(j) * dv + c + 8);
+        const __m256 v0 = load(v[j], c);
+        const __m256 v1 = load(v[j], c + 8);
         for (int rr = 0; rr < 4; ++rr) {
           const __m256 w = _mm256_broadcast_ss(p0 + rr * ld + j);
           acc[rr][0] = _mm256_fmadd_ps(w, v0, acc[rr][0]);
@@ -245,7 +255,7 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows, const float*
       __m256 acc[4];
       for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_loadu_ps(o0 + rr * dv + c);
       for (int j = 0; j < nk; ++j) {
-        const __m256 v0 = _mm256_loadu_ps(v + int64_t(j) * dv + c);
+        const __m256 v0 = load(v[j], c);
         for (int rr = 0; rr < 4; ++rr) {
           acc[rr] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + rr * ld + j), v0, acc[rr]);
         }
@@ -262,18 +272,36 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows, const float*
       for (int u = 0; u < 4; ++u) acc[u] = _mm256_loadu_ps(orow + c + 8 * u);
       for (int j = 0; j < nk; ++j) {
         const __m256 w = _mm256_broadcast_ss(pr + j);
-        const float* vj = v + int64_t(j) * dv + c;
-        for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * u), acc[u]);
+        for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(w, load(v[j], c + 8 * u), acc[u]);
       }
       for (int u = 0; u < 4; ++u) _mm256_storeu_ps(orow + c + 8 * u, acc[u]);
     }
     for (; c < dv; c += 8) {
       __m256 acc = _mm256_loadu_ps(orow + c);
       for (int j = 0; j < nk; ++j) {
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), _mm256_loadu_ps(v + int64_t(j) * dv + c), acc);
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), load(v[j], c), acc);
       }
       _mm256_storeu_ps(orow + c, acc);
     }
+  }
+}
+
+// Widens one kv head's rows of a block into dst [nk, dim] (the scratch path).
+template <typename Load>
+void widen_block(const char* const* rows /*[nk]*/, int64_t head_offset, int nk, int dim,
+                 float* dst, const Load& load) {
+  for (int j = 0; j < nk; ++j) {
+    const char* row = rows[j] + head_offset;
+    float* out = dst + int64_t(j) * dim;
+    for (int i = 0; i < dim; i += 8) _mm256_storeu_ps(out + i, load(row, i));
+  }
+}
+
+// Requests `bytes` from each of rows [0, nk) (each at rows[j] + offset).
+void prefetch_rows(const char* const* rows, int nk, int64_t offset, int64_t bytes) {
+  for (int j = 0; j < nk; ++j) {
+    const char* row = rows[j] + offset;
+    for (int64_t b = 0; b < bytes; b += kCacheLine) _mm_prefetch(row + b, _MM_HINT_T0);
   }
 }
 
@@ -305,155 +333,258 @@ const uint8_t* custom_mask_row(const AttentionParams& p, int request, int64_t q_
 
 // ---- one tile ------------------------------------------------------------------------------------
 
+// The query side of a tile: which request and tokens its rows are.
+struct TileRows {
+  int request = 0;
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  int64_t q_begin = 0;  // first token of the tile, relative to the request
+  int tokens = 0;
+  int group = 1;
+  VisibleRange first_range{0, 0};  // of the first and the last token
+  VisibleRange last_range{0, 0};
+};
+
+// Soft-cap and masks on one kv head's scores for keys [block, block + nk), then the
+// online-softmax update of its rows: rescale what each row holds to the new running max and
+// leave p = e^(s - max) in s (0 for keys a row does not see, and for the padding up to a
+// multiple of 8).
+void mask_and_softmax(const AttentionParams& p, const TileRows& tile, int64_t block, int nk,
+                      float* s /*[rows, kKvBlock]*/, SoftmaxState* state /*[rows]*/,
+                      float* o /*[rows, dv]*/, int dv) {
+  const bool custom = p.mask == MaskMode::kCustom;
+  const int padded = (nk + 7) & ~7;
+  const bool whole_block_visible = !custom && block >= tile.last_range.lo &&
+                                   block + nk <= tile.first_range.hi;
+  for (int t = 0; t < tile.tokens; ++t) {
+    const int64_t token_t = tile.q_begin + t;
+    VisibleRange range{block, block + nk};
+    if (!whole_block_visible) range = visible_range(p, tile.q_len, tile.kv_len, token_t);
+    const uint8_t* mask_row =
+        custom ? custom_mask_row(p, tile.request, tile.q_len, tile.kv_len, token_t) : nullptr;
+    for (int g = 0; g < tile.group; ++g) {
+      float* srow = s + int64_t(t * tile.group + g) * kKvBlock;
+      if (p.logit_cap > 0.f) {
+        for (int j = 0; j < padded; j += 8) {
+          _mm256_storeu_ps(srow + j, simd::soft_cap8(_mm256_loadu_ps(srow + j), p.logit_cap));
+        }
+      }
+      for (int j = nk; j < padded; ++j) srow[j] = -INFINITY;
+      if (!whole_block_visible) {
+        for (int j = 0; j < nk; ++j) {
+          const int64_t key = block + j;
+          if (key < range.lo || key >= range.hi || (mask_row && !mask_row[key])) {
+            srow[j] = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+  const int rows = tile.tokens * tile.group;
+  for (int row = 0; row < rows; ++row) {
+    float* srow = s + int64_t(row) * kKvBlock;
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(srow + j));
+    const float block_max = simd::hmax(vmax);
+    if (block_max == -INFINITY) {  // the row sees none of these keys
+      std::fill(srow, srow + padded, 0.f);
+      continue;
+    }
+    const float factor = state[row].rescale_for(block_max);
+    if (factor != 1.f) {
+      float* orow = o + int64_t(row) * dv;
+      const __m256 f = _mm256_set1_ps(factor);
+      for (int c = 0; c < dv; c += 8) {
+        _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), f));
+      }
+    }
+    const __m256 m = _mm256_set1_ps(state[row].max);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int j = 0; j < padded; j += 8) {
+      const __m256 e = simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + j), m));
+      _mm256_storeu_ps(srow + j, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    state[row].sum += simd::hsum(vsum);
+  }
+}
+
+template <typename Load>
 void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws,
-                 float* partial_out /*[tile_rows, dv] or null*/,
-                 float* partial_lse /*[tile_rows] or null*/) {
+                 float* partial_out /*[item_rows, dv] or null*/,
+                 float* partial_lse /*[item_rows] or null*/, const Load& load) {
   const AttentionParams& p = *ctx.p;
   const int group = ctx.group;
   const int dim = p.head_dim;
   const int dv = p.v_head_dim;
-  const int r = item.request;
-  const int64_t q_start = p.qo_indptr[r];
-  const int64_t q_len = p.qo_indptr[r + 1] - q_start;
-  const int64_t kv_start = p.kv_indptr[r];
-  const int64_t kv_len = p.kv_indptr[r + 1] - kv_start;
-  const int tokens = item.q_end - item.q_begin;
-  const int rows = tokens * group;
+  TileRows tile;
+  tile.request = item.request;
+  const int64_t q_start = p.qo_indptr[item.request];
+  tile.q_len = p.qo_indptr[item.request + 1] - q_start;
+  const int64_t kv_start = p.kv_indptr[item.request];
+  tile.kv_len = p.kv_indptr[item.request + 1] - kv_start;
+  tile.q_begin = item.q_begin;
+  tile.tokens = item.q_end - item.q_begin;
+  tile.group = group;
+  tile.first_range = visible_range(p, tile.q_len, tile.kv_len, item.q_begin);
+  tile.last_range = visible_range(p, tile.q_len, tile.kv_len, item.q_end - 1);
+  const int rows = tile.tokens * group;  // per kv head
+  const int num_heads = item.head_end - item.head_begin;
   const int64_t io_element = dtype_size(p.io_dtype);
+  auto row_of = [&](int h, int t, int g) { return h * ctx.tile_rows + t * group + g; };
 
   // Queries, pre-scaled so that q . k is the logit.
-  for (int t = 0; t < tokens; ++t) {
-    const int64_t token = q_start + item.q_begin + t;
-    for (int g = 0; g < group; ++g) {
-      const int head = item.kv_head * group + g;
-      const char* src = static_cast<const char*>(p.q) +
-                        (token * p.q_stride_token + int64_t(head) * p.q_stride_head) * io_element;
-      load_row(src, p.io_dtype, dim, ctx.q_scale, ws.q.data() + int64_t(t * group + g) * dim);
+  for (int h = 0; h < num_heads; ++h) {
+    for (int t = 0; t < tile.tokens; ++t) {
+      const int64_t token = q_start + item.q_begin + t;
+      for (int g = 0; g < group; ++g) {
+        const int head = (item.head_begin + h) * group + g;
+        const char* src = static_cast<const char*>(p.q) +
+                          (token * p.q_stride_token + int64_t(head) * p.q_stride_head) * io_element;
+        load_row(src, p.io_dtype, dim, ctx.q_scale,
+                 ws.q.data() + int64_t(row_of(h, t, g)) * dim);
+      }
     }
   }
-  std::fill(ws.o.begin(), ws.o.begin() + int64_t(rows) * dv, 0.f);
-  std::fill(ws.state.begin(), ws.state.begin() + rows, SoftmaxState{});
+  for (int h = 0; h < num_heads; ++h) {
+    const int64_t first = int64_t(h) * ctx.tile_rows;
+    std::fill(ws.o.begin() + first * dv, ws.o.begin() + (first + rows) * dv, 0.f);
+    std::fill(ws.state.begin() + first, ws.state.begin() + first + rows, SoftmaxState{});
+  }
 
-  // Byte offsets of this kv head's K and V rows for one block of keys.
-  const char* k_base = static_cast<const char*>(p.k) + item.kv_head * p.k_stride_head * ctx.kv_element;
-  const char* v_base = static_cast<const char*>(p.v) + item.kv_head * p.v_stride_head * ctx.kv_element;
-  int64_t k_offsets[2][kKvBlock];
-  int64_t v_offsets[2][kKvBlock];
-  auto fill_offsets = [&](int64_t block_begin, int nk, int64_t* k_off, int64_t* v_off) {
+  // Each key's slot (or ragged row) start, for the current and the next block; head h of the
+  // item is head_offset(h) bytes further.
+  const char* k_base = static_cast<const char*>(p.k);
+  const char* v_base = static_cast<const char*>(p.v);
+  const int64_t k_head_bytes = p.k_stride_head * ctx.kv_element;
+  const int64_t v_head_bytes = p.v_stride_head * ctx.kv_element;
+  auto k_head_offset = [&](int h) { return (item.head_begin + h) * k_head_bytes; };
+  auto v_head_offset = [&](int h) { return (item.head_begin + h) * v_head_bytes; };
+  // The item's heads of one key, as one span of bytes.
+  const int64_t k_span = (num_heads - 1) * k_head_bytes + dim * ctx.kv_element;
+  const int64_t v_span = (num_heads - 1) * v_head_bytes + dv * ctx.kv_element;
+  const char* k_rows[2][kKvBlock];
+  const char* v_rows[2][kKvBlock];
+  auto fill_rows = [&](int64_t block_begin, int nk, const char** k_out, const char** v_out) {
     for (int j = 0; j < nk; ++j) {
       const int64_t row = p.kv_indices ? int64_t(p.kv_indices[kv_start + block_begin + j])
                                        : kv_start + block_begin + j;
-      k_off[j] = row * p.k_stride_token * ctx.kv_element;
-      v_off[j] = row * p.v_stride_token * ctx.kv_element;
+      k_out[j] = k_base + row * p.k_stride_token * ctx.kv_element;
+      v_out[j] = v_base + row * p.v_stride_token * ctx.kv_element;
     }
   };
-  const int64_t k_row_bytes = dim * ctx.kv_element;
-  const int64_t v_row_bytes = dv * ctx.kv_element;
-
-  // Whole-tile visibility, to skip per-row masking on blocks every row sees entirely.
-  const VisibleRange first_range = visible_range(p, q_len, kv_len, item.q_begin);
-  const VisibleRange last_range = visible_range(p, q_len, kv_len, item.q_end - 1);
-  const bool custom = p.mask == MaskMode::kCustom;
+  // The scratch path's widened rows.
+  const char* k_scratch_rows[kKvBlock];
+  const char* v_scratch_rows[kKvBlock];
+  if (!ctx.direct) {
+    for (int j = 0; j < kKvBlock; ++j) {
+      k_scratch_rows[j] = reinterpret_cast<const char*>(ws.k.data() + int64_t(j) * dim);
+      v_scratch_rows[j] = reinterpret_cast<const char*>(ws.v.data() + int64_t(j) * dv);
+    }
+  }
 
   int buffer = 0;
   if (item.kv_begin < item.kv_end) {
-    fill_offsets(item.kv_begin, std::min<int>(kKvBlock, item.kv_end - item.kv_begin),
-                 k_offsets[0], v_offsets[0]);
+    fill_rows(item.kv_begin, std::min<int>(kKvBlock, item.kv_end - item.kv_begin), k_rows[0],
+              v_rows[0]);
   }
   for (int64_t block = item.kv_begin; block < item.kv_end; block += kKvBlock) {
     const int nk = int(std::min<int64_t>(kKvBlock, item.kv_end - block));
     const int64_t next = block + kKvBlock;
-    if (next < item.kv_end) {
-      const int next_nk = int(std::min<int64_t>(kKvBlock, item.kv_end - next));
-      fill_offsets(next, next_nk, k_offsets[buffer ^ 1], v_offsets[buffer ^ 1]);
-      prefetch_rows(k_base, k_offsets[buffer ^ 1], next_nk, k_row_bytes);
-      prefetch_rows(v_base, v_offsets[buffer ^ 1], next_nk, v_row_bytes);
-    }
+    const int next_nk = next < item.kv_end ? int(std::min<int64_t>(kKvBlock, item.kv_end - next)) : 0;
+    if (next_nk > 0) fill_rows(next, next_nk, k_rows[buffer ^ 1], v_rows[buffer ^ 1]);
+    const char* const* keys = k_rows[buffer];
+    const char* const* values = v_rows[buffer];
 
-    load_block(k_base, k_offsets[buffer], nk, dim, p.kv_dtype, ctx.fp8_table, ws.k.data());
-    float* s = ws.s.data();
-    compute_scores(ws.q.data(), rows, ws.k.data(), nk, dim, s, kKvBlock);
-
-    // Soft-cap, then masks, over the padded block width (padding lanes become -inf).
-    const int padded = (nk + 7) & ~7;
-    const bool whole_block_visible = !custom && block >= first_range.lo &&
-                                     block >= last_range.lo && block + nk <= first_range.hi;
-    for (int t = 0; t < tokens; ++t) {
-      const int64_t token_t = item.q_begin + t;
-      VisibleRange range{block, block + nk};
-      if (!whole_block_visible) range = visible_range(p, q_len, kv_len, token_t);
-      const uint8_t* mask_row = custom ? custom_mask_row(p, r, q_len, kv_len, token_t) : nullptr;
-      for (int g = 0; g < group; ++g) {
-        float* srow = s + int64_t(t * group + g) * kKvBlock;
-        if (p.logit_cap > 0.f) {
-          for (int j = 0; j < padded; j += 8) {
-            _mm256_storeu_ps(srow + j, simd::soft_cap8(_mm256_loadu_ps(srow + j), p.logit_cap));
-          }
-        }
-        for (int j = nk; j < padded; ++j) srow[j] = -INFINITY;
-        if (!whole_block_visible) {
-          for (int j = 0; j < nk; ++j) {
-            const int64_t key = block + j;
-            if (key < range.lo || key >= range.hi || (mask_row && !mask_row[key])) srow[j] = -INFINITY;
-          }
+    if (ctx.direct) {
+      // Keys two at a time across all heads: each key's row is read front to back. Meanwhile
+      // this block's values are requested, so they are in cache for the value pass.
+      for (int j = 0; j < nk; j += 2) {
+        const int pair = std::min(2, nk - j);
+        prefetch_rows(values + j, pair, v_head_offset(0), v_span);
+        for (int h = 0; h < num_heads; ++h) {
+          const int64_t first_row = int64_t(h) * ctx.tile_rows;
+          compute_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), pair,
+                         dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
         }
       }
+      for (int h = 0; h < num_heads; ++h) {
+        const int64_t first_row = int64_t(h) * ctx.tile_rows;
+        mask_and_softmax(p, tile, block, nk, ws.s.data() + first_row * kKvBlock,
+                         ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
+      }
+      // Values head by head, requesting a share of the next block's keys before each head.
+      for (int h = 0; h < num_heads; ++h) {
+        const int64_t first_row = int64_t(h) * ctx.tile_rows;
+        if (next_nk > 0) {
+          const int from = next_nk * h / num_heads;
+          const int to = next_nk * (h + 1) / num_heads;
+          prefetch_rows(k_rows[buffer ^ 1] + from, to - from, k_head_offset(0), k_span);
+        }
+        accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
+                      v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
+      }
+    } else {
+      // Widen each head's block once; all of the tile's rows then use it from L1.
+      if (next_nk > 0) {
+        prefetch_rows(k_rows[buffer ^ 1], next_nk, k_head_offset(0), k_span);
+        prefetch_rows(v_rows[buffer ^ 1], next_nk, v_head_offset(0), v_span);
+      }
+      for (int h = 0; h < num_heads; ++h) {
+        const int64_t first_row = int64_t(h) * ctx.tile_rows;
+        float* s = ws.s.data() + first_row * kKvBlock;
+        widen_block(keys, k_head_offset(h), nk, dim, ws.k.data(), load);
+        compute_scores(ws.q.data() + first_row * dim, rows, k_scratch_rows, 0, nk, dim, s,
+                       kKvBlock, Fp32Rows{});
+        mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
+                         ws.o.data() + first_row * dv, dv);
+        widen_block(values, v_head_offset(h), nk, dv, ws.v.data(), load);
+        accumulate_pv(s, kKvBlock, rows, v_scratch_rows, 0, nk, dv,
+                      ws.o.data() + first_row * dv, Fp32Rows{});
+      }
     }
-
-    // Online softmax: rescale what each row holds to the new running max, then p = e^(s - max).
-    for (int row = 0; row < rows; ++row) {
-      float* srow = s + int64_t(row) * kKvBlock;
-      __m256 vmax = _mm256_set1_ps(-INFINITY);
-      for (int j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(srow + j));
-      const float block_max = simd::hmax(vmax);
-      if (block_max == -INFINITY) {  // the row sees none of these keys
-        std::fill(srow, srow + padded, 0.f);
-        continue;
-      }
-      SoftmaxState& state = ws.state[row];
-      const float factor = state.rescale_for(block_max);
-      if (factor != 1.f) {
-        float* orow = ws.o.data() + int64_t(row) * dv;
-        const __m256 f = _mm256_set1_ps(factor);
-        for (int c = 0; c < dv; c += 8) _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), f));
-      }
-      const __m256 m = _mm256_set1_ps(state.max);
-      __m256 vsum = _mm256_setzero_ps();
-      for (int j = 0; j < padded; j += 8) {
-        const __m256 e = simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + j), m));
-        _mm256_storeu_ps(srow + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
-      state.sum += simd::hsum(vsum);
-    }
-
-    load_block(v_base, v_offsets[buffer], nk, dv, p.kv_dtype, ctx.fp8_table, ws.v.data());
-    accumulate_pv(s, kKvBlock, rows, ws.v.data(), nk, dv, ws.o.data());
     buffer ^= 1;
   }
 
   // Normalize; v_scale (fp8 storage) multiplies every value row, so it folds in here.
   const int64_t out_element = dtype_size(ctx.out_dtype);
-  for (int t = 0; t < tokens; ++t) {
-    const int64_t token = q_start + item.q_begin + t;
-    for (int g = 0; g < group; ++g) {
-      const int row = t * group + g;
-      const int head = item.kv_head * group + g;
-      float* orow = ws.o.data() + int64_t(row) * dv;
-      const SoftmaxState& state = ws.state[row];
-      const float lse = state.lse();
-      const __m256 inv = _mm256_set1_ps(state.sum > 0.f ? p.v_scale / state.sum : 0.f);
-      for (int c = 0; c < dv; c += 8) _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), inv));
-      if (partial_out) {
-        std::memcpy(partial_out + int64_t(row) * dv, orow, size_t(dv) * sizeof(float));
-        partial_lse[row] = lse;
-        continue;
+  for (int h = 0; h < num_heads; ++h) {
+    for (int t = 0; t < tile.tokens; ++t) {
+      const int64_t token = q_start + item.q_begin + t;
+      for (int g = 0; g < group; ++g) {
+        const int row = row_of(h, t, g);
+        const int head = (item.head_begin + h) * group + g;
+        float* orow = ws.o.data() + int64_t(row) * dv;
+        const SoftmaxState& state = ws.state[size_t(row)];
+        const float lse = state.lse();
+        const __m256 inv = _mm256_set1_ps(state.sum > 0.f ? p.v_scale / state.sum : 0.f);
+        for (int c = 0; c < dv; c += 8) {
+          _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), inv));
+        }
+        if (partial_out) {
+          std::memcpy(partial_out + int64_t(row) * dv, orow, size_t(dv) * sizeof(float));
+          partial_lse[row] = lse;
+          continue;
+        }
+        char* dst = static_cast<char*>(p.out) +
+                    (token * p.out_stride_token + int64_t(head) * p.out_stride_head) * out_element;
+        store_row(orow, dv, ctx.out_dtype, dst);
+        if (p.lse) p.lse[token * p.num_q_heads + head] = lse;
       }
-      char* dst = static_cast<char*>(p.out) +
-                  (token * p.out_stride_token + int64_t(head) * p.out_stride_head) * out_element;
-      store_row(orow, dv, ctx.out_dtype, dst);
-      if (p.lse) p.lse[token * p.num_q_heads + head] = lse;
     }
+  }
+}
+
+// Runs one item with the loader of the call's K/V dtype.
+void attend_item(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws,
+                 float* partial_out, float* partial_lse) {
+  switch (ctx.p->kv_dtype) {
+    case DType::kBFloat16: attend_tile(ctx, item, ws, partial_out, partial_lse, Bf16Rows{}); return;
+    case DType::kFloat16: attend_tile(ctx, item, ws, partial_out, partial_lse, Fp16Rows{}); return;
+    case DType::kFloat32: attend_tile(ctx, item, ws, partial_out, partial_lse, Fp32Rows{}); return;
+    default:  // fp8 (check_params accepted only float dtypes)
+      attend_tile(ctx, item, ws, partial_out, partial_lse, Fp8Rows{ctx.fp8_table});
+      return;
   }
 }
 
@@ -536,8 +667,15 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   ctx.p = &p;
   ctx.out_dtype = out_dtype;
   ctx.group = p.num_q_heads / p.num_kv_heads;
-  ctx.tile_tokens = std::max(1, kTileRows / ctx.group);
+  int64_t max_q_len = 1;
+  for (int r = 0; r < p.batch_size; ++r) {
+    max_q_len = std::max<int64_t>(max_q_len, p.qo_indptr[r + 1] - p.qo_indptr[r]);
+  }
+  ctx.tile_tokens = int(std::min<int64_t>(std::max(1, kTileRows / ctx.group), max_q_len));
   ctx.tile_rows = ctx.tile_tokens * ctx.group;
+  ctx.direct = ctx.tile_rows <= kDirectRows;
+  ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;
+  ctx.item_rows = ctx.item_heads * ctx.tile_rows;
   ctx.q_scale = p.sm_scale * (is_fp8_dtype(p.kv_dtype) ? p.k_scale : 1.f);
   ctx.fp8_table = fp8_value_table(p.kv_dtype);
   ctx.kv_element = dtype_size(p.kv_dtype);
@@ -557,16 +695,18 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
       VisibleRange span{std::max<int64_t>(0, first.lo), std::min(kv_len, last.hi)};
       if (span.hi < span.lo) span.hi = span.lo;
       if (p.mask == MaskMode::kCustom) span = custom_mask_span(p, r, q_len, kv_len, q0, q1, span);
-      for (int h = 0; h < p.num_kv_heads; ++h) {
+      for (int h = 0; h < p.num_kv_heads; h += ctx.item_heads) {
         WorkItem item;
         item.request = r;
-        item.kv_head = h;
+        item.head_begin = h;
+        item.head_end = std::min(p.num_kv_heads, h + ctx.item_heads);
         item.q_begin = int32_t(q0);
         item.q_end = int32_t(q1);
         item.kv_begin = int32_t(span.lo);
         item.kv_end = int32_t(span.hi);
         // Rows x keys, plus a constant per tile for loading q and writing the output.
-        item.cost = (q1 - q0) * ctx.group * (span.hi - span.lo + 16);
+        item.cost = (q1 - q0) * ctx.group * (item.head_end - item.head_begin) *
+                    (span.hi - span.lo + 16);
         total_cost += item.cost;
         w.items.push_back(item);
       }
@@ -589,7 +729,8 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
       chunk = (chunk + kKvBlock - 1) / kKvBlock * kKvBlock;
       MergeItem merge;
       merge.request = tile.request;
-      merge.kv_head = tile.kv_head;
+      merge.head_begin = tile.head_begin;
+      merge.head_end = tile.head_end;
       merge.q_begin = tile.q_begin;
       merge.q_end = tile.q_end;
       merge.first_partial = num_partials;
@@ -599,7 +740,8 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
         piece.kv_begin = int32_t(begin);
         piece.kv_end = int32_t(std::min<int64_t>(whole.kv_end, begin + chunk));
         piece.partial = num_partials++;
-        piece.cost = (whole.q_end - whole.q_begin) * ctx.group * (piece.kv_end - piece.kv_begin);
+        piece.cost = (whole.q_end - whole.q_begin) * ctx.group *
+                     (whole.head_end - whole.head_begin) * (piece.kv_end - piece.kv_begin);
         ++merge.num_partials;
         if (begin == whole.kv_begin) {
           w.items[i] = piece;
@@ -619,25 +761,25 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   const int dv = p.v_head_dim;
   if (int(w.threads.size()) < threads) w.threads.resize(size_t(threads));
   for (ThreadScratch& scratch : w.threads) {
-    scratch.q.resize(size_t(ctx.tile_rows) * dim);
-    scratch.o.resize(size_t(ctx.tile_rows) * dv);
-    scratch.s.resize(size_t(ctx.tile_rows) * kKvBlock);
+    scratch.q.resize(size_t(ctx.item_rows) * dim);
+    scratch.o.resize(size_t(ctx.item_rows) * dv);
+    scratch.s.resize(size_t(ctx.item_rows) * kKvBlock);
     scratch.k.resize(size_t(kKvBlock) * dim);
     scratch.v.resize(size_t(kKvBlock) * dv);
-    scratch.state.resize(size_t(ctx.tile_rows));
+    scratch.state.resize(size_t(ctx.item_rows));
   }
-  w.partial_out.resize(size_t(num_partials) * ctx.tile_rows * dv);
-  w.partial_lse.resize(size_t(num_partials) * ctx.tile_rows);
+  w.partial_out.resize(size_t(num_partials) * ctx.item_rows * dv);
+  w.partial_lse.resize(size_t(num_partials) * ctx.item_rows);
 
   pool.parallel_for(int64_t(w.items.size()), [&](int64_t index, int thread_id) {
     const WorkItem& item = w.items[size_t(index)];
     float* partial_out = nullptr;
     float* partial_lse = nullptr;
     if (item.partial >= 0) {
-      partial_out = w.partial_out.data() + item.partial * ctx.tile_rows * dv;
-      partial_lse = w.partial_lse.data() + item.partial * ctx.tile_rows;
+      partial_out = w.partial_out.data() + item.partial * ctx.item_rows * dv;
+      partial_lse = w.partial_lse.data() + item.partial * ctx.item_rows;
     }
-    attend_tile(ctx, item, w.threads[size_t(thread_id)], partial_out, partial_lse);
+    attend_item(ctx, item, w.threads[size_t(thread_id)], partial_out, partial_lse);
   });
 
   if (w.merges.empty()) return;
@@ -648,22 +790,25 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
     std::vector<const float*> outs(static_cast<size_t>(merge.num_partials));
     std::vector<float> lses(static_cast<size_t>(merge.num_partials));
     const int64_t q_start = p.qo_indptr[merge.request];
-    for (int t = 0; t < merge.q_end - merge.q_begin; ++t) {
-      const int64_t token = q_start + merge.q_begin + t;
-      for (int g = 0; g < ctx.group; ++g) {
-        const int row = t * ctx.group + g;
-        const int head = merge.kv_head * ctx.group + g;
-        for (int i = 0; i < merge.num_partials; ++i) {
-          const int64_t slot = merge.first_partial + i;
-          outs[size_t(i)] = w.partial_out.data() + (slot * ctx.tile_rows + row) * dv;
-          lses[size_t(i)] = w.partial_lse[size_t(slot * ctx.tile_rows + row)];
+    for (int h = 0; h < merge.head_end - merge.head_begin; ++h) {
+      for (int t = 0; t < merge.q_end - merge.q_begin; ++t) {
+        const int64_t token = q_start + merge.q_begin + t;
+        for (int g = 0; g < ctx.group; ++g) {
+          const int row = h * ctx.tile_rows + t * ctx.group + g;
+          const int head = (merge.head_begin + h) * ctx.group + g;
+          for (int i = 0; i < merge.num_partials; ++i) {
+            const int64_t slot = merge.first_partial + i;
+            outs[size_t(i)] = w.partial_out.data() + (slot * ctx.item_rows + row) * dv;
+            lses[size_t(i)] = w.partial_lse[size_t(slot * ctx.item_rows + row)];
+          }
+          const float lse = merge_partials(outs.data(), lses.data(), merge.num_partials, dv,
+                                           scratch.o.data());
+          char* dst = static_cast<char*>(p.out) +
+                      (token * p.out_stride_token + int64_t(head) * p.out_stride_head) *
+                          out_element;
+          store_row(scratch.o.data(), dv, out_dtype, dst);
+          if (p.lse) p.lse[token * p.num_q_heads + head] = lse;
         }
-        const float lse = merge_partials(outs.data(), lses.data(), merge.num_partials, dv,
-                                         scratch.o.data());
-        char* dst = static_cast<char*>(p.out) +
-                    (token * p.out_stride_token + int64_t(head) * p.out_stride_head) * out_element;
-        store_row(scratch.o.data(), dv, out_dtype, dst);
-        if (p.lse) p.lse[token * p.num_q_heads + head] = lse;
       }
     }
   });
