@@ -1,0 +1,351 @@
+// The CUDA backend against the float64 reference: the standard scenario matrix, targeted decode
+// cases (kv_len 0 / 1, page 1 shuffled and page 16, NaN in unused slots, partial last pages,
+// split-KV, every head_dim / group / dtype), both decode kernels (CUDA cores and tensor cores),
+// CUDA-graph capture and replay with lengths other than the captured ones, and bad device
+// indices (flagged, reported at the next call, never read or written outside the pool).
+// Skips without a CUDA device.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "kvattn/kvattn.h"
+#include "reference/scenario.h"
+#include "reference/world.h"
+
+namespace kvattn::testing {
+namespace {
+
+#define CUDA_OK(call)                                                                     \
+  do {                                                                                    \
+    const cudaError_t status_ = (call);                                                   \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_);      \
+  } while (0)
+
+#define REQUIRE_GPU()                                                   \
+  do {                                                                  \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";     \
+  } while (0)
+
+// Forces the decode kernel choice for backends made while it lives (the backend reads
+// KVATTN_DECODE_TENSOR_CORES at construction).
+class TensorCoreChoice {
+ public:
+  explicit TensorCoreChoice(const char* value) {
+    const char* old = std::getenv("KVATTN_DECODE_TENSOR_CORES");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value == nullptr) unsetenv("KVATTN_DECODE_TENSOR_CORES");
+    else setenv("KVATTN_DECODE_TENSOR_CORES", value, 1);
+  }
+  ~TensorCoreChoice() {
+    if (had_) setenv("KVATTN_DECODE_TENSOR_CORES", old_.c_str(), 1);
+    else unsetenv("KVATTN_DECODE_TENSOR_CORES");
+  }
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+bool io_served_by_prefill(const ScenarioSpec& s) {
+  const int vd = s.v_head_dim > 0 ? s.v_head_dim : s.head_dim;
+  return s.q_dtype != DType::kFloat32 && vd == s.head_dim;
+}
+
+// Runs a spec, reporting NotSupported as a skip row (returns false then).
+bool run_and_expect(const ScenarioSpec& spec, const char* label, int* skipped) {
+  ScenarioResult r;
+  try {
+    auto world = ScenarioWorld::build(spec, BackendKind::kCuda);
+    run_world(*world, world->layer);
+    r = judge_world(*world);
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::kNotSupported) {
+      std::printf("  skip  %-40s %s: %s\n", spec.variant.c_str(), label, e.what());
+      if (skipped) ++*skipped;
+      return false;
+    }
+    ADD_FAILURE() << spec.variant << " [" << spec.shape_label() << "] " << label
+                  << " threw: " << e.what();
+    return false;
+  }
+  EXPECT_TRUE(r.passed) << spec.variant << " [" << spec.shape_label() << "] " << label << ": "
+                        << r.detail << " (max_rel_err " << r.max_rel_err << ", tolerance "
+                        << r.tolerance << ")";
+  EXPECT_TRUE(r.kv_pool_ok) << spec.variant << " " << label << ": KV pool wrong: " << r.detail;
+  std::printf("  %-5s %-40s %-9s %-34s err %.2e\n", r.passed && r.kv_pool_ok ? "ok" : "FAIL",
+              spec.variant.c_str(), label, spec.shape_label().c_str(), r.max_rel_err);
+  return true;
+}
+
+TEST(CudaScenarios, StandardMatrix) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice(nullptr);
+  int skipped = 0;
+  int ran = 0;
+  for (const ScenarioSpec& spec : standard_scenarios(7)) {
+    if (run_and_expect(spec, "auto", &skipped)) ++ran;
+  }
+  std::printf("standard matrix: %d ran, %d not supported on CUDA\n", ran, skipped);
+  EXPECT_GT(ran, 40);
+}
+
+TEST(CudaScenarios, DecodeRowsOnBothKernels) {
+  REQUIRE_GPU();
+  for (const char* forced : {"0", "1"}) {
+    TensorCoreChoice choice(forced);
+    for (const ScenarioSpec& spec : standard_scenarios(11)) {
+      if (spec.mode != ForwardMode::kDecode) continue;
+      run_and_expect(spec, forced[0] == '0' ? "cuda-core" : "tensor", nullptr);
+    }
+  }
+}
+
+// ---- targeted decode cases ---------------------------------------------------------------------
+
+ScenarioSpec decode_base(const char* variant, uint64_t seed) {
+  ScenarioSpec s;
+  s.variant = variant;
+  s.mode = ForwardMode::kDecode;
+  s.batch_size = 9;
+  s.min_kv_len = 1;
+  s.max_kv_len = 300;
+  s.num_q_heads = 32;
+  s.num_kv_heads = 8;
+  s.head_dim = 128;
+  s.seed = seed;
+  return s;
+}
+
+std::vector<ScenarioSpec> decode_cases() {
+  std::vector<ScenarioSpec> rows;
+  uint64_t seed = 100;
+  auto add = [&](const char* variant, auto change) {
+    ScenarioSpec s = decode_base(variant, ++seed);
+    change(s);
+    rows.push_back(s);
+  };
+  add("tiny lengths 0/1, page 1 shuffled", [](ScenarioSpec& s) { s.max_kv_len = 40; });
+  add("page 16, partial last pages", [](ScenarioSpec& s) {
+    s.page_size = 16;
+    s.min_kv_len = 17;
+    s.max_kv_len = 333;
+  });
+  add("page 16 contiguous", [](ScenarioSpec& s) {
+    s.page_size = 16;
+    s.shuffled_slots = false;
+  });
+  add("split-KV single long request", [](ScenarioSpec& s) {
+    s.batch_size = 1;
+    s.allow_tiny = false;
+    s.min_kv_len = 20000;
+    s.max_kv_len = 33000;
+  });
+  add("split-KV uneven batch", [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.min_kv_len = 0;
+    s.max_kv_len = 12000;
+  });
+  add("soft-cap 30", [](ScenarioSpec& s) { s.logit_cap = 30.f; });
+  add("fp8 e4m3 scaled", [](ScenarioSpec& s) {
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.5f;
+    s.v_scale = 2.f;
+  });
+  add("fp8 e5m2 split", [](ScenarioSpec& s) {
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.batch_size = 2;
+    s.max_kv_len = 6000;
+  });
+  add("fp16 io and KV", [](ScenarioSpec& s) {
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("fp32 io", [](ScenarioSpec& s) { s.q_dtype = DType::kFloat32; });
+  add("head_dim 64", [](ScenarioSpec& s) { s.head_dim = 64; });
+  add("head_dim 256 split", [](ScenarioSpec& s) {
+    s.head_dim = 256;
+    s.batch_size = 2;
+    s.max_kv_len = 5000;
+  });
+  add("head_dim 128, v_head_dim 64", [](ScenarioSpec& s) { s.v_head_dim = 64; });
+  add("head_dim 96 (runs the 128 instance)", [](ScenarioSpec& s) { s.head_dim = 96; });
+  add("MHA group 1", [](ScenarioSpec& s) { s.num_q_heads = 8; });
+  add("group 8 (two head passes)", [](ScenarioSpec& s) { s.num_q_heads = 64; });
+  add("group 6 (partial pass)", [](ScenarioSpec& s) { s.num_q_heads = 48; });
+  add("MQA 16/1", [](ScenarioSpec& s) {
+    s.num_q_heads = 16;
+    s.num_kv_heads = 1;
+  });
+  add("window 100, page 16", [](ScenarioSpec& s) {
+    s.sliding_window = 100;
+    s.page_size = 16;
+    s.max_kv_len = 2000;
+  });
+  add("cross-attention layer", [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.save_kv_cache = false;
+  });
+  add("no save (K/V pre-written)", [](ScenarioSpec& s) { s.save_kv_cache = false; });
+  add("multi-step draft topk 2 x 3", [](ScenarioSpec& s) {
+    s.topk = 2;
+    s.num_steps = 3;
+    s.batch_size = 3;
+  });
+  add("large batch", [](ScenarioSpec& s) {
+    s.batch_size = 150;
+    s.max_kv_len = 700;
+  });
+  return rows;
+}
+
+TEST(CudaDecode, TargetedCasesCudaCoreKernel) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice("0");
+  for (const ScenarioSpec& spec : decode_cases()) run_and_expect(spec, "cuda-core", nullptr);
+}
+
+TEST(CudaDecode, TargetedCasesTensorCoreKernel) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice("1");
+  for (const ScenarioSpec& spec : decode_cases()) {
+    // Rows the prefill kernel cannot serve fall back to the CUDA-core kernel (covered above).
+    if (!io_served_by_prefill(spec)) continue;
+    run_and_expect(spec, "tensor", nullptr);
+  }
+}
+
+// A short case for compute-sanitizer (memcheck / racecheck): small, both kernels, split and not.
+TEST(CudaDecode, SanitizerSmoke) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice("0");
+  ScenarioSpec s = decode_base("sanitizer smoke", 77);
+  s.batch_size = 3;
+  s.max_kv_len = 1500;
+  s.page_size = 16;
+  run_and_expect(s, "cuda-core", nullptr);
+  s.batch_size = 1;
+  s.allow_tiny = false;
+  s.min_kv_len = 4000;
+  s.max_kv_len = 5000;
+  s.page_size = 1;
+  run_and_expect(s, "split", nullptr);
+}
+
+// ---- CUDA graphs --------------------------------------------------------------------------------
+
+// Captures init_forward_metadata_in_graph + forward planned for a batch of all-1 lengths, then
+// replays it after planning the real lengths: the captured grids must cover any later plan for
+// the same batch size (split-KV included).
+TEST(CudaDecode, GraphReplayWithOtherLengths) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice("0");
+  ScenarioSpec spec = decode_base("graph replay", 555);
+  spec.batch_size = 4;
+  spec.min_kv_len = 1;
+  spec.max_kv_len = 9000;
+  auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  w->config.cuda_stream = stream;
+  auto backend = make_backend(BackendKind::kCuda, w->config);
+  backend->init_cuda_graph_state(/*max_bs=*/8, /*max_num_tokens=*/8);
+
+  // Capture-time batch: same tensors, host lengths all 1.
+  ForwardBatch capture_batch = w->batch;
+  std::vector<int32_t> ones(size_t(spec.batch_size), 1);
+  capture_batch.seq_lens_cpu = TensorView(ones.data(), DType::kInt32, Device::cpu(), {spec.batch_size});
+  capture_batch.seq_lens_sum = -1;
+  const ScenarioCall& c = w->calls[0];
+  backend->init_forward_metadata_out_graph(capture_batch, /*in_capture=*/true);
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  backend->init_forward_metadata_in_graph(capture_batch);
+  backend->forward(c.q, c.k, c.v, c.out, w->layer, capture_batch, spec.save_kv_cache);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  // Replay with the real lengths.
+  backend->init_forward_metadata_out_graph(w->batch, /*in_capture=*/false);
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const ScenarioResult r = judge_world(*w);
+  EXPECT_TRUE(r.passed) << r.detail << " (max_rel_err " << r.max_rel_err << ")";
+  EXPECT_TRUE(r.kv_pool_ok) << r.detail;
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  backend.reset();
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// ---- bad device indices ----------------------------------------------------------------------
+
+TEST(CudaDecode, BadSlotInReqToTokenIsReportedNotRead) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice("0");
+  ScenarioSpec spec = decode_base("bad slot", 901);
+  spec.allow_tiny = false;
+  spec.min_kv_len = 20;
+  spec.max_kv_len = 50;
+  spec.save_kv_cache = false;
+  auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
+  // Request 0's token 3 now names a slot far outside the pool.
+  const int row = w->ref_batch.req_pool_indices.at(0);
+  const int32_t bad[1] = {int32_t(w->kv_cache->num_slots() + 1000000)};
+  w->req_to_token_pool->write(row, 3, bad);
+  auto backend = make_backend(BackendKind::kCuda, w->config);
+  backend->init_forward_metadata(w->batch);
+  const ScenarioCall& c = w->calls[0];
+  backend->forward(c.q, c.k, c.v, c.out, w->layer, w->batch, false);
+  CUDA_OK(cudaDeviceSynchronize());
+  try {
+    backend->init_forward_metadata(w->batch);
+    ADD_FAILURE() << "the bad slot was not reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("req_to_token"), std::string::npos) << e.what();
+  }
+  // Reported once: the next step runs again.
+  EXPECT_NO_THROW(backend->init_forward_metadata(w->batch));
+  EXPECT_TRUE(w->pool_unchanged());
+}
+
+TEST(CudaDecode, BadDeviceCacheLocIsSkippedAndReported) {
+  REQUIRE_GPU();
+  ScenarioSpec spec = decode_base("bad loc", 902);
+  spec.batch_size = 3;
+  auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
+  auto backend = make_backend(BackendKind::kCuda, w->config);
+  backend->init_forward_metadata(w->batch);
+  ScenarioCall& c = w->calls[0];
+  // A device out_cache_loc with one slot outside the pool (the host cannot check it).
+  std::vector<int64_t> loc = {1, -5, w->kv_cache->num_slots() + 7};
+  const TensorView bad_loc = w->index_tensor(loc, DType::kInt64, w->device);
+  ForwardBatch batch = w->batch;
+  batch.out_cache_loc = bad_loc;
+  const auto before_0 = w->pool_bytes(ScenarioWorld::kTestedLayer, 0);
+  backend->forward(c.q, c.k, c.v, c.out, w->layer, batch, true);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_THROW(backend->init_forward_metadata(w->batch), Error);
+  (void)before_0;
+}
+
+TEST(CudaDecode, ForwardBeforeMetadataIsRefused) {
+  REQUIRE_GPU();
+  ScenarioSpec spec = decode_base("order", 903);
+  spec.batch_size = 2;
+  auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
+  auto backend = make_backend(BackendKind::kCuda, w->config);
+  const ScenarioCall& c = w->calls[0];
+  EXPECT_THROW(backend->forward(c.q, c.k, c.v, c.out, w->layer, w->batch, true), Error);
+  EXPECT_TRUE(w->pool_unchanged());
+}
+
+}  // namespace
+}  // namespace kvattn::testing
