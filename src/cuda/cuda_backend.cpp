@@ -68,10 +68,13 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   setup.plan_config.chunk_align = setup.info.tile_tokens;
   setup.plan_config.min_chunk = std::max(256, setup.info.tile_tokens);
 
-  // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim (kernels/prefill.h).
-  const bool io_ok = config.q_dtype == DType::kBFloat16 || config.q_dtype == DType::kFloat16;
+  // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim (kernels/prefill.h);
+  // fp32 io reaches it through 16-bit copies (see compute_dtype).
+  const bool io_native = config.q_dtype == DType::kBFloat16 || config.q_dtype == DType::kFloat16;
+  setup.compute_dtype = io_native ? config.q_dtype
+                        : kv.dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
   setup.prefill_supported = false;
-  if (io_ok && v_head_dim == config.head_dim) {
+  if (v_head_dim == config.head_dim) {
     try {
       const PrefillKernelShape shape = prefill_kernel_shape(config.head_dim);
       setup.prefill_supported = true;
@@ -85,7 +88,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   const TensorCoreDecode choice = resolve_tensor_core_choice(config.decode_tensor_cores);
   const bool wanted = choice == TensorCoreDecode::kOn ||
                       (choice == TensorCoreDecode::kAuto && (group > 4 || is_fp8(kv.dtype)));
-  setup.tensor_cores = wanted && setup.prefill_supported;
+  setup.tensor_cores = wanted && setup.prefill_supported && io_native;
   return setup;
 }
 
@@ -323,9 +326,8 @@ class CudaBackend final : public AttentionBackend {
     if (!decode && !setup_.prefill_supported) {
       throw_error(ErrorKind::kNotSupported, "mode",
                   forward_mode_name(batch.mode), " on CUDA needs the prefill kernel, which serves ",
-                  "bf16/fp16 q with v_head_dim == head_dim and a compiled head_dim; got q ",
-                  dtype_name(config_.q_dtype), ", head_dim ", config_.head_dim, ", v_head_dim ",
-                  config_.v_head_dim);
+                  "v_head_dim == head_dim and a compiled head_dim; got head_dim ",
+                  config_.head_dim, ", v_head_dim ", config_.v_head_dim);
     }
     // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size.
     step_.graph_pool = graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
@@ -366,6 +368,19 @@ class CudaBackend final : public AttentionBackend {
       const size_t out_bytes = rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
       ensure_bytes(ragged_scratch_, align_region(out_bytes) + 2 * rows * sizeof(float), false,
                    device_, "ragged extend scratch");
+    }
+    // fp32 io in a step the tensor-core kernel runs: q/out (and the ragged k/v) go through
+    // 16-bit copies.
+    step_.convert_io = config_.q_dtype != setup_.compute_dtype && !(decode && !setup_.tensor_cores);
+    if (step_.convert_io) {
+      const size_t elem = size_t(dtype_size(setup_.compute_dtype));
+      const size_t n = size_t(step_.num_tokens);
+      const size_t q_bytes = align_region(n * config_.num_q_heads * config_.head_dim * elem);
+      const size_t out_bytes = align_region(n * config_.num_q_heads * config_.v_head_dim * elem);
+      const size_t kv_bytes = step_.ragged
+          ? align_region(n * config_.num_kv_heads * (config_.head_dim + config_.v_head_dim) * elem)
+          : 0;
+      ensure_bytes(io_scratch_, q_bytes + out_bytes + kv_bytes, false, device_, "fp32 io copies");
     }
     const int num_calls = int(model_sets_.size()) + (step_.ragged ? 1 : 0);
     for (int c = 0; c < num_calls; ++c) {
@@ -472,6 +487,7 @@ class CudaBackend final : public AttentionBackend {
     bool graph_pool = false;
     bool ragged = false;
     bool any_prefix = false;
+    bool convert_io = false;  ///< fp32 io through 16-bit copies (setup_.compute_dtype)
   };
 
   void set_device() const { check_cuda(cudaSetDevice(device_.index), "cudaSetDevice"); }
@@ -555,14 +571,66 @@ class CudaBackend final : public AttentionBackend {
       save_kv(config_, layer, k, v, loc, errors_.device_ptr(), stream);
     }
     if (step_.num_tokens == 0) return;
-    const core::IndexSet set = core::index_set_for(layer, config_.is_encoder_decoder);
+    if (!step_.convert_io) {
+      attend(config_, layer, q, k, v, out, stream);
+      return;
+    }
+    // fp32 io: 16-bit copies of q (and the ragged k/v) in, the 16-bit output back out.
+    BackendConfig compute = config_;
+    compute.q_dtype = setup_.compute_dtype;
+    const int64_t n = step_.num_tokens;
+    const size_t elem = size_t(dtype_size(compute.q_dtype));
+    char* base = static_cast<char*>(io_scratch_.data());
+    const size_t q_bytes = align_region(size_t(n) * config_.num_q_heads * config_.head_dim * elem);
+    const size_t out_bytes = align_region(size_t(n) * config_.num_q_heads * config_.v_head_dim * elem);
+    const TensorView q16(base, compute.q_dtype, device_, {n, config_.num_q_heads, config_.head_dim});
+    const TensorView out16(base + q_bytes, compute.q_dtype, device_,
+                           {n, config_.num_q_heads, config_.v_head_dim});
+    convert_heads(q, config_.head_dim, q16, stream);
+    TensorView k16, v16;
+    if (step_.ragged && k.defined()) {
+      const int64_t kv_rows = k.size(0);
+      char* kv_base = base + q_bytes + out_bytes;
+      k16 = TensorView(kv_base, compute.q_dtype, device_, {kv_rows, config_.num_kv_heads, config_.head_dim});
+      v16 = TensorView(kv_base + size_t(kv_rows) * config_.num_kv_heads * config_.head_dim * elem,
+                       compute.q_dtype, device_, {kv_rows, config_.num_kv_heads, config_.v_head_dim});
+      convert_heads(k, config_.head_dim, k16, stream);
+      convert_heads(v, config_.v_head_dim, v16, stream);
+    }
+    attend(compute, layer, q16, k16, v16, out16, stream);
+    convert_heads(out16, config_.v_head_dim, out, stream);
+  }
+
+  void convert_heads(const TensorView& src, int dim, const TensorView& dst, cudaStream_t stream) const {
+    ConvertRowsLaunch c;
+    const HeadStrides ss = head_strides(src, dim);
+    const HeadStrides ds = head_strides(dst, dim);
+    c.src = src.data();
+    c.src_stride_token = ss.token;
+    c.src_stride_head = ss.head;
+    c.src_dtype = src.dtype();
+    c.dst = dst.data();
+    c.dst_stride_token = ds.token;
+    c.dst_stride_head = ds.head;
+    c.dst_dtype = dst.dtype();
+    c.rows = src.size(0);
+    c.heads = int(src.ndim() == 3 ? src.size(1) : src.size(1) / dim);
+    c.dim = dim;
+    launch_convert_rows(c, stream);
+  }
+
+  // The attention of one layer with io in cfg.q_dtype (the config's, or the 16-bit copies').
+  void attend(const BackendConfig& cfg, const AttentionLayer& layer, const TensorView& q,
+              const TensorView& k, const TensorView& v, const TensorView& out,
+              cudaStream_t stream) {
+    const core::IndexSet set = core::index_set_for(layer, cfg.is_encoder_decoder);
     const auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
     size_t slot = 0;
     while (slot < model_sets_.size() && model_sets_[slot] != set) ++slot;
     check_arg(slot < model_sets_.size(), "layer", "needs an index set this model does not keep");
     const CallState& paged = pool[slot];
     if (!step_.ragged) {
-      run_call(paged, make_params(paged, config_, layer, q, out, nullptr, {}, {}), device_.index,
+      run_call(paged, make_params(paged, cfg, layer, q, out, nullptr, {}, {}), device_.index,
                stream);
       return;
     }
@@ -572,23 +640,23 @@ class CudaBackend final : public AttentionBackend {
               "the ragged EXTEND path attends to this step's k/v directly: pass them");
     const CallState& ragged = pool[kRaggedSlot];
     if (!step_.any_prefix) {
-      run_call(ragged, make_params(ragged, config_, layer, q, out, nullptr, k, v), device_.index,
+      run_call(ragged, make_params(ragged, cfg, layer, q, out, nullptr, k, v), device_.index,
                stream);
       return;
     }
-    const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
+    const size_t rows = size_t(step_.num_tokens) * size_t(cfg.num_q_heads);
     char* scratch = static_cast<char*>(ragged_scratch_.data());
-    const size_t out_bytes = rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
+    const size_t out_bytes = rows * size_t(cfg.v_head_dim) * size_t(dtype_size(cfg.q_dtype));
     float* lse_prefix = reinterpret_cast<float*>(scratch + align_region(out_bytes));
     float* lse_new = lse_prefix + rows;
-    const TensorView new_out(scratch, config_.q_dtype, device_,
-                             {step_.num_tokens, config_.num_q_heads, config_.v_head_dim});
-    run_call(paged, make_params(paged, config_, layer, q, out, lse_prefix, {}, {}), device_.index,
+    const TensorView new_out(scratch, cfg.q_dtype, device_,
+                             {step_.num_tokens, cfg.num_q_heads, cfg.v_head_dim});
+    run_call(paged, make_params(paged, cfg, layer, q, out, lse_prefix, {}, {}), device_.index,
              stream);
-    run_call(ragged, make_params(ragged, config_, layer, q, new_out, lse_new, k, v), device_.index,
+    run_call(ragged, make_params(ragged, cfg, layer, q, new_out, lse_new, k, v), device_.index,
              stream);
     MergeStatesLaunch m;
-    const HeadStrides os = head_strides(out, config_.v_head_dim);
+    const HeadStrides os = head_strides(out, cfg.v_head_dim);
     m.o_a = out.data();
     m.lse_a = lse_prefix;
     m.o_b = new_out.data();
@@ -596,12 +664,12 @@ class CudaBackend final : public AttentionBackend {
     m.out = out.data();
     m.stride_token = os.token;
     m.stride_head = os.head;
-    m.b_stride_token = int64_t(config_.num_q_heads) * config_.v_head_dim;
-    m.b_stride_head = config_.v_head_dim;
-    m.io_dtype = config_.q_dtype;
+    m.b_stride_token = int64_t(cfg.num_q_heads) * cfg.v_head_dim;
+    m.b_stride_head = cfg.v_head_dim;
+    m.io_dtype = cfg.q_dtype;
     m.num_tokens = step_.num_tokens;
-    m.num_heads = config_.num_q_heads;
-    m.v_head_dim = config_.v_head_dim;
+    m.num_heads = cfg.num_q_heads;
+    m.v_head_dim = cfg.v_head_dim;
     launch_merge_states(m, stream);
   }
 
@@ -614,6 +682,7 @@ class CudaBackend final : public AttentionBackend {
   CallState eager_calls_[3];
   CallState graph_calls_[3];
   Buffer ragged_scratch_;
+  Buffer io_scratch_;
   int graph_max_bs_ = 0;
   int64_t graph_kv_capacity_ = 0;
 };

@@ -30,6 +30,9 @@ namespace kvattn::cuda {
 struct DecodeSetup {
   bool tensor_cores = false;  ///< decode through the prefill (tensor-core) kernel
   bool prefill_supported = false;  ///< the prefill kernel serves this config (EXTEND & co.)
+  /// The io dtype the prefill kernel runs in: q_dtype when 16-bit, else (fp32 q) the cache's
+  /// 16-bit dtype (bf16 for bf16 / fp8 caches, fp16 for fp16 caches).
+  DType compute_dtype = DType::kBFloat16;
   DecodeKernelInfo info;      ///< the CUDA-core decode kernel's facts
   core::DecodePlanConfig plan_config;
   int concurrent_prefill_ctas = 0;

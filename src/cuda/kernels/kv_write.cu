@@ -81,3 +81,31 @@ void launch_kv_write(const KvWriteLaunch& w, cudaStream_t stream) {
 }
 
 }  // namespace kvattn::cuda
+
+namespace kvattn::cuda {
+namespace {
+
+__global__ void __launch_bounds__(kWriteThreads) convert_rows_kernel(const ConvertRowsLaunch c) {
+  const int64_t total = c.rows * c.heads * c.dim;
+  for (int64_t index = int64_t(blockIdx.x) * kWriteThreads + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * kWriteThreads) {
+    const int64_t row = index / (int64_t(c.heads) * c.dim);
+    const int64_t rest = index % (int64_t(c.heads) * c.dim);
+    const int64_t head = rest / c.dim;
+    const int64_t e = rest % c.dim;
+    const float x = load_io(c.src, c.src_dtype, row * c.src_stride_token + head * c.src_stride_head + e);
+    detail::store_io(c.dst, c.dst_dtype, row * c.dst_stride_token + head * c.dst_stride_head + e, x);
+  }
+}
+
+}  // namespace
+
+void launch_convert_rows(const ConvertRowsLaunch& c, cudaStream_t stream) {
+  const int64_t total = c.rows * c.heads * c.dim;
+  if (total == 0) return;
+  const dim3 grid(uint32_t(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, kMaxWriteCtas)));
+  convert_rows_kernel<<<grid, kWriteThreads, 0, stream>>>(c);
+  check_launch("convert_rows_kernel");
+}
+
+}  // namespace kvattn::cuda

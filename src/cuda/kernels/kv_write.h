@@ -42,3 +42,25 @@ struct KvWriteLaunch {
 void launch_kv_write(const KvWriteLaunch& launch, cudaStream_t stream);
 
 }  // namespace kvattn::cuda
+
+namespace kvattn::cuda {
+
+/// Copies a [rows, heads, dim] view into another of a different io dtype (fp32 <-> bf16/fp16),
+/// rounding to nearest. The CUDA backend runs fp32 EXTEND-like steps through the 16-bit
+/// tensor-core kernel this way.
+struct ConvertRowsLaunch {
+  const void* src = nullptr;  ///< [rows, heads, dim] src_dtype
+  int64_t src_stride_token = 0;
+  int64_t src_stride_head = 0;
+  DType src_dtype = DType::kFloat32;
+  void* dst = nullptr;        ///< [rows, heads, dim] dst_dtype
+  int64_t dst_stride_token = 0;
+  int64_t dst_stride_head = 0;
+  DType dst_dtype = DType::kBFloat16;
+  int64_t rows = 0;
+  int heads = 0;
+  int dim = 0;
+};
+void launch_convert_rows(const ConvertRowsLaunch& launch, cudaStream_t stream);
+
+}  // namespace kvattn::cuda
