@@ -1,0 +1,500 @@
+"""kvattn as a drop-in attention backend for Python serving engines over PyTorch.
+
+:class:`KvattnAttnBackend` has the method names and the call pattern of SGLang's
+``AttentionBackend`` (``python/sglang/srt/layers/attention/base_attn_backend.py``): an engine
+that drives that interface can construct this class instead of, say, the FlashInfer backend.
+Forward batches and layers are duck-typed: any object with the reference's field names works
+(the mapping is in python/README.md).
+
+The engine's KV pool and request->token table are wrapped, not copied: kvattn reads and writes
+the engine's own torch tensors. Per-step work (``init_forward_metadata*``) builds a native
+``kvattn.ForwardBatch`` once; per-layer work (``forward``) only crosses q, k, v and the output
+by DLPack capsules and runs the kernel with the GIL released.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from . import _kvattn
+
+# torch.Tensor.__dlpack__ spends ~2 us in Python checks; the C entry behind it takes ~0.3 us.
+# Both give the same zero-copy capsule. Fall back to the public method where the C entry is gone.
+_c_to_dlpack = getattr(torch._C, "_to_dlpack_versioned", None) or getattr(torch._C, "_to_dlpack",
+                                                                           None)
+if _c_to_dlpack is not None:
+    def _dl(tensor: torch.Tensor):
+        return _c_to_dlpack(tensor)
+else:  # pragma: no cover - older or newer torch without the C entry
+    def _dl(tensor: torch.Tensor):
+        return tensor
+
+
+# Fields of the engine's forward batch that become tensor fields of kvattn.ForwardBatch.
+_BATCH_TENSOR_FIELDS = (
+    "req_pool_indices", "seq_lens", "seq_lens_cpu", "extend_prefix_lens",
+    "extend_prefix_lens_cpu", "extend_seq_lens", "extend_seq_lens_cpu", "out_cache_loc",
+    "encoder_lens", "encoder_lens_cpu", "encoder_out_cache_loc", "positions",
+)
+# (device tensor, host copy): a CUDA backend plans from host lengths; make them where missing.
+_HOST_COPIES = (
+    ("seq_lens", "seq_lens_cpu"), ("extend_prefix_lens", "extend_prefix_lens_cpu"),
+    ("extend_seq_lens", "extend_seq_lens_cpu"), ("encoder_lens", "encoder_lens_cpu"),
+)
+
+_FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2")
+                    if hasattr(torch, name))
+
+
+def _asks(obj: Any, method: str) -> bool:
+    """obj.method() where the engine's ForwardMode has it, else False."""
+    fn = getattr(obj, method, None)
+    return bool(fn()) if fn is not None else False
+
+
+def forward_mode_of(forward_mode: Any) -> _kvattn.ForwardMode:
+    """The kvattn mode of an engine's ForwardMode (duck-typed: is_idle(), is_decode(),
+    is_target_verify(), is_draft_extend(), is_mixed(); anything else extends). A kvattn
+    ForwardMode or its name passes through."""
+    if isinstance(forward_mode, (_kvattn.ForwardMode, str)):
+        return _kvattn.ForwardBatch(forward_mode).mode
+    modes = _kvattn.ForwardMode
+    if _asks(forward_mode, "is_idle"):
+        return modes.IDLE
+    if _asks(forward_mode, "is_decode"):
+        return modes.DECODE
+    if _asks(forward_mode, "is_target_verify"):
+        return modes.TARGET_VERIFY
+    if _asks(forward_mode, "is_draft_extend"):
+        return modes.DRAFT_EXTEND
+    if _asks(forward_mode, "is_mixed"):
+        return modes.MIXED
+    return modes.EXTEND
+
+
+def _layer_scale(layer: Any, name: str) -> float:
+    """layer.<name>_float, else layer.<name> (None, a float or a one-element tensor); 0 = use
+    the KV cache's scale."""
+    value = getattr(layer, name + "_float", None)
+    if value is None:
+        value = getattr(layer, name, None)
+    if value is None:
+        return 0.0
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def describe_layer(layer: Any, start_layer: int = 0) -> _kvattn.AttentionLayer:
+    """kvattn.AttentionLayer of an engine's attention layer (RadixAttention field names)."""
+    window = getattr(layer, "sliding_window_size", None)
+    logit_cap = getattr(layer, "logit_cap", None)
+    head_dim = int(getattr(layer, "qk_head_dim", None) or layer.head_dim)
+    return _kvattn.AttentionLayer(
+        layer_id=int(layer.layer_id) - start_layer,
+        num_q_heads=int(layer.tp_q_head_num),
+        num_kv_heads=int(layer.tp_k_head_num),
+        head_dim=head_dim,
+        v_head_dim=int(getattr(layer, "v_head_dim", None) or head_dim),
+        scaling=float(layer.scaling),
+        logit_cap=float(logit_cap or 0.0),
+        sliding_window_size=-1 if window is None or window < 0 else int(window),
+        is_cross_attention=bool(getattr(layer, "is_cross_attention", False)),
+        k_scale=_layer_scale(layer, "k_scale"),
+        v_scale=_layer_scale(layer, "v_scale"),
+    )
+
+
+def _pool_buffers(token_to_kv_pool: Any):
+    """(k buffers, v buffers) of every layer of an engine's KV pool: .k_buffer / .v_buffer lists,
+    else get_kv_buffer(layer_id) for layer_num layers from start_layer."""
+    k_buffers = getattr(token_to_kv_pool, "k_buffer", None)
+    v_buffers = getattr(token_to_kv_pool, "v_buffer", None)
+    if k_buffers is not None and v_buffers is not None:
+        return list(k_buffers), list(v_buffers)
+    start = int(getattr(token_to_kv_pool, "start_layer", 0) or 0)
+    pairs = [token_to_kv_pool.get_kv_buffer(start + i)
+             for i in range(int(token_to_kv_pool.layer_num))]
+    return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+def wrap_kv_pool(token_to_kv_pool: Any):
+    """A kvattn.KvCache over an engine's KV pool tensors (no copy). fp8 pools may store uint8
+    (as SGLang does, with .dtype naming the fp8 type) or torch float8 tensors."""
+    k_buffers, v_buffers = _pool_buffers(token_to_kv_pool)
+    if not k_buffers or len(k_buffers) != len(v_buffers):
+        raise ValueError("kvattn: token_to_kv_pool: expected one K and one V buffer per layer")
+    first_k, first_v = k_buffers[0], v_buffers[0]
+    page_size = int(getattr(token_to_kv_pool, "page_size", 1) or 1)
+    logical = getattr(token_to_kv_pool, "dtype", None)
+    if not isinstance(logical, torch.dtype):
+        logical = first_k.dtype
+    # Engines keep one padding page beyond the pool; whole pages only.
+    num_slots = first_k.shape[0] // page_size * page_size
+
+    def storage(t: torch.Tensor) -> torch.Tensor:
+        t = t[:num_slots]
+        return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+
+    config = _kvattn.KvCacheConfig(
+        num_layers=len(k_buffers), num_slots=num_slots, num_kv_heads=int(first_k.shape[1]),
+        head_dim=int(first_k.shape[2]), v_head_dim=int(first_v.shape[2]), page_size=page_size,
+        dtype=logical, device=str(first_k.device))
+    return _kvattn.KvCache.wrap(config, [storage(k) for k in k_buffers],
+                                [storage(v) for v in v_buffers])
+
+
+def _batch_value(value: Any):
+    if isinstance(value, torch.Tensor):
+        return _dl(value)
+    return value  # lists of ints (SGLang's *_cpu lengths) and None pass as they are
+
+
+class _NativeBackendBase:
+    """What KvattnAttnBackend and the draft backend share: the wrapped pools, the layer
+    descriptions and the translation of the engine's forward batch."""
+
+    def __init__(self, token_to_kv_pool: Any, req_to_token_pool: Any, *, num_q_heads: int,
+                 num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
+                 v_head_dim: Optional[int] = None, q_dtype: Any = torch.bfloat16,
+                 sliding_window_size: Optional[int] = None, is_encoder_decoder: bool = False,
+                 kind: Optional[str] = None, ragged_extend_threshold: int = 4096,
+                 decode_tensor_cores: Any = "auto", num_threads: int = 0,
+                 cuda_stream: Optional[int] = None):
+        self.token_to_kv_pool = token_to_kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_cache = wrap_kv_pool(token_to_kv_pool)
+        table = req_to_token_pool.req_to_token if hasattr(req_to_token_pool, "req_to_token") \
+            else req_to_token_pool
+        self.native_req_to_token_pool = _kvattn.ReqToTokenPool.wrap(_dl(table))
+        self.start_layer = int(getattr(token_to_kv_pool, "start_layer", 0) or 0)
+        cache_config = self.kv_cache.config
+        self.device = torch.device(cache_config.device)
+        self.kind = kind or ("cuda" if self.device.type == "cuda" else "cpu")
+        if cuda_stream is None and self.device.type == "cuda":
+            # The stream the engine runs on now; kernels are ordered with its other work.
+            cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.config = _kvattn.BackendConfig(
+            kv_cache=self.kv_cache, req_to_token_pool=self.native_req_to_token_pool,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads or cache_config.num_kv_heads,
+            head_dim=head_dim or cache_config.head_dim,
+            v_head_dim=v_head_dim or cache_config.resolved_v_head_dim,
+            q_dtype=q_dtype,
+            sliding_window_size=-1 if sliding_window_size is None else sliding_window_size,
+            is_encoder_decoder=is_encoder_decoder,
+            ragged_extend_threshold=ragged_extend_threshold,
+            decode_tensor_cores=decode_tensor_cores, num_threads=num_threads,
+            cuda_stream=cuda_stream or 0)
+        self._layers = {}  # id(layer) -> (layer, kvattn.AttentionLayer, output width)
+        self._batch = None  # the kvattn.ForwardBatch of the last step ...
+        self._batch_source = None  # ... and the engine's batch it was made from
+
+    # ---- layers ---------------------------------------------------------------------------
+
+    def _layer(self, layer: Any):
+        entry = self._layers.get(id(layer))
+        if entry is None or entry[0] is not layer:
+            native = describe_layer(layer, self.start_layer)
+            entry = (layer, native, native.num_q_heads * native.resolved_v_head_dim)
+            self._layers[id(layer)] = entry
+        return entry
+
+    def invalidate_layer_cache(self) -> None:
+        """Forget the layer descriptions made so far (after changing a layer's fields, e.g. its
+        fp8 scales, once forward has seen it)."""
+        self._layers.clear()
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def make_native_batch(self, forward_batch: Any, mode=None) -> _kvattn.ForwardBatch:
+        """kvattn.ForwardBatch of an engine's forward batch (no copy of device tensors)."""
+        batch = _kvattn.ForwardBatch(
+            mode if mode is not None else forward_mode_of(forward_batch.forward_mode),
+            int(forward_batch.batch_size))
+        batch.req_to_token_pool = self.native_req_to_token_pool
+        batch.kv_cache = self.kv_cache
+        cuda = self.device.type == "cuda"
+        for name in _BATCH_TENSOR_FIELDS:
+            value = getattr(forward_batch, name, None)
+            if value is not None:
+                setattr(batch, name, _batch_value(value))
+        if cuda:
+            for device_name, host_name in _HOST_COPIES:
+                value = getattr(forward_batch, device_name, None)
+                if getattr(forward_batch, host_name, None) is None and \
+                        isinstance(value, torch.Tensor):
+                    setattr(batch, host_name, _dl(value.cpu()))
+        seq_lens_sum = getattr(forward_batch, "seq_lens_sum", None)
+        if seq_lens_sum is not None:
+            batch.seq_lens_sum = int(seq_lens_sum)
+        spec_info = getattr(forward_batch, "spec_info", None)
+        if spec_info is not None:
+            mask = getattr(spec_info, "custom_mask", None)
+            if mask is not None:
+                batch.custom_mask = _batch_value(mask)
+            for name in ("draft_token_num", "topk"):
+                value = getattr(spec_info, name, None)
+                if value is not None:
+                    setattr(batch, name, int(value))
+            num_steps = getattr(spec_info, "num_steps", None)
+            if num_steps is None:
+                num_steps = getattr(spec_info, "speculative_num_steps", None)
+            if num_steps is not None:
+                batch.num_steps = int(num_steps)
+        return batch
+
+    def _bind(self, forward_batch: Any) -> _kvattn.ForwardBatch:
+        self._batch = self.make_native_batch(forward_batch)
+        self._batch_source = forward_batch
+        return self._batch
+
+    def _current(self, forward_batch: Any) -> _kvattn.ForwardBatch:
+        if forward_batch is self._batch_source:
+            return self._batch
+        return self._bind(forward_batch)
+
+
+class KvattnAttnBackend(_NativeBackendBase):
+    """kvattn behind SGLang's ``AttentionBackend`` interface (same methods, same call pattern).
+
+    Args:
+        token_to_kv_pool: the engine's KV pool: ``k_buffer``/``v_buffer`` lists of
+            ``[num_slots, num_kv_heads, head_dim]`` tensors (or ``get_kv_buffer(layer_id)`` and
+            ``layer_num``), ``page_size``, ``dtype`` (the logical dtype when fp8 is stored as
+            uint8), ``start_layer`` (pipeline stages). Wrapped, never copied.
+        req_to_token_pool: has ``req_to_token``, an int32 ``[max_reqs, max_context_len]``
+            tensor (or is that tensor). Wrapped, never copied.
+        num_q_heads: query heads of this rank (``tp_q_head_num``).
+        num_kv_heads, head_dim, v_head_dim: default to the KV pool's.
+        q_dtype: dtype of q/k/v and the output (torch dtype or name).
+        sliding_window_size: the model's window (None = no window layers).
+        is_encoder_decoder: the model has cross-attention layers.
+        kind: "cpu" or "cuda"; default: the KV pool's device.
+        cuda_stream: the cudaStream_t (int) kernels run on; default: the current stream of the
+            pool's device when the backend is made.
+    """
+
+    prefill_attention_backend_str: Optional[str] = None
+    decode_attention_backend_str: Optional[str] = None
+    supports_ragged_verify_graph: bool = False
+    needs_cpu_seq_lens: bool = True
+    use_captured_forward_metadata_for_breakable_cuda_graph: bool = False
+
+    def __init__(self, token_to_kv_pool: Any, req_to_token_pool: Any, **options: Any):
+        super().__init__(token_to_kv_pool, req_to_token_pool, **options)
+        self.native = _kvattn.make_backend(self.kind, self.config)
+
+    @classmethod
+    def from_model_runner(cls, model_runner: Any, **options: Any) -> "KvattnAttnBackend":
+        """Made the way SGLang makes its backends: from a ModelRunner (its token_to_kv_pool,
+        req_to_token_pool, model_config, dtype, sliding_window_size). Options override."""
+        model_config = model_runner.model_config
+        tp_size = int(options.pop("tp_size", getattr(model_runner, "tp_size", 1)) or 1)
+        defaults = dict(
+            num_q_heads=model_config.num_attention_heads // tp_size,
+            num_kv_heads=model_config.get_num_kv_heads(tp_size),
+            head_dim=getattr(model_config, "head_dim", None),
+            v_head_dim=getattr(model_config, "v_head_dim", None),
+            q_dtype=getattr(model_runner, "dtype", torch.bfloat16),
+            sliding_window_size=getattr(model_runner, "sliding_window_size", None),
+            is_encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False)),
+        )
+        defaults.update(options)
+        return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool, **defaults)
+
+    # ---- per step -------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager entry point: out_graph then in_graph."""
+        self.init_forward_metadata_out_graph(forward_batch)
+        self.init_forward_metadata_in_graph(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
+        """Host work with dynamic shapes (index arrays, plan); outside CUDA-graph capture."""
+        self.native.init_forward_metadata_out_graph(self._bind(forward_batch), in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Static-shape device work; may be recorded in a CUDA graph."""
+        self.native.init_forward_metadata_in_graph(self._current(forward_batch))
+
+    # ---- per layer ------------------------------------------------------------------------
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                layer: Any, forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any):
+        """Run forward on an attention layer: IDLE -> empty, DECODE -> forward_decode, else
+        forward_extend (MIXED included: kvattn runs extend and decode requests together)."""
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        if mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch,
+                                       save_kv_cache=save_kv_cache, **kwargs)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
+                                   **kwargs)
+
+    def forward_decode(self, q: torch.Tensor, k: Optional[torch.Tensor],
+                       v: Optional[torch.Tensor], layer: Any, forward_batch: Any,
+                       save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            _reject_extras(kwargs)
+        _, native_layer, width = self._layer(layer)
+        batch = self._batch if forward_batch is self._batch_source else self._bind(forward_batch)
+        out = q.new_empty((q.shape[0], width))
+        self.native.forward_decode(_dl(q), None if k is None else _dl(k),
+                                   None if v is None else _dl(v), _dl(out), native_layer, batch,
+                                   save_kv_cache)
+        return out
+
+    def forward_extend(self, q: torch.Tensor, k: Optional[torch.Tensor],
+                       v: Optional[torch.Tensor], layer: Any, forward_batch: Any,
+                       save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            _reject_extras(kwargs)
+        _, native_layer, width = self._layer(layer)
+        batch = self._batch if forward_batch is self._batch_source else self._bind(forward_batch)
+        out = q.new_empty((q.shape[0], width))
+        self.native.forward_extend(_dl(q), None if k is None else _dl(k),
+                                   None if v is None else _dl(v), _dl(out), native_layer, batch,
+                                   save_kv_cache)
+        return out
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True):
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.native.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.native.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self) -> None:
+        self.native.on_after_cuda_graph_warmup()
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: Any):
+        self.native.init_forward_metadata_for_breakable_cuda_graph_capture(
+            self._bind(forward_batch))
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(
+            self, capture_metadata: Any, forward_batch: Any, *,
+            static_forward_batch: Any = None) -> None:
+        self.native.prepare_forward_metadata_for_breakable_cuda_graph_replay(
+            self._bind(forward_batch))
+
+    # ---- speculative decoding -------------------------------------------------------------
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        """[tree mask, positions] as torch tensors over the backend's buffers, or None."""
+        return [None if buffer is None else torch.from_dlpack(buffer)
+                for buffer in self.native.get_verify_buffers_to_fill_after_draft()]
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info: Any,
+                                                  cuda_graph_bs: Optional[int]) -> None:
+        if self._batch is not None:
+            self.native.update_verify_buffers_to_fill_after_draft(self._batch,
+                                                                  int(cuda_graph_bs or 0))
+
+    # ---- the rest of the reference interface ----------------------------------------------
+
+    def support_triton(self) -> bool:
+        return True
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch: Any):
+        """None: kvattn has no sparse-attention indexer."""
+        return None
+
+
+def _reject_extras(kwargs: dict) -> None:
+    given = sorted(name for name, value in kwargs.items() if value is not None)
+    if given:
+        raise NotImplementedError(
+            f"kvattn: forward: arguments {given} are not supported by the kvattn backend")
+
+
+class _DraftStepBackend:
+    """One step of a KvattnMultiStepDraftBackend, with the per-step backend's forward."""
+
+    def __init__(self, owner: "KvattnMultiStepDraftBackend", step: int):
+        self.owner = owner
+        self.step = step
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if kwargs:
+            _reject_extras(kwargs)
+        _, native_layer, width = self.owner._layer(layer)
+        out = q.new_empty((q.shape[0], width))
+        loc = getattr(forward_batch, "out_cache_loc", None) if save_kv_cache else None
+        self.owner.native.forward_step(
+            self.step, _dl(q), None if k is None or loc is None else _dl(k),
+            None if v is None or loc is None else _dl(v), _dl(out), native_layer,
+            None if loc is None else _dl(loc))
+        return out
+
+    forward_decode = forward
+
+
+class KvattnMultiStepDraftBackend(_NativeBackendBase):
+    """Multi-step speculative draft (SGLang's ``*MultiStepDraftBackend`` shape): ``topk``
+    branches per request, ``speculative_num_steps`` draft decode steps, index sets of all steps
+    built in one ``init_forward_metadata``; ``attn_backends[i].forward`` runs step i."""
+
+    def __init__(self, token_to_kv_pool: Any, req_to_token_pool: Any, topk: int,
+                 speculative_num_steps: int, **options: Any):
+        super().__init__(token_to_kv_pool, req_to_token_pool, **options)
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.native = _kvattn.MultiStepDraftBackend(self.kind, self.config, topk,
+                                                    speculative_num_steps)
+        self.attn_backends = [_DraftStepBackend(self, i) for i in range(speculative_num_steps)]
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        batch = self.make_native_batch(forward_batch, mode=_kvattn.ForwardMode.DECODE)
+        batch.topk = self.topk
+        batch.num_steps = self.speculative_num_steps
+        self._batch, self._batch_source = batch, forward_batch
+        self.native.init_forward_metadata(batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: Optional[int] = None) -> None:
+        self.native.init_cuda_graph_state(max_bs)
+
+
+def measure_forward_overhead_us(backend: KvattnAttnBackend, q, k, v, layer, forward_batch,
+                                save_kv_cache: bool = False, iterations: int = 200,
+                                repeats: int = 7) -> dict:
+    """Host microseconds per call of ``backend.forward`` and of the same native forward looped
+    in C++ (no Python), and their difference: the per-call Python overhead.
+
+    Medians of `repeats` runs of `iterations` calls; the device is synchronized before each
+    run and the calls are few enough not to fill the launch queue, so kernel time stays out."""
+    mode = forward_mode_of(forward_batch.forward_mode)
+    entry = backend.forward_decode if mode == _kvattn.ForwardMode.DECODE else \
+        backend.forward_extend
+    native_layer = backend._layer(layer)[1]
+    batch = backend._current(forward_batch)
+    out = entry(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+    cuda = backend.device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(backend.device)
+
+    python_runs, native_runs = [], []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+        python_runs.append((time.perf_counter() - start) / iterations * 1e6)
+        sync()
+        native_runs.append(_kvattn._forward_loop_us(
+            backend.native, _dl(q), None if k is None else _dl(k),
+            None if v is None else _dl(v), _dl(out), native_layer, batch, iterations,
+            save_kv_cache))
+        sync()
+    python_us = sorted(python_runs)[len(python_runs) // 2]
+    native_us = sorted(native_runs)[len(native_runs) // 2]
+    return {"python_us": python_us, "native_us": native_us,
+            "overhead_us": python_us - native_us, "iterations": iterations}

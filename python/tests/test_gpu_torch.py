@@ -1,0 +1,142 @@
+"""kvattn.torch_backend on the GPU with torch CUDA tensors, against
+torch.nn.functional.scaled_dot_product_attention on gathered KV; and the per-call Python
+overhead of forward. Skipped without CUDA (KVATTN_TEST_TORCH_DEVICE=cpu runs it on the CPU
+backend, for checking the test itself on a machine without a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvattn  # noqa: E402
+from kvattn.torch_backend import measure_forward_overhead_us  # noqa: E402
+from torch_scenarios import (Engine, ForwardMode, decode_step, extend_like_step,  # noqa: E402
+                             multi_step_draft, verify_step)
+
+DEVICE = os.environ.get("KVATTN_TEST_TORCH_DEVICE", "cuda")
+if DEVICE == "cuda":
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device", allow_module_level=True)
+    if not kvattn.cuda_compiled():
+        pytest.skip("kvattn was built without CUDA", allow_module_level=True)
+
+# The CUDA kernels are compiled for head_dim 64/128/256 (KVATTN_CUDA_HEAD_DIMS).
+HEAD_DIM = 128
+Q_DTYPE = torch.bfloat16
+
+
+def engine(**options):
+    fields = dict(num_q_heads=32, num_kv_heads=8, head_dim=HEAD_DIM, q_dtype=Q_DTYPE,
+                  size=1 << 15, max_reqs=16, max_context_len=1 << 13)
+    fields.update(options)
+    return Engine(DEVICE, **fields)
+
+
+def report(name, value):
+    """One line per measured number (pytest -s shows them); KVATTN_TEST_RESULTS=<file> also
+    appends them to a JSON-lines file."""
+    print(f"\nkvattn-gpu-test {name}: {value}")
+    path = os.environ.get("KVATTN_TEST_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, "value": value, "device": DEVICE}) + "\n")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode(page_size):
+    e = engine(page_size=page_size)
+    # kv_len 1, non-multiples of the page and of any tile, one long enough to split KV
+    error = decode_step(e, [0, 7, 100, 1023, 4500])
+    report(f"decode page {page_size} max rel err", error)
+
+
+def test_decode_gqa_tensor_core_path_and_fp16():
+    e = engine(num_q_heads=32, num_kv_heads=2, q_dtype=torch.float16, kv_dtype=torch.float16)
+    decode_step(e, [3, 300, 2047])
+
+
+def test_decode_fp8_e4m3_pool_stored_as_uint8():
+    e = engine(kv_dtype=torch.float8_e4m3fn, fp8_scale=0.5, page_size=16)
+    error = decode_step(e, [5, 260, 1500])
+    report("decode fp8 e4m3 max rel err", error)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_with_prefix(page_size):
+    e = engine(page_size=page_size)
+    error = extend_like_step(e, ForwardMode.EXTEND, [0, 5, 300, 1000], [1, 17, 129, 250])
+    report(f"extend page {page_size} max rel err", error)
+
+
+def test_extend_ragged_path():
+    e = engine(ragged_extend_threshold=1, page_size=16)
+    error = extend_like_step(e, ForwardMode.EXTEND, [0, 64, 700], [33, 200, 77], ragged=True)
+    report("extend ragged max rel err", error)
+
+
+def test_extend_sliding_window():
+    e = engine(window=64, page_size=16)
+    extend_like_step(e, ForwardMode.EXTEND, [0, 100, 500], [90, 40, 3])
+    e2 = engine(window=64, page_size=16)
+    decode_step(e2, [10, 64, 65, 300])
+
+
+def test_mixed():
+    e = engine(page_size=16)
+    extend_like_step(e, ForwardMode.MIXED, [0, 40, 17, 300], [60, 1, 23, 1])
+
+
+def test_draft_extend():
+    e = engine(page_size=1)
+    extend_like_step(e, ForwardMode.DRAFT_EXTEND, [30, 200], [4, 3])
+
+
+def test_target_verify():
+    e = engine(page_size=16)
+    error = verify_step(e, [1, 90, 700], 8)
+    report("verify max rel err", error)
+
+
+def test_multi_step_draft():
+    e = engine(page_size=1)
+    multi_step_draft(e, [3, 50, 400], topk=2, num_steps=3)
+
+
+def test_idle():
+    e = engine()
+    fb = e.batch(ForwardMode.IDLE, [], [])
+    e.backend.init_forward_metadata(fb)
+    q = e.randn(0, 32 * HEAD_DIM)
+    out = e.backend.forward(q, None, None, e.layer(), fb)
+    assert out.shape == (0, 32 * HEAD_DIM)
+
+
+def test_pool_is_wrapped_not_copied():
+    e = engine(page_size=16)
+    k_view = torch.from_dlpack(e.backend.kv_cache.k_buffer(0))
+    assert k_view.data_ptr() == e.token_to_kv_pool.k_buffer[0].data_ptr()
+    assert k_view.device == e.token_to_kv_pool.k_buffer[0].device
+    table = torch.from_dlpack(e.backend.native_req_to_token_pool.table)
+    assert table.data_ptr() == e.req_to_token_pool.req_to_token.data_ptr()
+    # a write through the engine's tensor is in the cache
+    e.token_to_kv_pool.k_buffer[0][17, 3, 5] = 2.5
+    assert torch.from_dlpack(e.backend.kv_cache.k_buffer(0))[17, 3, 5].item() == 2.5
+
+
+def test_forward_python_overhead_under_10_us():
+    e = engine(page_size=16)
+    decode_step(e, [63])
+    layer = e.layer()
+    slot = e.add_tokens(0, 1)
+    fb = e.batch(ForwardMode.DECODE, [0], [65], out_cache_loc=slot)
+    e.backend.init_forward_metadata(fb)
+    q = e.randn(1, 32 * HEAD_DIM)
+    k = e.randn(1, 8, HEAD_DIM)
+    v = e.randn(1, 8, HEAD_DIM)
+    result = measure_forward_overhead_us(e.backend, q, k, v, layer, fb, save_kv_cache=True)
+    report("forward python overhead us", result)
+    assert result["overhead_us"] < 10.0, result

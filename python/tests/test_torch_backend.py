@@ -1,0 +1,164 @@
+"""kvattn.torch_backend.KvattnAttnBackend over SGLang-shaped objects with torch CPU tensors:
+the call pattern of the reference AttentionBackend, the field mapping, every mode (against
+torch SDPA on gathered KV). Skipped where torch is not installed."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvattn  # noqa: E402
+from kvattn.torch_backend import (KvattnAttnBackend, describe_layer,  # noqa: E402
+                                  forward_mode_of, measure_forward_overhead_us)
+from torch_scenarios import (Engine, ForwardMode, TokenToKVPool, decode_step,  # noqa: E402
+                             extend_like_step, multi_step_draft, radix_attention, verify_step)
+
+
+def engine(**options):
+    fields = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, q_dtype=torch.float32,
+                  size=1024, max_reqs=8, max_context_len=512)
+    fields.update(options)
+    return Engine("cpu", **fields)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode(page_size):
+    decode_step(engine(page_size=page_size), [0, 5, 33])
+
+
+def test_extend_mixed_draft_extend():
+    extend_like_step(engine(page_size=4), ForwardMode.EXTEND, [0, 6, 20], [3, 9, 1])
+    extend_like_step(engine(), ForwardMode.MIXED, [0, 12], [5, 1])
+    extend_like_step(engine(), ForwardMode.DRAFT_EXTEND, [7], [3])
+    extend_like_step(engine(ragged_extend_threshold=1), ForwardMode.EXTEND, [4, 0], [6, 5],
+                     ragged=True)
+
+
+def test_window_and_v_head_dim():
+    e = engine(window=3, v_head_dim=8)
+    extend_like_step(e, ForwardMode.EXTEND, [0, 10], [7, 2])
+
+
+def test_target_verify():
+    verify_step(engine(page_size=2), [3, 11], 4)
+
+
+def test_multi_step_draft():
+    multi_step_draft(engine(), [2, 9], topk=2, num_steps=2)
+
+
+def test_fp8_pool_stored_as_uint8():
+    e = engine(kv_dtype=torch.float8_e4m3fn, q_dtype=torch.float16, fp8_scale=0.5)
+    assert e.token_to_kv_pool.k_buffer[0].dtype == torch.uint8
+    assert e.backend.kv_cache.config.dtype == kvattn.DType.fp8_e4m3
+    decode_step(e, [4, 17])
+
+
+def test_idle_and_dispatch():
+    e = engine()
+    fb = e.batch(ForwardMode.IDLE, [], [])
+    e.backend.init_forward_metadata(fb)
+    q = torch.zeros(0, 4 * 16)
+    out = e.backend.forward(q, None, None, e.layer(), fb)
+    assert out.shape == (0, 4 * 16)
+    assert forward_mode_of(ForwardMode.TARGET_VERIFY) == kvattn.ForwardMode.TARGET_VERIFY
+    assert forward_mode_of(ForwardMode.MIXED) == kvattn.ForwardMode.MIXED
+    assert forward_mode_of("decode") == kvattn.ForwardMode.DECODE
+
+
+def test_reference_hooks():
+    e = engine()
+    b = e.backend
+    b.init_cuda_graph_state(4, 64)
+    assert isinstance(b.get_cuda_graph_seq_len_fill_value(), int)
+    b.on_after_cuda_graph_warmup()
+    assert len(b.get_verify_buffers_to_fill_after_draft()) == 2
+    b.update_verify_buffers_to_fill_after_draft(None, None)
+    assert b.get_indexer_metadata(0, None) is None
+    assert b.support_triton() is True
+    fb = e.batch(ForwardMode.DECODE, [0], [1], out_cache_loc=e.add_tokens(0, 1))
+    with pytest.raises(NotImplementedError):
+        b.init_forward_metadata_for_breakable_cuda_graph_capture(fb)
+    with pytest.raises(NotImplementedError):
+        b.prepare_forward_metadata_for_breakable_cuda_graph_replay(None, fb)
+    b.init_forward_metadata(fb)
+    q = torch.randn(1, 64)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        b.forward(q, torch.randn(1, 2, 16), torch.randn(1, 2, 16), e.layer(), fb,
+                  sinks=torch.zeros(4))
+
+
+def test_out_graph_in_graph_split_matches_eager():
+    e = engine(page_size=4)
+    e.fill(e.add_tokens(0, 9))
+    fb = e.batch(ForwardMode.DECODE, [0], [10], out_cache_loc=e.add_tokens(0, 1))
+    e.fill(fb.out_cache_loc)
+    q = torch.randn(1, 64)
+    layer = e.layer()
+    e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    e.backend.init_forward_metadata_in_graph(fb)
+    first = e.backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+    e.backend.init_forward_metadata(fb)
+    second = e.backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_layer_mapping():
+    layer = radix_attention(5, 8, 2, 64, 32, logit_cap=30.0, sliding_window_size=None,
+                            k_scale=torch.tensor(0.25), v_scale=2.0)
+    native = describe_layer(layer, start_layer=4)
+    assert (native.layer_id, native.num_q_heads, native.num_kv_heads) == (1, 8, 2)
+    assert (native.head_dim, native.v_head_dim) == (64, 32)
+    assert native.logit_cap == pytest.approx(30.0)
+    assert native.sliding_window_size == -1
+    assert (native.k_scale, native.v_scale) == (0.25, 2.0)
+
+
+def test_pool_with_get_kv_buffer_only_and_start_layer():
+    full = TokenToKVPool(64, 4, torch.bfloat16, 2, 16, 16, 2, torch.device("cpu"),
+                         start_layer=10)
+
+    class Pool:  # only the accessor, as some engines' pools expose
+        page_size = 4
+        dtype = torch.bfloat16
+        layer_num = 2
+        start_layer = 10
+
+        def get_kv_buffer(self, layer_id):
+            return full.get_kv_buffer(layer_id)
+
+    req_pool = types.SimpleNamespace(req_to_token=torch.zeros((4, 32), dtype=torch.int32))
+    backend = KvattnAttnBackend(Pool(), req_pool, num_q_heads=4, q_dtype=torch.float32)
+    assert backend.kv_cache.num_layers == 2
+    assert backend.kv_cache.num_slots == 68
+    k1 = torch.from_dlpack(backend.kv_cache.k_buffer(1))
+    assert k1.data_ptr() == full.k_buffer[1].data_ptr()
+
+
+def test_from_model_runner():
+    e = engine()
+    runner = types.SimpleNamespace(
+        token_to_kv_pool=e.token_to_kv_pool, req_to_token_pool=e.req_to_token_pool,
+        dtype=torch.float32, sliding_window_size=None, tp_size=2,
+        model_config=types.SimpleNamespace(num_attention_heads=8, head_dim=16,
+                                           get_num_kv_heads=lambda tp: 4 // tp,
+                                           is_encoder_decoder=False))
+    backend = KvattnAttnBackend.from_model_runner(runner)
+    assert backend.config.num_q_heads == 4 and backend.config.num_kv_heads == 2
+
+
+def test_overhead_measurement_runs():
+    e = engine()
+    e.fill(e.add_tokens(0, 8))
+    fb = e.batch(ForwardMode.DECODE, [0], [9], out_cache_loc=e.add_tokens(0, 1))
+    e.backend.init_forward_metadata(fb)
+    q = torch.randn(1, 64)
+    k = torch.randn(1, 2, 16)
+    result = measure_forward_overhead_us(e.backend, q, k, k.clone(), e.layer(), fb,
+                                         iterations=50, repeats=3)
+    assert result["python_us"] > 0 and result["native_us"] > 0
+    print(f"\nCPU torch forward: {result}")
