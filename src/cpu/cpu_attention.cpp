@@ -460,9 +460,8 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   const int64_t v_head_bytes = p.v_stride_head * ctx.kv_element;
   auto k_head_offset = [&](int h) { return (item.head_begin + h) * k_head_bytes; };
   auto v_head_offset = [&](int h) { return (item.head_begin + h) * v_head_bytes; };
-  // The item's heads of one key, as one span of bytes.
-  const int64_t k_span = (num_heads - 1) * k_head_bytes + dim * ctx.kv_element;
-  const int64_t v_span = (num_heads - 1) * v_head_bytes + dv * ctx.kv_element;
+  const int64_t k_row_bytes = dim * ctx.kv_element;  // one head's row
+  const int64_t v_row_bytes = dv * ctx.kv_element;
   const char* k_rows[2][kKvBlock];
   const char* v_rows[2][kKvBlock];
   auto fill_rows = [&](int64_t block_begin, int nk, const char** k_out, const char** v_out) {
@@ -497,12 +496,17 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
     const char* const* values = v_rows[buffer];
 
     if (ctx.direct) {
-      // Keys two at a time across all heads: each key's row is read front to back. Meanwhile
-      // this block's values are requested, so they are in cache for the value pass.
+      // Keys two at a time across all heads: each key's row is read front to back. Alongside
+      // each head's pair of keys, ask for its values of this block (used after the softmax) and
+      // its keys of the next block: a few lines per step keeps the misses in flight without
+      // stalling on a burst of prefetches.
+      const char* const* next_keys = k_rows[buffer ^ 1];
       for (int j = 0; j < nk; j += 2) {
         const int pair = std::min(2, nk - j);
-        prefetch_rows(values + j, pair, v_head_offset(0), v_span);
+        const int next_pair = std::max(0, std::min(2, next_nk - j));
         for (int h = 0; h < num_heads; ++h) {
+          prefetch_rows(values + j, pair, v_head_offset(h), v_row_bytes);
+          prefetch_rows(next_keys + j, next_pair, k_head_offset(h), k_row_bytes);
           const int64_t first_row = int64_t(h) * ctx.tile_rows;
           compute_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), pair,
                          dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
@@ -512,23 +516,16 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         const int64_t first_row = int64_t(h) * ctx.tile_rows;
         mask_and_softmax(p, tile, block, nk, ws.s.data() + first_row * kKvBlock,
                          ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
-      }
-      // Values head by head, requesting a share of the next block's keys before each head.
-      for (int h = 0; h < num_heads; ++h) {
-        const int64_t first_row = int64_t(h) * ctx.tile_rows;
-        if (next_nk > 0) {
-          const int from = next_nk * h / num_heads;
-          const int to = next_nk * (h + 1) / num_heads;
-          prefetch_rows(k_rows[buffer ^ 1] + from, to - from, k_head_offset(0), k_span);
-        }
         accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
                       v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
       }
     } else {
       // Widen each head's block once; all of the tile's rows then use it from L1.
       if (next_nk > 0) {
-        prefetch_rows(k_rows[buffer ^ 1], next_nk, k_head_offset(0), k_span);
-        prefetch_rows(v_rows[buffer ^ 1], next_nk, v_head_offset(0), v_span);
+        for (int h = 0; h < num_heads; ++h) {
+          prefetch_rows(k_rows[buffer ^ 1], next_nk, k_head_offset(h), k_row_bytes);
+          prefetch_rows(v_rows[buffer ^ 1], next_nk, v_head_offset(h), v_row_bytes);
+        }
       }
       for (int h = 0; h < num_heads; ++h) {
         const int64_t first_row = int64_t(h) * ctx.tile_rows;

@@ -185,7 +185,9 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
   }
 
   if (batch.mode == ForwardMode::kTargetVerify) {
-    plan.custom_mask = batch.spec.custom_mask.data_as<const uint8_t>();
+    // A copy: the step's mask is the one given at init_forward_metadata, like every other input.
+    const uint8_t* mask = batch.spec.custom_mask.data_as<const uint8_t>();
+    plan.custom_mask.assign(mask, mask + batch.spec.custom_mask.numel());
     const TensorView& positions = batch.positions;
     const int64_t num_tree = plan.num_tokens;
     if (config_.sliding_window_size >= 0 && positions.defined()) {
@@ -193,7 +195,7 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
       std::vector<int64_t> host_positions(static_cast<size_t>(num_tree));
       for (int64_t i = 0; i < num_tree; ++i) host_positions[size_t(i)] = read_index(positions, i);
       plan.window_mask = core::fold_window_into_tree_mask(
-          lens, draft, config_.sliding_window_size, plan.custom_mask, host_positions.data());
+          lens, draft, config_.sliding_window_size, plan.custom_mask.data(), host_positions.data());
     }
   }
   plan.ready = true;
@@ -234,6 +236,7 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
             forward_mode_name(batch.mode), " batch");
   core::validate_forward_tensors(q, k, v, out, layer, batch, config_, Device::cpu(),
                                  plan_.num_tokens, save_kv_cache);
+  if (plan_.mode == ForwardMode::kIdle) return;  // no tokens: nothing to save or compute
   const core::IndexSet set_id = core::index_set_for(layer, config_.is_encoder_decoder);
   const CpuIndexSet& set = index_set(set_id);
   const bool verify = batch.mode == ForwardMode::kTargetVerify;
@@ -256,7 +259,9 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   set_io(params, q, out, layer);
   if (!ragged) {
     set_paged(params, cache, layer, set);
-    if (verify) params.custom_mask = window_verify ? plan_.window_mask.data() : plan_.custom_mask;
+    if (verify) {
+      params.custom_mask = window_verify ? plan_.window_mask.data() : plan_.custom_mask.data();
+    }
     run_attention(params, q.dtype(), pool_, workspace_);
     return;
   }

@@ -60,7 +60,7 @@ class CpuBackend final : public AttentionBackend {
     CpuIndexSet prefix;             // new tokens against the paged prefix, no mask
     // TARGET_VERIFY: the batch's tree mask, and the window-folded copy for window layers
     // (empty when the batch gave no positions; a window layer then throws).
-    const uint8_t* custom_mask = nullptr;
+    std::vector<uint8_t> custom_mask;
     std::vector<uint8_t> window_mask;
   };
 
