@@ -4,7 +4,9 @@ torch SDPA on gathered KV). Skipped where torch is not installed."""
 
 from __future__ import annotations
 
+import runpy
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +164,8 @@ def test_overhead_measurement_runs():
                                          iterations=50, repeats=3)
     assert result["python_us"] > 0 and result["native_us"] > 0
     print(f"\nCPU torch forward: {result}")
+
+
+def test_quickstart_example_runs(capsys):
+    runpy.run_path(str(Path(__file__).parents[1] / "examples" / "torch_quickstart.py"))
+    assert "torch.Size([100, 4096])" in capsys.readouterr().out
