@@ -14,9 +14,13 @@ namespace {
 // a 16-byte vector boundary and the scratch on a fresh cache line.
 constexpr size_t kBufferAlignment = 256;
 
-size_t align_up(size_t bytes) { return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment; }
+size_t align_up(size_t bytes) {
+  return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+}
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // A tile before splitting: its keys and its cost in key rows (each step of the kernel costs the
 // same whatever the mask; a fixed overhead of one step covers the Q load and the epilogue).
@@ -64,11 +68,11 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       const int64_t first_token = row / group;
       const int64_t last_token = (std::min(rows, row + shape.tile_rows) - 1) / group;
       int64_t kv_end = kv_len;
-      if (shape.mask == MaskMode::kCausal) kv_end = std::clamp(kv_len - q_len + last_token + 1,
-                                                               int64_t{0}, kv_len);
+      if (shape.mask == MaskMode::kCausal)
+        kv_end = std::clamp(kv_len - q_len + last_token + 1, int64_t{0}, kv_len);
       int64_t kv_begin = 0;
-      if (shape.window_left >= 0) kv_begin = std::clamp(kv_len - q_len + first_token -
-                                                        shape.window_left, int64_t{0}, kv_end);
+      if (shape.window_left >= 0)
+        kv_begin = std::clamp(kv_len - q_len + first_token - shape.window_left, int64_t{0}, kv_end);
       for (int h = 0; h < shape.num_kv_heads; ++h) {
         RawTile t;
         t.item.request = r;
@@ -129,11 +133,10 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
 
   // Longest first: the hardware hands out CTAs in grid order, so this is a greedy LPT schedule
   // (causal: the tiles at the end of the sequence start first).
-  std::stable_sort(ordered.begin(), ordered.end(),
-                   [](const Ordered& a, const Ordered& b) {
-                     if (a.cost != b.cost) return a.cost > b.cost;
-                     return a.item.kv_end - a.item.kv_begin > b.item.kv_end - b.item.kv_begin;
-                   });
+  std::stable_sort(ordered.begin(), ordered.end(), [](const Ordered& a, const Ordered& b) {
+    if (a.cost != b.cost) return a.cost > b.cost;
+    return a.item.kv_end - a.item.kv_begin > b.item.kv_end - b.item.kv_begin;
+  });
   plan.items.reserve(ordered.size());
   for (const Ordered& o : ordered) plan.items.push_back(o.item);
   return plan;
@@ -173,10 +176,10 @@ PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head
     t.num_items = static_cast<int>(plan.items.size());
     t.merges = reinterpret_cast<const PrefillMergeItem*>(base + merges_offset);
     t.num_merges = static_cast<int>(plan.merges.size());
-    t.partial_out = plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_out_offset)
-                                          : nullptr;
-    t.partial_lse = plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_lse_offset)
-                                          : nullptr;
+    t.partial_out =
+        plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_out_offset) : nullptr;
+    t.partial_lse =
+        plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_lse_offset) : nullptr;
     t.num_partials = plan.num_partials;
     t.tile_rows = plan.tile_rows;
     t.group_size = plan.group_size;

@@ -24,7 +24,7 @@ namespace kvattn::core {
 
 /// One unit of work of the prefill kernel (16 bytes, read once per CTA).
 struct PrefillWorkItem {
-  int32_t request = 0;      ///< index into qo_indptr / kv_indptr
+  int32_t request = 0;  ///< index into qo_indptr / kv_indptr
   int32_t kv_head = 0;
   int32_t q_row_begin = 0;  ///< first packed row (token * group_size + head in group)
   int32_t kv_begin = 0;     ///< keys [kv_begin, kv_end) of the request, already clipped to what
@@ -78,12 +78,12 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
 
 /// The plan as the kernel sees it: pointers into one device buffer.
 struct PrefillTiles {
-  const PrefillWorkItem* items = nullptr;    ///< [num_items]
+  const PrefillWorkItem* items = nullptr;  ///< [num_items]
   int num_items = 0;
   const PrefillMergeItem* merges = nullptr;  ///< [num_merges]
   int num_merges = 0;
-  float* partial_out = nullptr;              ///< [num_partials, tile_rows, v_head_dim]
-  float* partial_lse = nullptr;              ///< [num_partials, tile_rows], natural log
+  float* partial_out = nullptr;  ///< [num_partials, tile_rows, v_head_dim]
+  float* partial_lse = nullptr;  ///< [num_partials, tile_rows], natural log
   int num_partials = 0;
   int tile_rows = 0;
   int group_size = 0;

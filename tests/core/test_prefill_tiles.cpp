@@ -90,9 +90,8 @@ PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
           continue;
         }
         std::vector<PrefillWorkItem> chunks = found->second;
-        std::sort(chunks.begin(), chunks.end(), [](auto& a, auto& c) {
-          return a.kv_begin < c.kv_begin;
-        });
+        std::sort(chunks.begin(), chunks.end(),
+                  [](auto& a, auto& c) { return a.kv_begin < c.kv_begin; });
         const int64_t begin = chunks.front().kv_begin;
         const int64_t end = chunks.back().kv_end;
         if (lo >= 0) {
@@ -117,8 +116,7 @@ PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
           if (c > 0) EXPECT_EQ(chunks[c].kv_begin, chunks[c - 1].kv_end) << "gap or overlap";
           if (c + 1 < chunks.size()) EXPECT_EQ((chunks[c].kv_end - begin) % s.kv_tile, 0);
           EXPECT_GE(chunks[c].partial, merge->second.first_partial);
-          EXPECT_LT(chunks[c].partial,
-                    merge->second.first_partial + merge->second.num_partials);
+          EXPECT_LT(chunks[c].partial, merge->second.first_partial + merge->second.num_partials);
           ++partial_seen.at(chunks[c].partial);
         }
       }
@@ -191,9 +189,9 @@ TEST(PrefillTiles, DecodeLikeBatchSplitsKv) {
 
 TEST(PrefillTiles, EmptyRequestsAndEmptyKv) {
   Batch b;
-  b.add(0, 5);   // no queries: no tiles
-  b.add(3, 0);   // no keys: one tile per head with an empty range (writes zeros, LSE -inf)
-  b.add(2, 1);   // causal, q_len > kv_len: the first query sees nothing
+  b.add(0, 5);  // no queries: no tiles
+  b.add(3, 0);  // no keys: one tile per head with an empty range (writes zeros, LSE -inf)
+  b.add(2, 1);  // causal, q_len > kv_len: the first query sees nothing
   const PrefillTilePlan plan = plan_and_check(b, make_shape(MaskMode::kCausal, -1, 264));
   EXPECT_EQ(plan.items.size(), 16u);
   for (const PrefillWorkItem& it : plan.items) {
@@ -235,14 +233,14 @@ TEST(PrefillTiles, BufferSizingAndFillingAgree) {
   const PrefillTilePlan plan = plan_and_check(b, make_shape(MaskMode::kCausal, -1, 64));
   ASSERT_GT(plan.num_partials, 0);
   const PrefillBufferLayout sized = write_prefill_buffer(plan, 128, nullptr, 0, nullptr, nullptr);
-  EXPECT_GE(sized.total_bytes, sized.metadata_bytes +
-                                   size_t(plan.num_partials) * plan.tile_rows * (128 + 1) * 4);
+  EXPECT_GE(sized.total_bytes,
+            sized.metadata_bytes + size_t(plan.num_partials) * plan.tile_rows * (128 + 1) * 4);
 
   std::vector<unsigned char> host(sized.metadata_bytes, 0xab);
   std::vector<unsigned char> fake_device(sized.total_bytes);
   PrefillTiles view;
-  const PrefillBufferLayout filled = write_prefill_buffer(plan, 128, host.data(), host.size(),
-                                                          fake_device.data(), &view);
+  const PrefillBufferLayout filled =
+      write_prefill_buffer(plan, 128, host.data(), host.size(), fake_device.data(), &view);
   EXPECT_EQ(filled.metadata_bytes, sized.metadata_bytes);
   EXPECT_EQ(filled.total_bytes, sized.total_bytes);
   // "Copy" to the device and read the plan back through the view.

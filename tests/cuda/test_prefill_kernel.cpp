@@ -26,9 +26,9 @@
 namespace kvattn::cuda {
 namespace {
 
-#define PREFILL_CUDA_OK(call)                                               \
-  do {                                                                      \
-    const cudaError_t status_ = (call);                                     \
+#define PREFILL_CUDA_OK(call)                                                        \
+  do {                                                                               \
+    const cudaError_t status_ = (call);                                              \
     ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
   } while (0)
 
@@ -75,8 +75,12 @@ struct Case {
   uint32_t seed = 1;
 };
 
-uint16_t to_16bit(float x, DType t) { return t == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x); }
-float from_16bit(uint16_t b, DType t) { return t == DType::kBFloat16 ? bf16_to_float(b) : fp16_to_float(b); }
+uint16_t to_16bit(float x, DType t) {
+  return t == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x);
+}
+float from_16bit(uint16_t b, DType t) {
+  return t == DType::kBFloat16 ? bf16_to_float(b) : fp16_to_float(b);
+}
 
 constexpr uint16_t kPoison16 = 0xffff;  // NaN in bf16 and fp16
 
@@ -295,15 +299,15 @@ void run_case(const Case& c) {
   core::write_prefill_buffer(plan, d, metadata.data(), metadata.size(), keep.back()->ptr, &tiles);
   // Poison the partial scratch too: the merge must read only what the kernel wrote.
   PREFILL_CUDA_OK(cudaMemset(keep.back()->ptr, 0xff, layout.total_bytes));
-  PREFILL_CUDA_OK(cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(),
-                             cudaMemcpyHostToDevice));
+  PREFILL_CUDA_OK(
+      cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(), cudaMemcpyHostToDevice));
 
   launch_batch_prefill(p, tiles, nullptr);
   PREFILL_CUDA_OK(cudaDeviceSynchronize());
   PREFILL_CUDA_OK(cudaMemcpy(out_host.data(), p.out, out_host.size() * 2, cudaMemcpyDeviceToHost));
   if (c.lse) {
-    PREFILL_CUDA_OK(cudaMemcpy(lse_host.data(), p.lse, lse_host.size() * 4,
-                               cudaMemcpyDeviceToHost));
+    PREFILL_CUDA_OK(
+        cudaMemcpy(lse_host.data(), p.lse, lse_host.size() * 4, cudaMemcpyDeviceToHost));
   }
 
   // ---- compare ------------------------------------------------------------------------------
@@ -331,13 +335,13 @@ void run_case(const Case& c) {
         const double l = lse_host[t * hq + h];
         const double lr = lse_ref[t * hq + h];
         if (std::isinf(lr)) {
-          EXPECT_TRUE(std::isinf(l) && l < 0) << "lse[" << t << "][" << h << "] = " << l
-                                              << ", expected -inf";
+          EXPECT_TRUE(std::isinf(l) && l < 0)
+              << "lse[" << t << "][" << h << "] = " << l << ", expected -inf";
         } else {
           const double err = std::abs(l - lr);
           worst_lse = std::max(worst_lse, std::isnan(l) ? INFINITY : err);
-          EXPECT_LE(err, 1e-2 + 1e-3 * std::abs(lr)) << "lse[" << t << "][" << h << "] = " << l
-                                                     << ", expected " << lr;
+          EXPECT_LE(err, 1e-2 + 1e-3 * std::abs(lr))
+              << "lse[" << t << "][" << h << "] = " << l << ", expected " << lr;
         }
       }
     }
@@ -450,6 +454,26 @@ TEST_F(PrefillKernel, SoftCap) {
   c.cap = 2.f;
   c.input_range = 3.f;
   c.seed = 10;
+  run_case(c);
+}
+
+// Logits with a spread of tens: row maxima keep jumping, so the kernel's O rescale runs on
+// later steps too, not only on the first.
+TEST_F(PrefillKernel, LargeLogitsRescale) {
+  Case c;
+  c.name = "large logits hd64 causal";
+  c.q_lens = {40, 200};
+  c.kv_lens = {300, 700};
+  c.head_dim = 64;
+  c.input_range = 6.f;
+  c.seed = 19;
+  run_case(c);
+  c.name = "large logits hd128 split";
+  c.head_dim = 128;
+  c.q_lens = {1, 3};
+  c.kv_lens = {2000, 900};
+  c.concurrent_ctas = 264;
+  c.seed = 20;
   run_case(c);
 }
 

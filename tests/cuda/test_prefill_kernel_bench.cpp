@@ -29,10 +29,10 @@
 namespace kvattn::cuda {
 namespace {
 
-#define BENCH_CUDA_OK(call)                                                               \
-  do {                                                                                    \
-    const cudaError_t status_ = (call);                                                   \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_);      \
+#define BENCH_CUDA_OK(call)                                                          \
+  do {                                                                               \
+    const cudaError_t status_ = (call);                                              \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
   } while (0)
 
 struct DeviceBytes {
@@ -102,10 +102,10 @@ double gemm_bf16_tflops() {
 struct Workload {
   std::string name;
   int batch;
-  int prefix;   // cached tokens before the new ones (extend)
-  int q_len;    // new tokens per request
+  int prefix;  // cached tokens before the new ones (extend)
+  int q_len;   // new tokens per request
   int head_dim;
-  bool paged;   // page 1, shuffled slots
+  bool paged;  // page 1, shuffled slots
 };
 
 struct Row {
@@ -200,8 +200,12 @@ TEST(PrefillBench, Grid) {
       {"prefill", 8, 0, 2048, 128, false},  {"extend", 8, 4096, 512, 128, true},
       {"prefill", 1, 0, 4096, 64, false},   {"prefill", 1, 0, 4096, 256, false},
   };
+  // KVATTN_PREFILL_BENCH_ONLY=<index> times one row (for a profiler run).
+  const char* only = std::getenv("KVATTN_PREFILL_BENCH_ONLY");
   std::vector<Row> rows;
-  for (const Workload& w : grid) {
+  for (size_t i = 0; i < grid.size(); ++i) {
+    if (only != nullptr && std::atoi(only) != static_cast<int>(i)) continue;
+    const Workload& w = grid[i];
     rows.push_back(time_workload(w));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }

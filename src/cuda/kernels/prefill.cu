@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(kMergeThreads)
         const int64_t slot_row = int64_t(merge.first_partial + c) * tiles.tile_rows + r;
         float w_acc, w_new, lse_next;
         core::merge_weights(lse, tiles.partial_lse[slot_row], &w_acc, &w_new, &lse_next);
-        const float4 part = *reinterpret_cast<const float4*>(tiles.partial_out + slot_row * dim + d0);
+        const float4 part =
+            *reinterpret_cast<const float4*>(tiles.partial_out + slot_row * dim + d0);
         acc.x = acc.x * w_acc + part.x * w_new;
         acc.y = acc.y * w_acc + part.y * w_new;
         acc.z = acc.z * w_acc + part.z * w_new;
@@ -74,7 +75,9 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
 
 void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
   if (p.io_dtype != DType::kBFloat16 && p.io_dtype != DType::kFloat16) {
@@ -101,23 +104,26 @@ void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
   const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim);
   check_arg(tiles.tile_rows == shape.tile_rows, "tiles.tile_rows", "got ", tiles.tile_rows,
             ", the head_dim ", p.head_dim, " kernel needs ", shape.tile_rows);
-  check_arg(tiles.num_partials == 0 ||
-                (tiles.partial_out != nullptr && tiles.partial_lse != nullptr),
-            "tiles.partial_out", "split tiles need partial buffers");
+  check_arg(
+      tiles.num_partials == 0 || (tiles.partial_out != nullptr && tiles.partial_lse != nullptr),
+      "tiles.partial_out", "split tiles need partial buffers");
   if (p.mask == core::MaskMode::kCustom) {
     check_arg(p.custom_mask != nullptr && p.mask_indptr != nullptr, "custom_mask",
               "mask kCustom needs custom_mask and mask_indptr");
   }
+  // The kernel's online softmax assumes logits grow with q.k (a positive scale).
+  check_arg(p.sm_scale > 0.f && p.k_scale > 0.f, "sm_scale", "sm_scale ", p.sm_scale,
+            " and k_scale ", p.k_scale, " must be positive");
   check_arg(p.qo_indptr != nullptr && p.kv_indptr != nullptr, "qo_indptr",
             "qo_indptr and kv_indptr are required");
   // 16-byte copies: rows must start on 16-byte boundaries.
   const int kv_vec = 16 / dtype_size(p.kv_dtype);
-  const bool rows_aligned =
-      aligned16(p.q) && aligned16(p.out) && aligned16(p.k) && aligned16(p.v) &&
-      p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && p.out_stride_token % 8 == 0 &&
-      p.out_stride_head % 8 == 0 && p.k_stride_token % kv_vec == 0 &&
-      p.k_stride_head % kv_vec == 0 && p.v_stride_token % kv_vec == 0 &&
-      p.v_stride_head % kv_vec == 0;
+  const bool rows_aligned = aligned16(p.q) && aligned16(p.out) && aligned16(p.k) &&
+                            aligned16(p.v) && p.q_stride_token % 8 == 0 &&
+                            p.q_stride_head % 8 == 0 && p.out_stride_token % 8 == 0 &&
+                            p.out_stride_head % 8 == 0 && p.k_stride_token % kv_vec == 0 &&
+                            p.k_stride_head % kv_vec == 0 && p.v_stride_token % kv_vec == 0 &&
+                            p.v_stride_head % kv_vec == 0;
   if (!rows_aligned) {
     throw_error(ErrorKind::kNotSupported, "q/k/v/out",
                 "prefill needs 16-byte aligned pointers and row strides (q strides ",

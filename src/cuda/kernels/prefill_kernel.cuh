@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
@@ -52,7 +53,9 @@ struct PrefillTraits {
   static constexpr int kQBytes = kTileRows * kHeadDim * 2;
   static constexpr int kKvTileBytes = kTileKeys * kHeadDim * 2;  // one K (or V) tile, 16-bit
   static constexpr int kStageBytes = 2 * kKvTileBytes;           // K and V
-  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes;
+  // Paged: the slots of the next two steps' keys, copied one step ahead of their use.
+  static constexpr int kSlotBytes = 2 * kTileKeys * 4;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kSlotBytes;
   static constexpr int kMinBlocks = 2;
   static_assert(kHeadDim % 64 == 0, "the XOR swizzle needs >= 8 chunks a row");
   static_assert((kTileKeys * kChunks) % kThreads == 0, "whole K/V chunks per thread");
@@ -71,6 +74,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
+               : "memory");
+}
+/// 4-byte global -> shared copy (zero-fills when !valid).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
@@ -136,9 +145,8 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 /// bf16 value).
 template <typename T>
 __device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits), e5m2 ? __NV_E5M2
-                                                                                : __NV_E4M3);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),
+                                                   e5m2 ? __NV_E5M2 : __NV_E4M3);
   if constexpr (std::is_same_v<T, __half>) {
     return uint32_t(h.x) | (uint32_t(h.y) << 16);
   } else {
@@ -162,6 +170,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   constexpr int kDimTiles = kHeadDim / 8;   // n8 tiles of O
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
+  constexpr uint32_t kRowBytes = kChunks * 16;  // one 16-bit row of q/k/v in shared memory
 
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s_q = smem_address(smem);
@@ -223,59 +232,78 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     }
   }
 
-  // Row of K/V storage for key j of this request; -1 when it must not be read.
-  auto storage_row = [&](int j) -> int64_t {
-    if (j >= kv_end) return -1;
-    const int64_t index = kv_base + j;
-    if (!paged) return index;
-    const int64_t slot = p.kv_indices[index];
-    return (slot >= 0 && slot < p.num_slots) ? slot : -1;
+  // Paged: the slot table holds, per buffer, the slots of one step's keys (copied a step ahead,
+  // so a copy never waits on the load of its own address).
+  const uint32_t s_slots = s_kv + 2 * Tr::kStageBytes;
+  const int32_t* slot_table =
+      reinterpret_cast<const int32_t*>(smem + Tr::kQBytes + 2 * Tr::kStageBytes);
+  auto issue_slots = [&](int kv_start, int buffer) {
+    if (tid < kTileKeys) {
+      const int j = kv_start + tid;
+      const bool valid = j < kv_end;
+      cp_async_4(s_slots + (buffer * kTileKeys + tid) * 4,
+                 valid ? p.kv_indices + kv_base + j : p.kv_indices, valid);
+    }
   };
-
   // Issues the copies of keys [kv_start, kv_start + kTileKeys) into buffer `buffer`: 16-bit K/V
   // straight into a swizzled stage; fp8 bytes into a raw staging buffer that convert_fp8 turns
-  // into a stage (each thread converts the chunks it copied itself).
-  auto issue_kv = [&](int kv_start, int buffer) {
-    if (!fp8) {
-      constexpr int kPerThread = kTileKeys * kChunks / kThreads;
-      const uint32_t s_k = s_kv + buffer * Tr::kStageBytes;
-      const uint32_t s_v = s_k + Tr::kKvTileBytes;
-      const T* k = static_cast<const T*>(p.k);
-      const T* v = static_cast<const T*>(p.v);
+  // into a stage (each thread converts the chunks it copied itself). A thread copies chunk
+  // column c of rows r0 + i * kRowStep, so every per-chunk offset but the storage row is a
+  // constant. Rows past the tile's keys and slots outside the pool are zero-filled, not read.
+  const uint32_t slot_limit = static_cast<uint32_t>(min(p.num_slots, int64_t(INT32_MAX)));
+  auto issue_tile = [&]<bool kFp8>(int kv_start, int buffer) {
+    using E = std::conditional_t<kFp8, uint8_t, T>;
+    constexpr int kRowChunks = kFp8 ? kChunks / 2 : kChunks;  // 16-byte chunks a K/V row
+    constexpr int kElems = 16 / sizeof(E);
+    constexpr int kRowStep = kThreads / kRowChunks;
+    constexpr int kPerThread = kTileKeys / kRowStep;
+    static_assert(kThreads % kRowChunks == 0 && kRowStep % 4 == 0 && kTileKeys % kRowStep == 0);
+    const int r0 = tid / kRowChunks;
+    const int c = tid % kRowChunks;
+    int64_t rows[kPerThread];
+    bool valid[kPerThread];
+    const int limit = kv_end - kv_start - r0;  // chunk i holds a key of the tile iff i*step < it
+    if (paged) {
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
-        const int index = tid + i * kThreads;
-        const int r = index / kChunks;
-        const int c = index % kChunks;
-        const int64_t row = storage_row(kv_start + r);
-        const bool valid = row >= 0;
-        const T* k_src = valid ? k + row * p.k_stride_token + kv_head * p.k_stride_head + c * 8 : k;
-        const T* v_src = valid ? v + row * p.v_stride_token + kv_head * p.v_stride_head + c * 8 : v;
-        const uint32_t offset = (r * kChunks + (c ^ (r & 7))) * 16;
-        cp_async_16(s_k + offset, k_src, valid);
-        cp_async_16(s_v + offset, v_src, valid);
+        const int32_t slot = slot_table[buffer * kTileKeys + r0 + i * kRowStep];
+        valid[i] = i * kRowStep < limit && static_cast<uint32_t>(slot) < slot_limit;
+        rows[i] = slot;
       }
     } else {
-      constexpr int kRawChunks = kChunks / 2;  // 16 fp8 values a chunk
-      constexpr int kPerThread = kTileKeys * kRawChunks / kThreads;
-      const uint32_t s_raw = s_kv + Tr::kStageBytes + buffer * Tr::kKvTileBytes;
-      const uint32_t s_raw_v = s_raw + Tr::kKvTileBytes / 2;
-      const uint8_t* k = static_cast<const uint8_t*>(p.k);
-      const uint8_t* v = static_cast<const uint8_t*>(p.v);
+      const int64_t row0 = kv_base + kv_start + r0;
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
-        const int index = tid + i * kThreads;
-        const int r = index / kRawChunks;
-        const int c = index % kRawChunks;
-        const int64_t row = storage_row(kv_start + r);
-        const bool valid = row >= 0;
-        const uint8_t* k_src =
-            valid ? k + row * p.k_stride_token + kv_head * p.k_stride_head + c * 16 : k;
-        const uint8_t* v_src =
-            valid ? v + row * p.v_stride_token + kv_head * p.v_stride_head + c * 16 : v;
-        cp_async_16(s_raw + index * 16, k_src, valid);
-        cp_async_16(s_raw_v + index * 16, v_src, valid);
+        valid[i] = i * kRowStep < limit;
+        rows[i] = row0 + i * kRowStep;
       }
+    }
+    const E* k_base = static_cast<const E*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * kElems;
+    const E* v_base = static_cast<const E*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * kElems;
+    uint32_t k_dst, v_dst;
+    if constexpr (kFp8) {
+      k_dst = s_kv + Tr::kStageBytes + buffer * Tr::kKvTileBytes + tid * 16;
+      v_dst = k_dst + Tr::kKvTileBytes / 2;
+    } else {
+      k_dst = s_kv + buffer * Tr::kStageBytes + r0 * kRowBytes + (c ^ (r0 & 7)) * 16;
+      v_dst = k_dst + Tr::kKvTileBytes;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      // Swizzle: row r0 + i*step has (row & 7) = (r0 & 7) ^ (i*step & 7) since step % 4 == 0.
+      const uint32_t offset = kFp8 ? i * kThreads * 16 : i * kRowStep * kRowBytes;
+      const uint32_t flip = kFp8 ? 0 : ((i * kRowStep) & 7) * 16;
+      const E* k_src = valid[i] ? k_base + rows[i] * p.k_stride_token : k_base;
+      const E* v_src = valid[i] ? v_base + rows[i] * p.v_stride_token : v_base;
+      cp_async_16((k_dst ^ flip) + offset, k_src, valid[i]);
+      cp_async_16((v_dst ^ flip) + offset, v_src, valid[i]);
+    }
+  };
+  auto issue_kv = [&](int kv_start, int buffer) {
+    if (fp8) {
+      issue_tile.template operator()<true>(kv_start, buffer);
+    } else {
+      issue_tile.template operator()<false>(kv_start, buffer);
     }
     cp_async_commit();
   };
@@ -311,7 +339,17 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     }
   };
 
-  if (num_steps > 0) issue_kv(kv_begin, 0);
+  if (num_steps > 0) {
+    if (paged) {
+      // Slots of steps 0 and 1 now; step 0's copies need them at once.
+      issue_slots(kv_begin, 0);
+      issue_slots(kv_begin + kTileKeys, 1);
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
+    }
+    issue_kv(kv_begin, 0);
+  }
 
   // ---- main loop ------------------------------------------------------------------------
   float o[kMAtoms][kDimTiles][4];
@@ -326,36 +364,31 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   }
 
   // Per-lane ldmatrix offsets (see the fragment layouts of mma.m16n8k16). The swizzled chunk of
-  // column chunk 2 * kk is (2 * kk) ^ (row & 7); its bits 3+ pass through, so only kk % 4 needs
-  // a register (4 per operand) and the rest folds into immediate offsets.
+  // column chunk 2 * kk + hi is (2 * kk + hi) ^ (row & 7) = ((hi ^ (row & 7)) ^ 2 * (kk % 4)) +
+  // 8 * (kk / 4): one lane base, XORed with a constant, plus a constant. Tile bases are
+  // multiples of 128 bytes, so the XOR can be applied after adding them.
   const int warp_row = warp * Tr::kRowsPerWarp;
-  constexpr uint32_t kRowBytes = kChunks * 16;
-  uint32_t q_offset[4], k_offset[4], v_offset[4];
-  {
-    const uint32_t a_row = warp_row + (lane & 15);
-    const uint32_t a_xor = (lane >> 4) ^ (lane & 7);
-    const uint32_t k_row = (lane & 7) + ((lane >> 4) << 3);
-    const uint32_t k_xor = ((lane >> 3) & 1) ^ (lane & 7);
-    const uint32_t v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
-    const uint32_t v_xor = (lane >> 4) ^ (lane & 7);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      q_offset[i] = s_q + a_row * kRowBytes + ((2 * i) ^ a_xor) * 16;
-      k_offset[i] = k_row * kRowBytes + ((2 * i) ^ k_xor) * 16;
-      v_offset[i] = v_row * kRowBytes + ((2 * i) ^ v_xor) * 16;
-    }
-  }
+  const uint32_t q_lane =
+      s_q + (warp_row + (lane & 15)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  const uint32_t k_lane =
+      ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + (((lane >> 3) & 1) ^ (lane & 7)) * 16;
+  const uint32_t v_lane =
+      ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
 
   for (int step = 0; step < num_steps; ++step) {
     const int kv_start = kv_begin + step * kTileKeys;
     cp_async_wait_all();
     __syncthreads();  // tile `step` landed for everyone; everyone is done with the other buffer
     if (fp8) convert_fp8(step & 1);
-    if (step + 1 < num_steps) issue_kv(kv_start + kTileKeys, (step + 1) & 1);
+    if (step + 1 < num_steps) {
+      // Slots of step + 2 go where step's slots were (read last step, before the barrier).
+      if (paged) issue_slots(kv_start + 2 * kTileKeys, step & 1);
+      issue_kv(kv_start + kTileKeys, (step + 1) & 1);
+    }
     if (fp8) __syncthreads();  // the converted tile is visible
     const int stage = fp8 ? 0 : (step & 1);
-    const uint32_t s_k = s_kv + stage * Tr::kStageBytes;
-    const uint32_t s_v = s_k + Tr::kKvTileBytes;
+    const uint32_t k_base = s_kv + stage * Tr::kStageBytes + k_lane;
+    const uint32_t v_base = s_kv + stage * Tr::kStageBytes + Tr::kKvTileBytes + v_lane;
 
     // S = Q K^T
     float s[kMAtoms][kKeyTiles][4];
@@ -369,12 +402,12 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       uint32_t qa[kMAtoms][4];
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
-        ldmatrix_x4(qa[a], q_offset[kk % 4] + (kk / 4) * 128 + a * 16 * kRowBytes);
+        ldmatrix_x4(qa[a], (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128 + a * 16 * kRowBytes);
       }
 #pragma unroll
       for (int np = 0; np < kTileKeys / 16; ++np) {
         uint32_t kb[4];
-        ldmatrix_x4(kb, s_k + k_offset[kk % 4] + (kk / 4) * 128 + np * 16 * kRowBytes);
+        ldmatrix_x4(kb, (k_base ^ ((kk % 4) * 32)) + (kk / 4) * 128 + np * 16 * kRowBytes);
 #pragma unroll
         for (int a = 0; a < kMAtoms; ++a) {
           mma_16816<T>(s[a][2 * np], qa[a], kb[0], kb[1]);
@@ -423,7 +456,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       }
     }
 
-    // Online softmax (rows g and g + 8 of each atom; a quad shares a row).
+    // Online softmax (rows g and g + 8 of each atom; a quad shares a row). A row's reference
+    // max only moves when the tile's max exceeds it by more than kRescaleLog2 in log2 units, so
+    // p <= 2^kRescaleLog2 (harmless in the fp32 sums and in a bf16/fp16 P) and O is rescaled
+    // only on the rare steps where some row's max jumps (every step would cost 128 FMULs).
+    constexpr float kRescaleLog2 = 8.f;
+    float factor[kMAtoms][2];
+    bool moved = false;
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
@@ -435,17 +474,14 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
         }
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-        const float new_max = fmaxf(row_max[a][h], block_max);
+        // True when the row had no max yet and now has one; false when both are -inf (NaN).
+        const bool move = (block_max - row_max[a][h]) * scale_log2 > kRescaleLog2;
+        factor[a][h] = move ? fast_exp2((row_max[a][h] - block_max) * scale_log2) : 1.f;
+        row_max[a][h] = move ? block_max : row_max[a][h];
+        row_sum[a][h] *= factor[a][h];
+        moved |= move;
         // A row that has seen only masked keys keeps max -inf; exponentiate against 0 then.
-        const float safe_max = new_max == -INFINITY ? 0.f : new_max;
-        const float factor = fast_exp2((row_max[a][h] - safe_max) * scale_log2);
-        row_max[a][h] = new_max;
-        row_sum[a][h] *= factor;
-#pragma unroll
-        for (int d = 0; d < kDimTiles; ++d) {
-          o[a][d][2 * h] *= factor;
-          o[a][d][2 * h + 1] *= factor;
-        }
+        const float safe_max = row_max[a][h] == -INFINITY ? 0.f : row_max[a][h];
         const float offset = -safe_max * scale_log2;
 #pragma unroll
         for (int n = 0; n < kKeyTiles; ++n) {
@@ -455,6 +491,18 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
             s[a][n][2 * h + e] = pv;
             row_sum[a][h] += pv;
           }
+        }
+      }
+    }
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int d = 0; d < kDimTiles; ++d) {
+          o[a][d][0] *= factor[a][0];
+          o[a][d][1] *= factor[a][0];
+          o[a][d][2] *= factor[a][1];
+          o[a][d][3] *= factor[a][1];
         }
       }
     }
@@ -474,7 +522,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
         uint32_t vb[4];
-        ldmatrix_x4_trans(vb, s_v + v_offset[dp % 4] + (dp / 4) * 128 + kk * 16 * kRowBytes);
+        ldmatrix_x4_trans(vb, (v_base ^ ((dp % 4) * 32)) + (dp / 4) * 128 + kk * 16 * kRowBytes);
 #pragma unroll
         for (int a = 0; a < kMAtoms; ++a) {
           mma_16816<T>(o[a][2 * dp], pa[a], vb[0], vb[1]);
@@ -595,11 +643,11 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
                      cudaStream_t stream) {
   using Tr = PrefillTraits<kHeadDim>;
   auto kernel = batch_prefill_kernel<kHeadDim, T>;
-  const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (attr != cudaSuccess) {
-    throw_error(ErrorKind::kDeviceError, "batch_prefill", "cudaFuncSetAttribute: ",
-                cudaGetErrorString(attr));
+    throw_error(ErrorKind::kDeviceError, "batch_prefill",
+                "cudaFuncSetAttribute: ", cudaGetErrorString(attr));
   }
   kernel<<<tiles.num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tiles);
   check_launch("batch_prefill");
