@@ -51,6 +51,19 @@ struct DecodeTraits {
   static_assert(kHeadDim % 64 == 0 && kThreadsPerToken <= 32, "head_dim 64, 128 or 256");
 };
 
+// One step of a reduce-scatter over lanes: of the 2 * kHalf values each lane holds, it keeps
+// the half selected by its lane bit kHalf, adding the partner lane's copy of that half.
+template <int kHalf, int kN>
+__device__ __forceinline__ void reduce_scatter_step(float (&values)[kN], int lane) {
+  const bool upper = (lane & kHalf) != 0;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? values[i] : values[i + kHalf];
+    const float keep = upper ? values[i + kHalf] : values[i];
+    values[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
+  }
+}
+
 template <int kHeadDim, DType kKv>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     decode_paged_kernel(const DecodeLaunch launch) {
@@ -58,6 +71,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   constexpr int kU = kDecodeTokensPerStream;
   constexpr int kH = kDecodeHeadsPerCta;
   constexpr int kElemBytes = T::kChunkBytes / T::kVec;
+  // One score per lane after a reduce-scatter when the stream has exactly kU * kH lanes
+  // (head_dim 128); other head_dims reduce every score on every lane.
+  constexpr bool kScatter = T::kThreadsPerToken == kU * kH;
   const core::AttentionParams& p = launch.params;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -165,7 +181,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     const unsigned char* v_plane = k_plane + T::kPlaneBytes;
 
     // Scores: partial dot products over this lane's 8 dims, then a butterfly over the stream.
-    float s[kU][kH];
+    float s[kU * kH];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       float kf[T::kVec];
@@ -175,51 +191,101 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
         float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < T::kVec; ++i) dot = fmaf(q[h][i], kf[i], dot);
-        s[u][h] = dot;
+        s[u * kH + h] = dot;
       }
     }
-#pragma unroll
-    for (int offset = T::kThreadsPerToken / 2; offset >= 1; offset /= 2) {
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-#pragma unroll
-        for (int h = 0; h < kH; ++h) s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], offset);
+    if constexpr (kScatter) {
+      // Reduce-scatter the kU x kH partial dots over the stream's 16 lanes (15 shuffles instead
+      // of 64): afterwards lane L holds the full score of token u = L / kH, head h = L % kH.
+      static_assert(T::kThreadsPerToken == 16, "the reduce-scatter below is written for 16 lanes");
+      reduce_scatter_step<8>(s, lane);
+      reduce_scatter_step<4>(s, lane);
+      reduce_scatter_step<2>(s, lane);
+      reduce_scatter_step<1>(s, lane);
+      const int my_u = lane / kH;
+      float score = s[0];
+      if (capped) score = cap_log2 * tanhf(score);
+      if (tile * T::kTileTokens + my_u * T::kStreams + stream >= n_tokens) score = -INFINITY;
+      // This lane's head (lane % kH) across the tile's tokens: lanes L ^ kH, L ^ 2kH.
+      float tile_max = fmaxf(score, __shfl_xor_sync(0xffffffffu, score, kH));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2 * kH));
+      const float new_max = fmaxf(m[0], tile_max);
+      float rescale = 1.f;
+      float weight = 0.f;
+      if (new_max != -INFINITY) {
+        rescale = exp2f(m[0] - new_max);
+        weight = exp2f(score - new_max);
       }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const bool valid = tile * T::kTileTokens + u * T::kStreams + stream < n_tokens;
+      float weight_sum = weight + __shfl_xor_sync(0xffffffffu, weight, kH);
+      weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, 2 * kH);
+      d[0] = d[0] * rescale + weight_sum;
+      m[0] = new_max;
+      // Every lane needs every head's rescale and every (token, head) weight.
+      float head_rescale[kH];
+      bool any_rescale = false;
 #pragma unroll
       for (int h = 0; h < kH; ++h) {
-        float logit = s[u][h];
-        if (capped) logit = cap_log2 * tanhf(logit);
-        s[u][h] = valid ? logit : -INFINITY;
+        head_rescale[h] = __shfl_sync(0xffffffffu, rescale, h, T::kThreadsPerToken);
+        any_rescale |= head_rescale[h] != 1.f;
       }
-    }
-
-    // Online softmax (log2 domain): rescale what was accumulated, turn scores into weights.
+      if (any_rescale) {  // rare once the running max settles
 #pragma unroll
-    for (int h = 0; h < kH; ++h) {
-      float tile_max = s[0][h];
+        for (int h = 0; h < kH; ++h) {
 #pragma unroll
-      for (int u = 1; u < kU; ++u) tile_max = fmaxf(tile_max, s[u][h]);
-      const float new_max = fmaxf(m[h], tile_max);
-      if (new_max == -INFINITY) {  // nothing valid seen yet
-#pragma unroll
-        for (int u = 0; u < kU; ++u) s[u][h] = 0.f;
-        continue;
+          for (int i = 0; i < T::kVec; ++i) acc[h][i] *= head_rescale[h];
+        }
       }
-      const float rescale = exp2f(m[h] - new_max);
-      float sum = 0.f;
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        s[u][h] = exp2f(s[u][h] - new_max);
-        sum += s[u][h];
-      }
-      d[h] = d[h] * rescale + sum;
-      m[h] = new_max;
 #pragma unroll
-      for (int i = 0; i < T::kVec; ++i) acc[h][i] *= rescale;
+        for (int h = 0; h < kH; ++h) {
+          s[u * kH + h] = __shfl_sync(0xffffffffu, weight, u * kH + h, T::kThreadsPerToken);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int offset = T::kThreadsPerToken / 2; offset >= 1; offset /= 2) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+          for (int h = 0; h < kH; ++h) s[u * kH + h] += __shfl_xor_sync(0xffffffffu, s[u * kH + h], offset);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const bool valid = tile * T::kTileTokens + u * T::kStreams + stream < n_tokens;
+#pragma unroll
+        for (int h = 0; h < kH; ++h) {
+          float logit = s[u * kH + h];
+          if (capped) logit = cap_log2 * tanhf(logit);
+          s[u * kH + h] = valid ? logit : -INFINITY;
+        }
+      }
+
+      // Online softmax (log2 domain): rescale what was accumulated, turn scores into weights.
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        float tile_max = s[h];
+#pragma unroll
+        for (int u = 1; u < kU; ++u) tile_max = fmaxf(tile_max, s[u * kH + h]);
+        const float new_max = fmaxf(m[h], tile_max);
+        if (new_max == -INFINITY) {  // nothing valid seen yet
+#pragma unroll
+          for (int u = 0; u < kU; ++u) s[u * kH + h] = 0.f;
+          continue;
+        }
+        const float rescale = exp2f(m[h] - new_max);
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          s[u * kH + h] = exp2f(s[u * kH + h] - new_max);
+          sum += s[u * kH + h];
+        }
+        d[h] = d[h] * rescale + sum;
+        m[h] = new_max;
+#pragma unroll
+        for (int i = 0; i < T::kVec; ++i) acc[h][i] *= rescale;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -228,7 +294,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
 #pragma unroll
       for (int h = 0; h < kH; ++h) {
 #pragma unroll
-        for (int i = 0; i < T::kVec; ++i) acc[h][i] = fmaf(s[u][h], vf[i], acc[h][i]);
+        for (int i = 0; i < T::kVec; ++i) acc[h][i] = fmaf(s[u * kH + h], vf[i], acc[h][i]);
       }
     }
   }
@@ -239,9 +305,15 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   float* merge_m = reinterpret_cast<float*>(smem);         // [kStreams][kH]
   float* merge_d = merge_m + T::kStreams * kH;             // [kStreams][kH]
   float* merge_acc = merge_d + T::kStreams * kH;           // [kStreams][kH][kHeadDim]
+  if constexpr (kScatter) {
+    if (lane < kH) {  // lane h owns head h's running max and sum
+      merge_m[stream * kH + lane] = m[0];
+      merge_d[stream * kH + lane] = d[0];
+    }
+  }
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
-    if (lane == 0) {
+    if (!kScatter && lane == 0) {
       merge_m[stream * kH + h] = m[h];
       merge_d[stream * kH + h] = d[h];
     }
