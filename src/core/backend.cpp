@@ -89,7 +89,10 @@ void require_cuda_build_and_device() {
   throw_error(ErrorKind::kNotSupported, "kind",
               "cuda: this build of kvattn has no CUDA backend (built without nvcc)");
 #else
-  check_arg(cuda_device_count() > 0, "kind", "cuda: no CUDA device is visible");
+  // kNotSupported, as make_backend documents: the request is valid, this machine cannot serve it.
+  if (cuda_device_count() == 0) {
+    throw_error(ErrorKind::kNotSupported, "kind", "cuda: no CUDA device is visible");
+  }
 #endif
 }
 
