@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <sstream>
@@ -162,9 +163,14 @@ std::string source_dir() {
 }  // namespace
 
 std::string git_commit() {
-  const std::string sha =
-      run_and_read_line("git -C '" + source_dir() + "' rev-parse HEAD 2>/dev/null");
-  if (sha.size() == 40) return sha;
+  // A binary run away from its source tree (e.g. carried to the GPU machine) is told its commit.
+  if (const char* env = std::getenv("KVATTN_GIT_COMMIT"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  for (const std::string& dir : {source_dir(), std::string(".")}) {
+    const std::string sha = run_and_read_line("git -C '" + dir + "' rev-parse HEAD 2>/dev/null");
+    if (sha.size() == 40) return sha;
+  }
 #if defined(KVATTN_GIT_COMMIT)
   return KVATTN_GIT_COMMIT;
 #else

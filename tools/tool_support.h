@@ -79,8 +79,9 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-/// The commit the binary runs from: `git rev-parse HEAD` in the source tree at run time, else
-/// the KVATTN_GIT_COMMIT define, else "unknown".
+/// The commit the binary runs from: the KVATTN_GIT_COMMIT environment variable, else
+/// `git rev-parse HEAD` in the source tree (or the working directory) at run time, else the
+/// KVATTN_GIT_COMMIT define, else "unknown".
 std::string git_commit();
 /// Whether tracked files of the source tree differ from that commit.
 bool git_dirty();
