@@ -71,7 +71,7 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       if (shape.mask == MaskMode::kCausal)
         kv_end = std::clamp(kv_len - q_len + last_token + 1, int64_t{0}, kv_len);
       int64_t kv_begin = 0;
-      if (shape.window_left >= 0)
+      if (shape.window_left >= 0 && shape.mask != MaskMode::kNone)
         kv_begin = std::clamp(kv_len - q_len + first_token - shape.window_left, int64_t{0}, kv_end);
       for (int h = 0; h < shape.num_kv_heads; ++h) {
         RawTile t;

@@ -53,7 +53,7 @@ struct PrefillTileShape {
   int tile_rows = 0;  ///< packed rows per tile (the kernel's; see cuda::prefill_kernel_shape)
   int kv_tile = 0;    ///< keys per kernel step; split chunks are multiples of it
   MaskMode mask = MaskMode::kCausal;
-  int window_left = -1;  ///< -1 = none
+  int window_left = -1;  ///< -1 = none; bounds causal and custom masks, ignored with kNone
   /// CTAs the device runs at once (SMs x CTAs per SM). 0 disables split-KV. Split happens only
   /// when the tiles are too few or too uneven to fill this many CTAs.
   int concurrent_ctas = 0;

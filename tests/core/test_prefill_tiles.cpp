@@ -49,7 +49,8 @@ std::pair<int64_t, int64_t> visible_range(const Batch& b, const PrefillTileShape
     for (int64_t j = 0; j < kv_len; ++j) {
       bool visible = true;
       if (s.mask == MaskMode::kCausal && j > kv_len - q_len + i) visible = false;
-      if (s.window_left >= 0 && j < kv_len - q_len + i - s.window_left) visible = false;
+      if (s.window_left >= 0 && s.mask != MaskMode::kNone && j < kv_len - q_len + i - s.window_left)
+        visible = false;
       if (visible) {
         lo = std::min(lo, j);
         hi = std::max(hi, j + 1);

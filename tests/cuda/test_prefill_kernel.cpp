@@ -63,6 +63,7 @@ struct Case {
   DType kv = DType::kBFloat16;
   core::MaskMode mask = core::MaskMode::kCausal;
   int window = -1;
+  int mask_extra_cols = 0;  // kCustom rows wider than kv_len (keys are the last kv_len columns)
   float cap = 0.f;
   bool paged = true;
   int page_size = 1;
@@ -186,8 +187,9 @@ void run_case(const Case& c) {
   if (c.mask == core::MaskMode::kCustom) {
     for (int r = 0; r < batch; ++r) {
       for (int i = 0; i < c.q_lens[r]; ++i) {
-        for (int j = 0; j < c.kv_lens[r]; ++j) {
-          mask_host.push_back((r == 0 && i == 0) ? 0 : (rng() % 10 < 7));
+        for (int j = 0; j < c.kv_lens[r] + c.mask_extra_cols; ++j) {
+          const bool key_column = j >= c.mask_extra_cols;
+          mask_host.push_back((r == 0 && i == 0 && key_column) ? 0 : (rng() % 10 < 7));
         }
       }
       mask_indptr.push_back(int64_t(mask_host.size()));
@@ -210,9 +212,14 @@ void run_case(const Case& c) {
         for (int j = 0; j < kv_len; ++j) {
           bool visible = true;
           if (c.mask == core::MaskMode::kCausal && j > kv_len - q_len + i) visible = false;
-          if (c.window >= 0 && j < kv_len - q_len + i - c.window) visible = false;
+          // The window bounds causal and custom masks (ignored with kNone, as on the CPU).
+          if (c.window >= 0 && c.mask != core::MaskMode::kNone &&
+              j < kv_len - q_len + i - c.window) {
+            visible = false;
+          }
           if (c.mask == core::MaskMode::kCustom &&
-              !mask_host[mask_indptr[r] + int64_t(i) * kv_len + j]) {
+              !mask_host[mask_indptr[r] + int64_t(i) * (kv_len + c.mask_extra_cols) +
+                         c.mask_extra_cols + j]) {
             visible = false;
           }
           if (!visible) continue;
@@ -427,6 +434,11 @@ TEST_F(PrefillKernel, CustomMask) {
   c.mask = core::MaskMode::kCustom;
   c.seed = 7;
   run_case(c);
+  c.name = "custom, rows wider than kv_len, + window";
+  c.mask_extra_cols = 5;
+  c.window = 20;
+  c.seed = 21;
+  run_case(c);
 }
 
 TEST_F(PrefillKernel, SlidingWindow) {
@@ -437,7 +449,7 @@ TEST_F(PrefillKernel, SlidingWindow) {
   c.window = 37;
   c.seed = 8;
   run_case(c);
-  c.name = "none window 100 hd64";
+  c.name = "none + window 100 (ignored) hd64";
   c.mask = core::MaskMode::kNone;
   c.head_dim = 64;
   c.window = 100;

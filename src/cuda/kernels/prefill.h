@@ -6,11 +6,14 @@
 //   io dtype bf16 or fp16; KV dtype equal to io dtype, or fp8 e4m3 / e5m2 (dequantized exactly
 //   to the io dtype in shared memory; k_scale folds into the logit scale, v_scale into the
 //   output); head_dim 64, 128 or 256 (those compiled, see KVATTN_CUDA_HEAD_DIMS) with
-//   v_head_dim == head_dim; paged (kv_indices, any page size, slots outside [0, num_slots)
-//   are never read) or ragged (kv_indices == nullptr) K/V; masks none / causal (bottom-right) /
-//   custom; window_left (applies to every mask mode: query i sees j >= kv_len - q_len + i -
-//   window_left); soft-cap; optional natural-log LSE. Strides are in elements; the last dim of
-//   q/k/v/out must be contiguous and every row 16-byte aligned.
+//   v_head_dim == head_dim; paged (kv_indices, any page size; a slot outside [0, num_slots)
+//   is never read, its key and value count as zero vectors) or ragged (kv_indices == nullptr) K/V;
+//   masks none / causal (bottom-right) / custom (per request [q_len, row_len], row_len >= kv_len,
+//   keys = the last kv_len columns); window_left (bounds causal and custom masks, ignored with
+//   kNone as in the CPU backend: query i sees j >= kv_len - q_len + i - window_left); soft-cap;
+//   optional natural-log LSE. sm_scale and k_scale must be positive; k_scale / v_scale apply to
+//   every KV dtype. Strides are in elements; the last dim of q/k/v/out must be contiguous and every
+//   row 16-byte aligned.
 #pragma once
 
 #include <cuda_runtime_api.h>

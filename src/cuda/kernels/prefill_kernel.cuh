@@ -14,6 +14,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -198,7 +199,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   const bool paged = p.kv_indices != nullptr;
   const bool causal = p.mask == core::MaskMode::kCausal;
   const bool custom = p.mask == core::MaskMode::kCustom;
-  const int window = p.window_left;
+  // The window bounds causal and custom masks; with kNone it is ignored (as the CPU backend).
+  const int window = p.mask == core::MaskMode::kNone ? -1 : p.window_left;
   const bool soft_cap = p.logit_cap > 0.f;
   // k_scale folds into the logit scale, v_scale into the output (exact: dequantization is a
   // per-tensor product).
@@ -209,6 +211,14 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   const int diagonal = kv_len - q_len;
   const int tile_first_token = row0 / group;
   const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
+
+  // kCustom: the request's mask is [q_len, row_len] with row_len >= kv_len; the keys are the
+  // last kv_len columns of a row (the CPU backend's contract).
+  auto custom_row = [&](int token) -> const uint8_t* {
+    const int64_t begin = p.mask_indptr[request];
+    const int64_t row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
+    return p.custom_mask + begin + token * row_len + (row_len - kv_len);
+  };
 
   // ---- loads ----------------------------------------------------------------------------
   if (num_steps > 0) {
@@ -440,8 +450,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
           const int token = min(packed, rows_total - 1) / group;
           const int last_visible = causal ? diagonal + token : kv_end;
           const int first_visible = window >= 0 ? diagonal + token - window : 0;
-          const uint8_t* mask_row =
-              custom ? p.custom_mask + p.mask_indptr[request] + int64_t(token) * kv_len : nullptr;
+          const uint8_t* mask_row = custom ? custom_row(token) : nullptr;
 #pragma unroll
           for (int n = 0; n < kKeyTiles; ++n) {
 #pragma unroll
@@ -643,11 +652,20 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
                      cudaStream_t stream) {
   using Tr = PrefillTraits<kHeadDim>;
   auto kernel = batch_prefill_kernel<kHeadDim, T>;
-  const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (attr != cudaSuccess) {
-    throw_error(ErrorKind::kDeviceError, "batch_prefill",
-                "cudaFuncSetAttribute: ", cudaGetErrorString(attr));
+  // The shared-memory opt-in is per device; set it once per device (a host call per launch
+  // would show in the timing of small batches).
+  static std::atomic<uint64_t> devices_ready{0};
+  int device = 0;
+  const cudaError_t got = cudaGetDevice(&device);
+  const uint64_t bit = (got == cudaSuccess && device < 64) ? (uint64_t{1} << device) : 0;
+  if (bit == 0 || (devices_ready.load(std::memory_order_acquire) & bit) == 0) {
+    const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+    if (attr != cudaSuccess) {
+      throw_error(ErrorKind::kDeviceError, "batch_prefill",
+                  "cudaFuncSetAttribute: ", cudaGetErrorString(attr));
+    }
+    devices_ready.fetch_or(bit, std::memory_order_release);
   }
   kernel<<<tiles.num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tiles);
   check_launch("batch_prefill");
