@@ -22,7 +22,10 @@
 
 namespace kvattn::core {
 
-/// One unit of work of the prefill kernel (16 bytes, read once per CTA).
+/// One unit of work of the prefill kernel (32 bytes, read once per CTA). An item whose
+/// q_row_begin is at or past its request's q_len * group_size rows, with kv_begin == kv_end and
+/// partial -1, is a no-op (reads no K/V, writes nothing): a CUDA graph captured with a fixed item
+/// count can be padded with such items (likewise a merge item with num_partials 0).
 struct PrefillWorkItem {
   int32_t request = 0;  ///< index into qo_indptr / kv_indptr
   int32_t kv_head = 0;
