@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   const uint64_t num_slots = uint64_t(p.num_slots);
 
   int32_t slots[kU];
-  auto load_slots = [&](int tile) {
+  auto load_slots = [&](int tile, int32_t (&into)[kU]) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int local = tile * T::kTileTokens + u * T::kStreams + stream;
@@ -134,10 +134,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
         slot = p.kv_indices[kv_base + local];
         if (uint64_t(uint32_t(slot)) >= num_slots) slot = 0;  // never read outside the pool
       }
-      slots[u] = slot;
+      into[u] = slot;
     }
   };
-  auto issue = [&](int stage) {
+  auto issue = [&](int stage, const int32_t (&slots)[kU]) {
     unsigned char* k_plane = smem + stage * T::kStageBytes;
     unsigned char* v_plane = k_plane + T::kPlaneBytes;
 #pragma unroll
@@ -161,20 +161,25 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     for (int i = 0; i < T::kVec; ++i) acc[h][i] = 0.f;
   }
 
-  load_slots(0);
-#pragma unroll
-  for (int st = 0; st < kDecodeStages - 1; ++st) {
-    if (st < num_tiles) issue(st);
+  // Prologue: the slots of the first two tiles load together (one index latency, not two).
+  static_assert(kDecodeStages == 3, "the prologue fills two stages");
+  {
+    int32_t second[kU];
+    load_slots(0, slots);
+    load_slots(1, second);
+    if (num_tiles > 0) issue(0, slots);
     cp_async_commit();
-    load_slots(st + 1);
+    if (num_tiles > 1) issue(1, second);
+    cp_async_commit();
+    load_slots(2, slots);
   }
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     // Refill the stage consumed in the previous iteration (this thread's own chunks only).
     const int ahead = tile + kDecodeStages - 1;
-    if (ahead < num_tiles) issue(ahead % kDecodeStages);
+    if (ahead < num_tiles) issue(ahead % kDecodeStages, slots);
     cp_async_commit();
-    load_slots(ahead + 1);
+    load_slots(ahead + 1, slots);
     cp_async_wait<kDecodeStages - 1>();
 
     const unsigned char* k_plane = smem + (tile % kDecodeStages) * T::kStageBytes;
@@ -299,6 +304,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     }
   }
   cp_async_wait<0>();
+  // The split-KV merge kernel (launched as a programmatic dependent) may start its CTAs now;
+  // it waits for this grid's completion before reading any partial state.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
   __syncthreads();  // every thread is done with the pipeline: its memory becomes the merge area
 
   // ---- merge the CTA's streams and write -------------------------------------------------------
@@ -326,27 +334,42 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   __syncthreads();
 
   const float v_scale = (kKv == DType::kFloat8E4M3 || kKv == DType::kFloat8E5M2) ? p.v_scale : 1.f;
-  for (int index = tid; index < kH * kHeadDim; index += kDecodeThreads) {
-    const int h = index / kHeadDim;
-    const int dim = index % kHeadDim;
-    if (h >= num_heads || dim >= p.v_head_dim) continue;
+  // Per head: the CTA's max and sum, then each stream's weight (written over its sum).
+  __shared__ float head_lse[kH];
+  if (tid < kH) {
+    const int h = tid;
     float total_max = -INFINITY;
 #pragma unroll
     for (int st = 0; st < T::kStreams; ++st) total_max = fmaxf(total_max, merge_m[st * kH + h]);
     float total_sum = 0.f;
-    float out = 0.f;
     if (total_max != -INFINITY) {
 #pragma unroll
       for (int st = 0; st < T::kStreams; ++st) {
         const float stream_max = merge_m[st * kH + h];
-        const float w = stream_max == -INFINITY ? 0.f : exp2f(stream_max - total_max);
-        total_sum += merge_d[st * kH + h] * w;
-        out += merge_acc[(st * kH + h) * kHeadDim + dim] * w;
+        total_sum += stream_max == -INFINITY ? 0.f : merge_d[st * kH + h] * exp2f(stream_max - total_max);
       }
     }
     const bool empty = !(total_sum > 0.f);
-    out = empty ? 0.f : out / total_sum * v_scale;
-    const float lse = empty ? -INFINITY : (total_max + log2f(total_sum)) * kLn2;
+#pragma unroll
+    for (int st = 0; st < T::kStreams; ++st) {
+      const float stream_max = merge_m[st * kH + h];
+      merge_d[st * kH + h] = empty || stream_max == -INFINITY
+                                 ? 0.f
+                                 : exp2f(stream_max - total_max) / total_sum * v_scale;
+    }
+    head_lse[h] = empty ? -INFINITY : (total_max + log2f(total_sum)) * kLn2;
+  }
+  __syncthreads();
+  for (int index = tid; index < kH * kHeadDim; index += kDecodeThreads) {
+    const int h = index / kHeadDim;
+    const int dim = index % kHeadDim;
+    if (h >= num_heads || dim >= p.v_head_dim) continue;
+    float out = 0.f;
+#pragma unroll
+    for (int st = 0; st < T::kStreams; ++st) {
+      out = fmaf(merge_acc[(st * kH + h) * kHeadDim + dim], merge_d[st * kH + h], out);
+    }
+    const float lse = head_lse[h];
     const int head = head0 + h;
     if (item.partial < 0) {
       store_io(p.out, p.io_dtype, int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim, out);

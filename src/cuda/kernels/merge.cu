@@ -31,6 +31,9 @@ __global__ void __launch_bounds__(kDecodeMergeThreads) decode_merge_kernel(const
   const core::AttentionParams& p = launch.params;
   const int request = int(blockIdx.x);
   const int head = int(blockIdx.y);
+  // Launched as a programmatic dependent of the decode kernel: wait until its partial states
+  // are complete and visible.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const int first = launch.merge_indptr[request];
   const int last = launch.merge_indptr[request + 1];
   if (first == last) return;
@@ -112,8 +115,19 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
 void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
   const core::AttentionParams& p = launch.params;
   if (p.batch_size == 0) return;
-  decode_merge_kernel<<<dim3(uint32_t(p.batch_size), uint32_t(p.num_q_heads)),
-                        dim3(kDecodeMergeThreads), 0, stream>>>(launch);
+  // Programmatic dependent launch: the merge's CTAs are scheduled while the decode grid drains
+  // instead of after it (griddepcontrol.wait in the kernel keeps the data dependency).
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(uint32_t(p.batch_size), uint32_t(p.num_q_heads));
+  config.blockDim = dim3(kDecodeMergeThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, decode_merge_kernel, launch), "decode_merge_kernel");
   check_launch("decode_merge_kernel");
 }
 
