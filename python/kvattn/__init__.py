@@ -44,7 +44,7 @@ from ._kvattn import (
     dtype,
     dtype_name,
 )
-from ._arrays import empty_output
+from ._arrays import as_bits_if_ml_dtype, empty_output
 
 __version__ = "0.1.0"
 
@@ -84,10 +84,11 @@ class Backend:
     to one; ``native`` is the underlying ``kvattn._kvattn.Backend``.
     """
 
-    __slots__ = ("native",)
+    __slots__ = ("native", "_q_dtype")
 
     def __init__(self, native: _kvattn.Backend):
         self.native = native
+        self._q_dtype = dtype_name(native.q_dtype)
 
     @property
     def kind(self):
@@ -115,29 +116,33 @@ class Backend:
     def init_forward_metadata_in_graph(self, batch: ForwardBatch) -> None:
         self.native.init_forward_metadata_in_graph(batch)
 
-    def _out(self, q, layer, out):
-        if out is not None:
-            return out
-        return empty_output(q, q.shape[0], layer.num_q_heads * layer.resolved_v_head_dim)
+    def _args(self, q, k, v, layer, out):
+        """(out to return, q, k, v, out to pass): the output allocated like q when not given;
+        ml_dtypes arrays as views of their bits."""
+        if out is None:
+            out = empty_output(q, q.shape[0], layer.num_q_heads * layer.resolved_v_head_dim)
+        expected = self._q_dtype
+        return (out, as_bits_if_ml_dtype(q, expected, "q"), as_bits_if_ml_dtype(k, expected, "k"),
+                as_bits_if_ml_dtype(v, expected, "v"), as_bits_if_ml_dtype(out, expected, "out"))
 
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
                 save_kv_cache: bool = True, out=None):
         """Per layer: dispatches on batch.mode; returns out."""
-        out = self._out(q, layer, out)
+        result, q, k, v, out = self._args(q, k, v, layer, out)
         self.native.forward(q, k, v, out, layer, batch, save_kv_cache)
-        return out
+        return result
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
                        save_kv_cache: bool = True, out=None):
-        out = self._out(q, layer, out)
+        result, q, k, v, out = self._args(q, k, v, layer, out)
         self.native.forward_decode(q, k, v, out, layer, batch, save_kv_cache)
-        return out
+        return result
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
                        save_kv_cache: bool = True, out=None):
-        out = self._out(q, layer, out)
+        result, q, k, v, out = self._args(q, k, v, layer, out)
         self.native.forward_extend(q, k, v, out, layer, batch, save_kv_cache)
-        return out
+        return result
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.native.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -164,6 +169,19 @@ class Backend:
 
     def supports_indexer_metadata(self) -> bool:
         return self.native.supports_indexer_metadata()
+
+
+def _wrap_kv_cache(config: KvCacheConfig, k_buffers, v_buffers) -> KvCache:
+    """Wraps engine-owned buffers, one K and one V array per layer, without copying. bf16/fp16
+    storage may come as uint16 arrays of the bits, fp8 as uint8, or as ml_dtypes arrays."""
+    expected = dtype_name(config.dtype)
+    return _native_wrap(config,
+                        [as_bits_if_ml_dtype(b, expected, "k_buffers") for b in k_buffers],
+                        [as_bits_if_ml_dtype(b, expected, "v_buffers") for b in v_buffers])
+
+
+_native_wrap = KvCache.wrap
+KvCache.wrap = staticmethod(_wrap_kv_cache)
 
 
 def make_backend(kind, config: BackendConfig) -> Backend:
@@ -197,7 +215,11 @@ class MultiStepDraftBackend:
         k/v are saved at out_cache_loc when given. Returns out."""
         if out is None:
             out = empty_output(q, q.shape[0], layer.num_q_heads * layer.resolved_v_head_dim)
-        self.native.forward_step(step, q, k, v, out, layer, out_cache_loc)
+        expected = dtype_name(self.native.q_dtype)
+        self.native.forward_step(step, as_bits_if_ml_dtype(q, expected, "q"),
+                                 as_bits_if_ml_dtype(k, expected, "k"),
+                                 as_bits_if_ml_dtype(v, expected, "v"),
+                                 as_bits_if_ml_dtype(out, expected, "out"), layer, out_cache_loc)
         return out
 
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -1,10 +1,44 @@
 """Array helpers shared by the package: output allocation in the caller's array kind, and the
 bf16 / fp8 bit conversions NumPy lacks (NumPy has no bf16 or fp8: kvattn takes uint16 arrays as
-bf16 bits and uint8 arrays as fp8 bits wherever the storage dtype is known)."""
+bf16 bits and uint8 arrays as fp8 bits wherever the storage dtype is known), and the views that
+let ml_dtypes arrays (bfloat16, float8_e4m3fn, float8_e5m2) cross although NumPy cannot export
+them by DLPack."""
 
 from __future__ import annotations
 
 import numpy as np
+
+
+# ml_dtypes' NumPy dtypes: their kvattn name and the unsigned type of the same width.
+_ML_DTYPES = {
+    "bfloat16": ("bf16", np.uint16),
+    "float8_e4m3fn": ("fp8_e4m3", np.uint8),
+    "float8_e5m2": ("fp8_e5m2", np.uint8),
+}
+
+
+def _invalid(argument: str, message: str):
+    from . import _kvattn  # the exception types live in the native module
+
+    error = _kvattn.InvalidArgumentError(f"kvattn: {argument}: {message}")
+    error.argument = argument
+    return error
+
+
+def as_bits_if_ml_dtype(array, expected: "str | None", argument: str):
+    """A NumPy array of an ml_dtypes type (which NumPy cannot export by DLPack) as a view of its
+    raw bits, which kvattn reads as `expected` (the storage or q dtype name); anything else is
+    returned as it is. A mismatch of the ml_dtypes type and `expected` raises ValueError."""
+    if type(array) is not np.ndarray or array.dtype.kind != "V":
+        return array
+    entry = _ML_DTYPES.get(array.dtype.name)
+    if entry is None:
+        return array
+    name, bits = entry
+    if expected is not None and name != expected:
+        raise _invalid(argument, f"dtype {array.dtype.name} ({name}) does not match the "
+                                 f"expected {expected}")
+    return array.view(bits)
 
 
 def empty_output(q, rows: int, width: int):

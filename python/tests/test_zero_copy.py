@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 import kvattn
 from attention_reference import World, assert_close, attention, encode
@@ -113,3 +114,30 @@ def test_allocated_cache_views_outlive_the_cache_object():
     del cache
     gc.collect()
     assert bits[3, 0, 2] == 0x3F80  # the view keeps the pool's memory alive
+
+
+def test_ml_dtypes_arrays_cross_as_their_bits():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    world = World(np.random.default_rng(3), q_dtype="bf16", kv_dtype="bf16", backend=False)
+    k_pool = [b.view(ml_dtypes.bfloat16) for b in world.k]
+    v_pool = [b.view(ml_dtypes.bfloat16) for b in world.v]
+    cache = kvattn.KvCache.wrap(world.config, k_pool, v_pool)
+    assert address(np.from_dlpack(cache.k_buffer(0, as_bits=True))) == address(world.k[0])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kvattn.KvCache.wrap(world.config, [np.zeros((4, 2, 16), ml_dtypes.float8_e4m3fn)],
+                            v_pool)
+    backend = kvattn.make_backend("cpu", kvattn.BackendConfig(
+        kv_cache=cache, req_to_token_pool=world.pool, num_q_heads=world.num_q_heads,
+        num_kv_heads=world.num_kv_heads, head_dim=world.head_dim, q_dtype="bf16"))
+    world.fill(world.add_tokens(0, 6))
+    batch = world.batch("DECODE", [0], [6], out_cache_loc=np.array([world.token_slots[0][-1]],
+                                                                   np.int32))
+    batch.kv_cache = cache
+    backend.init_forward_metadata(batch)
+    q_bits, q64 = world.random_q(1)
+    out = backend.forward(q_bits.view(ml_dtypes.bfloat16), None, None, world.layer(), batch,
+                          save_kv_cache=False)
+    assert out.dtype == ml_dtypes.bfloat16
+    kk, vv = world.kv(0, world.token_slots[0])
+    expected = attention(q64, kk, vv, world.head_dim ** -0.5, 0.0, np.ones((1, 6), bool))
+    assert_close(world.out_f64(out.view(np.uint16)), expected, "bf16")
