@@ -100,7 +100,10 @@ class RandomSource {
     const int64_t count = rows * heads * kHeadDim;
     check_arg(count <= elements_, "demo random source", "needs ", count, " values, has ",
               elements_);
-    const int64_t offset = int64_t(rng.next() % uint64_t(elements_ - count + 1));
+    // 128-byte aligned, as an engine's tensors are (the CUDA kernels load 16 bytes at a time).
+    constexpr int64_t kAlignElements = 128 / 2;
+    const int64_t offset =
+        int64_t(rng.next() % uint64_t(elements_ - count + 1)) / kAlignElements * kAlignElements;
     auto view_at = [&](const OwnedTensor& t) {
       return TensorView(static_cast<uint16_t*>(t.view.data()) + offset, kDType, t.view.device(),
                         {rows, heads, kHeadDim});
