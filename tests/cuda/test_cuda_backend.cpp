@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/kernels/decode.h"
 #include "kvattn/kvattn.h"
 #include "reference/scenario.h"
 #include "reference/world.h"
@@ -235,6 +236,16 @@ TEST(CudaDecode, SanitizerSmoke) {
   s.max_kv_len = 5000;
   s.page_size = 1;
   run_and_expect(s, "split", nullptr);
+}
+
+// The planner and the bandwidth both assume 4 resident CTAs per SM at head_dim 128 (registers
+// <= 128, 48 KB of shared memory each): a change that loses one shows up here first.
+TEST(CudaDecode, KernelKeepsFourCtasPerSm) {
+  REQUIRE_GPU();
+  const cuda::DecodeKernelInfo info = cuda::decode_kernel_info(128, 128, DType::kBFloat16, 4, 0);
+  EXPECT_EQ(info.compiled_head_dim, 128);
+  EXPECT_GE(info.ctas_per_sm, 4);
+  EXPECT_EQ(info.head_passes, 1);
 }
 
 // ---- CUDA graphs --------------------------------------------------------------------------------

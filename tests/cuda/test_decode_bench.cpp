@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cuda/bench_support.h"
+#include "cuda/kernels/decode.h"
 #include "kvattn/kvattn.h"
 
 namespace kvattn {
@@ -208,6 +209,10 @@ TEST(DecodeBench, Grid) {
   const double read_gbps = cuda::bench::measure_read_gbps(0, int64_t(4) << 30, 5);
   std::printf("%s, %d SMs: read-only streaming %.0f GB/s (4 GiB, median of 5)\n",
               props.name.c_str(), props.sm_count, read_gbps);
+  const cuda::DecodeKernelInfo info =
+      cuda::decode_kernel_info(kHeadDim, kHeadDim, DType::kBFloat16, kQHeads / kKvHeads, 0);
+  std::printf("decode kernel (head_dim %d, bf16): %d CTAs per SM, %d keys per step\n",
+              info.compiled_head_dim, info.ctas_per_sm, info.tile_tokens);
   cuda::bench::Stream stream(0);
   const std::vector<BenchCase> cases = {
       {64, 4096, 1, "0"},   {1, 32768, 1, "0"},  {64, 4096, 16, "0"}, {1, 32768, 16, "0"},

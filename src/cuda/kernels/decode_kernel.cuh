@@ -46,7 +46,7 @@ struct DecodeTraits {
   static constexpr int kPipelineBytes = kDecodeStages * kStageBytes;
   // End of the CTA: per stream m, d and the unnormalized output of every head.
   static constexpr int kMergeBytes =
-      kStreams * kDecodeHeadsPerCta * (kHeadDim + 2) * int(sizeof(float));
+      (kStreams * kDecodeHeadsPerCta * (kHeadDim + 2) + kDecodeHeadsPerCta) * int(sizeof(float));
   static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   static_assert(kHeadDim % 64 == 0 && kThreadsPerToken <= 32, "head_dim 64, 128 or 256");
 };
@@ -335,7 +335,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
 
   const float v_scale = (kKv == DType::kFloat8E4M3 || kKv == DType::kFloat8E5M2) ? p.v_scale : 1.f;
   // Per head: the CTA's max and sum, then each stream's weight (written over its sum).
-  __shared__ float head_lse[kH];
+  // (In the dynamic area: 16 bytes of static shared memory would push 4 CTAs past the 196 KB
+  // carveout and cost a quarter of the occupancy.)
+  float* head_lse = merge_acc + T::kStreams * kH * kHeadDim;  // [kH]
   if (tid < kH) {
     const int h = tid;
     float total_max = -INFINITY;
@@ -394,6 +396,10 @@ void run_decode_typed(const DecodeLaunch* launch, int device, cudaStream_t strea
   if ((configured.load() & bit) == 0) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes),
                "cudaFuncSetAttribute(decode_paged_kernel)");
+    // All of the unified L1/shared storage as shared memory: 4 CTAs x 48 KB need 196 KB.
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    int(cudaSharedmemCarveoutMaxShared)),
+               "cudaFuncSetAttribute(decode_paged_kernel carveout)");
     configured.fetch_or(bit);
   }
   if (info != nullptr) {
