@@ -40,9 +40,9 @@ ForwardMode mode_arg(nb::handle value) {
   std::string name = upper(nb::str(value).c_str());
   const std::string prefix = "FORWARDMODE.";
   if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
-  for (ForwardMode mode : {ForwardMode::kIdle, ForwardMode::kDecode, ForwardMode::kExtend,
-                           ForwardMode::kMixed, ForwardMode::kTargetVerify,
-                           ForwardMode::kDraftExtend}) {
+  for (ForwardMode mode :
+       {ForwardMode::kIdle, ForwardMode::kDecode, ForwardMode::kExtend, ForwardMode::kMixed,
+        ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
     if (name == forward_mode_name(mode)) return mode;
   }
   throw_error(ErrorKind::kInvalidArgument, "mode", "got '", name,
@@ -184,9 +184,9 @@ ForwardViews forward_views(DType q_dtype, const AttentionLayer& layer, const Arr
 
 enum class ForwardEntry { kForward, kDecode, kExtend };
 
-void run_forward(PyBackend& b, ForwardEntry entry, const Array& q, const Array& k,
-                 const Array& v, const Array& out, const AttentionLayer& layer,
-                 const PyForwardBatch& batch, bool save_kv_cache) {
+void run_forward(PyBackend& b, ForwardEntry entry, const Array& q, const Array& k, const Array& v,
+                 const Array& out, const AttentionLayer& layer, const PyForwardBatch& batch,
+                 bool save_kv_cache) {
   const ForwardViews views = forward_views(b.config.q_dtype, layer, q, k, v, out);
   nb::gil_scoped_release release;
   switch (entry) {
@@ -227,7 +227,8 @@ void bind_backend(nb::module_& m) {
             new (self) PyForwardBatch();
             self->batch.mode = mode_arg(mode);
             self->batch.batch_size = batch_size;
-            for (auto [key, value] : kwargs) set_batch_attribute(*self, nb::str(key).c_str(), value);
+            for (auto [key, value] : kwargs)
+              set_batch_attribute(*self, nb::str(key).c_str(), value);
           },
           nb::arg("mode"), nb::arg("batch_size") = 0, nb::arg("kwargs"))
       .def_prop_rw(
@@ -256,8 +257,9 @@ void bind_backend(nb::module_& m) {
           "kv_cache", [](const PyForwardBatch& b) { return b.kv_cache; },
           [](PyForwardBatch& b, nb::handle cache) { set_batch_cache(b, cache); },
           nb::arg("cache").none())
-      .def("num_tokens", [](const PyForwardBatch& b) { return b.batch.num_tokens(); },
-           "Query tokens this step carries (reads host lengths).")
+      .def(
+          "num_tokens", [](const PyForwardBatch& b) { return b.batch.num_tokens(); },
+          "Query tokens this step carries (reads host lengths).")
       .def("__repr__", [](const PyForwardBatch& b) {
         return std::string("ForwardBatch(mode=") + forward_mode_name(b.batch.mode) +
                ", batch_size=" + std::to_string(b.batch.batch_size) + ")";
@@ -296,11 +298,10 @@ void bind_backend(nb::module_& m) {
             c.num_threads = num_threads;
             c.cuda_stream = reinterpret_cast<void*>(cuda_stream);
           },
-          nb::kw_only(), nb::arg("kv_cache"), nb::arg("req_to_token_pool"),
-          nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-          nb::arg("v_head_dim") = 0, nb::arg("q_dtype") = "bf16",
-          nb::arg("sliding_window_size") = -1, nb::arg("is_encoder_decoder") = false,
-          nb::arg("ragged_extend_threshold") = 4096,
+          nb::kw_only(), nb::arg("kv_cache"), nb::arg("req_to_token_pool"), nb::arg("num_q_heads"),
+          nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("v_head_dim") = 0,
+          nb::arg("q_dtype") = "bf16", nb::arg("sliding_window_size") = -1,
+          nb::arg("is_encoder_decoder") = false, nb::arg("ragged_extend_threshold") = 4096,
           nb::arg("decode_tensor_cores").none() = "auto", nb::arg("num_threads") = 0,
           nb::arg("cuda_stream") = 0)
       .def_prop_ro("kv_cache", [](const PyBackendConfig& c) { return c.kv_cache; })
@@ -332,9 +333,10 @@ void bind_backend(nb::module_& m) {
       .def_prop_ro("device", [](const PyBackend& b) { return b.impl->device().str(); })
       .def_prop_ro("q_dtype", [](const PyBackend& b) { return b.config.q_dtype; })
       .def_prop_ro("num_q_heads", [](const PyBackend& b) { return b.config.num_q_heads; })
-      .def_prop_ro("v_head_dim", [](const PyBackend& b) {
-        return b.config.v_head_dim > 0 ? b.config.v_head_dim : b.config.head_dim;
-      })
+      .def_prop_ro("v_head_dim",
+                   [](const PyBackend& b) {
+                     return b.config.v_head_dim > 0 ? b.config.v_head_dim : b.config.head_dim;
+                   })
       .def_prop_ro("kv_cache", [](const PyBackend& b) { return b.kv_cache; })
       .def_prop_ro("req_to_token_pool", [](const PyBackend& b) { return b.req_to_token_pool; })
       .def(
@@ -364,24 +366,24 @@ void bind_backend(nb::module_& m) {
              const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache) {
             run_forward(b, ForwardEntry::kForward, q, k, v, out, layer, batch, save_kv_cache);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"),
-          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true, forward_doc)
+          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"), nb::arg("layer"),
+          nb::arg("batch"), nb::arg("save_kv_cache") = true, forward_doc)
       .def(
           "forward_decode",
           [](PyBackend& b, const Array& q, const Array& k, const Array& v, const Array& out,
              const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache) {
             run_forward(b, ForwardEntry::kDecode, q, k, v, out, layer, batch, save_kv_cache);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"),
-          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true)
+          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"), nb::arg("layer"),
+          nb::arg("batch"), nb::arg("save_kv_cache") = true)
       .def(
           "forward_extend",
           [](PyBackend& b, const Array& q, const Array& k, const Array& v, const Array& out,
              const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache) {
             run_forward(b, ForwardEntry::kExtend, q, k, v, out, layer, batch, save_kv_cache);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"),
-          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true)
+          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"), nb::arg("layer"),
+          nb::arg("batch"), nb::arg("save_kv_cache") = true)
       .def(
           "init_cuda_graph_state",
           [](PyBackend& b, int max_bs, int64_t max_num_tokens) {
@@ -391,8 +393,7 @@ void bind_backend(nb::module_& m) {
           nb::arg("max_bs"), nb::arg("max_num_tokens"))
       .def("get_cuda_graph_seq_len_fill_value",
            [](const PyBackend& b) { return b.impl->cuda_graph_seq_len_fill_value(); })
-      .def("on_after_cuda_graph_warmup",
-           [](PyBackend& b) { b.impl->on_after_cuda_graph_warmup(); })
+      .def("on_after_cuda_graph_warmup", [](PyBackend& b) { b.impl->on_after_cuda_graph_warmup(); })
       .def(
           "get_verify_buffers_to_fill_after_draft",
           [](nb::handle self) {
@@ -467,8 +468,8 @@ void bind_backend(nb::module_& m) {
             nb::gil_scoped_release release;
             d.impl->forward_step(step, views.q, views.k, views.v, views.out, layer, loc);
           },
-          nb::arg("step"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(),
-          nb::arg("out"), nb::arg("layer"), nb::arg("out_cache_loc").none() = nb::none(),
+          nb::arg("step"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"),
+          nb::arg("layer"), nb::arg("out_cache_loc").none() = nb::none(),
           "One draft step over batch_size * topk query rows (request-major, branch-minor).")
       .def(
           "init_cuda_graph_state",
@@ -488,8 +489,7 @@ void bind_backend(nb::module_& m) {
         nb::gil_scoped_release release;
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < iterations; ++i) {
-          b.impl->forward(views.q, views.k, views.v, views.out, layer, batch.batch,
-                          save_kv_cache);
+          b.impl->forward(views.q, views.k, views.v, views.out, layer, batch.batch, save_kv_cache);
         }
         const std::chrono::duration<double, std::micro> elapsed =
             std::chrono::steady_clock::now() - start;

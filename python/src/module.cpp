@@ -43,10 +43,17 @@ std::string normalized_dtype_name(std::string name) {
     if (name.rfind(prefix, 0) == 0) name = name.substr(std::string(prefix).size());
   }
   static const std::pair<const char*, const char*> kAliases[] = {
-      {"float32", "fp32"},          {"float", "fp32"},          {"bfloat16", "bf16"},
-      {"float16", "fp16"},          {"half", "fp16"},           {"float8_e4m3fn", "fp8_e4m3"},
-      {"float8_e4m3", "fp8_e4m3"}, {"float8_e5m2", "fp8_e5m2"}, {"int", "int32"},
-      {"long", "int64"},            {"bool", "uint8"},
+      {"float32", "fp32"},
+      {"float", "fp32"},
+      {"bfloat16", "bf16"},
+      {"float16", "fp16"},
+      {"half", "fp16"},
+      {"float8_e4m3fn", "fp8_e4m3"},
+      {"float8_e4m3", "fp8_e4m3"},
+      {"float8_e5m2", "fp8_e5m2"},
+      {"int", "int32"},
+      {"long", "int64"},
+      {"bool", "uint8"},
   };
   for (const auto& [alias, canonical] : kAliases) {
     if (name == alias) return canonical;
@@ -81,17 +88,17 @@ void bind_basics(nb::module_& m) {
       PyExc_Exception, nullptr);
   if (!base) throw nb::python_error();
   m.attr("Error") = nb::handle(base);
-  g_error_types[int(ErrorKind::kInvalidArgument)] = new_error_type(
-      m, "InvalidArgumentError", base, PyExc_ValueError,
-      "A shape, dtype, device, range or value that the contract forbids.");
-  g_error_types[int(ErrorKind::kNotSupported)] = new_error_type(
-      m, "NotSupportedError", base, PyExc_NotImplementedError,
-      "A valid request this backend or build cannot serve.");
-  g_error_types[int(ErrorKind::kOutOfResources)] = new_error_type(
-      m, "OutOfResourcesError", base, PyExc_MemoryError,
-      "An allocator, pool or buffer is exhausted.");
-  g_error_types[int(ErrorKind::kDeviceError)] = new_error_type(
-      m, "DeviceError", base, PyExc_RuntimeError, "A CUDA call failed.");
+  g_error_types[int(ErrorKind::kInvalidArgument)] =
+      new_error_type(m, "InvalidArgumentError", base, PyExc_ValueError,
+                     "A shape, dtype, device, range or value that the contract forbids.");
+  g_error_types[int(ErrorKind::kNotSupported)] =
+      new_error_type(m, "NotSupportedError", base, PyExc_NotImplementedError,
+                     "A valid request this backend or build cannot serve.");
+  g_error_types[int(ErrorKind::kOutOfResources)] =
+      new_error_type(m, "OutOfResourcesError", base, PyExc_MemoryError,
+                     "An allocator, pool or buffer is exhausted.");
+  g_error_types[int(ErrorKind::kDeviceError)] =
+      new_error_type(m, "DeviceError", base, PyExc_RuntimeError, "A CUDA call failed.");
   nb::register_exception_translator(translate_error);
 
   nb::enum_<DType>(m, "DType", "Element type of a tensor.")
@@ -145,8 +152,7 @@ void bind_basics(nb::module_& m) {
           nb::kw_only(), nb::arg("layer_id") = 0, nb::arg("num_q_heads"), nb::arg("num_kv_heads"),
           nb::arg("head_dim"), nb::arg("v_head_dim") = 0, nb::arg("scaling"),
           nb::arg("logit_cap") = 0.f, nb::arg("sliding_window_size") = -1,
-          nb::arg("is_cross_attention") = false, nb::arg("k_scale") = 0.f,
-          nb::arg("v_scale") = 0.f)
+          nb::arg("is_cross_attention") = false, nb::arg("k_scale") = 0.f, nb::arg("v_scale") = 0.f)
       .def_rw("layer_id", &AttentionLayer::layer_id)
       .def_rw("num_q_heads", &AttentionLayer::num_q_heads)
       .def_rw("num_kv_heads", &AttentionLayer::num_kv_heads)
@@ -165,16 +171,19 @@ void bind_basics(nb::module_& m) {
                ", num_kv_heads=" + std::to_string(l.num_kv_heads) +
                ", head_dim=" + std::to_string(l.head_dim) +
                ", v_head_dim=" + std::to_string(l.resolved_v_head_dim()) +
-               ", scaling=" + std::to_string(l.scaling) + ", logit_cap=" +
-               std::to_string(l.logit_cap) + ", sliding_window_size=" +
-               std::to_string(l.sliding_window_size) +
+               ", scaling=" + std::to_string(l.scaling) +
+               ", logit_cap=" + std::to_string(l.logit_cap) +
+               ", sliding_window_size=" + std::to_string(l.sliding_window_size) +
                ", is_cross_attention=" + (l.is_cross_attention ? "True" : "False") + ")";
       });
 
-  m.def("dtype_name", [](nb::handle dtype) { return std::string(kvattn::dtype_name(dtype_arg(dtype))); },
-        "The canonical name of a dtype ('bf16', 'fp8_e4m3', ...); accepts torch/NumPy dtypes.");
-  m.def("dtype", [](nb::handle dtype) { return dtype_arg(dtype); },
-        "The kvattn DType of a DType, a name, or a torch/NumPy dtype.");
+  m.def(
+      "dtype_name",
+      [](nb::handle dtype) { return std::string(kvattn::dtype_name(dtype_arg(dtype))); },
+      "The canonical name of a dtype ('bf16', 'fp8_e4m3', ...); accepts torch/NumPy dtypes.");
+  m.def(
+      "dtype", [](nb::handle dtype) { return dtype_arg(dtype); },
+      "The kvattn DType of a DType, a name, or a torch/NumPy dtype.");
   m.def("cuda_compiled", &cuda_compiled, "True when this build has its CUDA backend.");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible now (0 without CUDA).");
 }

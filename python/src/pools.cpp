@@ -27,8 +27,8 @@ void bind_pools(nb::module_& m) {
   nb::class_<KvCacheConfig>(m, "KvCacheConfig", "Shape and storage of a KV pool.")
       .def(
           "__init__",
-          [](KvCacheConfig* self, int num_layers, int64_t num_slots, int num_kv_heads,
-             int head_dim, int v_head_dim, int page_size, nb::handle dtype, nb::handle device) {
+          [](KvCacheConfig* self, int num_layers, int64_t num_slots, int num_kv_heads, int head_dim,
+             int v_head_dim, int page_size, nb::handle dtype, nb::handle device) {
             new (self) KvCacheConfig();
             self->num_layers = num_layers;
             self->num_slots = num_slots;

@@ -14,14 +14,27 @@ namespace {
 std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
   const char* prefix = "code";
   switch (dt.code) {
-    case kDlInt: prefix = "int"; break;
-    case kDlUInt: prefix = "uint"; break;
-    case kDlFloat: prefix = "float"; break;
-    case kDlBfloat: prefix = "bfloat"; break;
-    case kDlBool: prefix = "bool"; break;
-    case kDlFloat8E4M3FN: return "float8_e4m3fn";
-    case kDlFloat8E5M2: return "float8_e5m2";
-    default: return "dlpack code " + std::to_string(dt.code) + " bits " + std::to_string(dt.bits);
+    case kDlInt:
+      prefix = "int";
+      break;
+    case kDlUInt:
+      prefix = "uint";
+      break;
+    case kDlFloat:
+      prefix = "float";
+      break;
+    case kDlBfloat:
+      prefix = "bfloat";
+      break;
+    case kDlBool:
+      prefix = "bool";
+      break;
+    case kDlFloat8E4M3FN:
+      return "float8_e4m3fn";
+    case kDlFloat8E5M2:
+      return "float8_e5m2";
+    default:
+      return "dlpack code " + std::to_string(dt.code) + " bits " + std::to_string(dt.bits);
   }
   return std::string(prefix) + std::to_string(dt.bits);
 }
@@ -90,13 +103,19 @@ nb::dlpack::dtype dlpack_dtype_of(DType dtype, bool as_bits) {
   if (as_bits && carried_as_bits(dtype)) return {kDlUInt, bits, 1};
   switch (dtype) {
     case DType::kFloat32:
-    case DType::kFloat16: return {kDlFloat, bits, 1};
-    case DType::kBFloat16: return {kDlBfloat, bits, 1};
-    case DType::kFloat8E4M3: return {kDlFloat8E4M3FN, bits, 1};
-    case DType::kFloat8E5M2: return {kDlFloat8E5M2, bits, 1};
+    case DType::kFloat16:
+      return {kDlFloat, bits, 1};
+    case DType::kBFloat16:
+      return {kDlBfloat, bits, 1};
+    case DType::kFloat8E4M3:
+      return {kDlFloat8E4M3FN, bits, 1};
+    case DType::kFloat8E5M2:
+      return {kDlFloat8E5M2, bits, 1};
     case DType::kInt32:
-    case DType::kInt64: return {kDlInt, bits, 1};
-    case DType::kUInt8: return {kDlUInt, bits, 1};
+    case DType::kInt64:
+      return {kDlInt, bits, 1};
+    case DType::kUInt8:
+      return {kDlUInt, bits, 1};
   }
   return {kDlUInt, bits, 1};
 }
