@@ -594,16 +594,19 @@ int run_bench(const std::vector<std::string>& args) {
     RowResult result;
     result.row = grid[i];
     const GridRow& row = grid[i];
-    const int64_t per_call = BenchWorld::call_bytes(row);
-    const int sets = int(std::clamp<int64_t>((rotate_bytes + per_call - 1) / per_call, 1, 32));
-    result.input_sets = sets;
-    const int64_t needed = BenchWorld::world_bytes(row, sets);
     // A rough time for one call from this run's ceilings: decode at a quarter of the read
-    // bandwidth, prefill at a tenth of the FMA rate (what the CPU backend reached on the
-    // 2-core development machine, 2026-11-29: 8-26% of read, 10% of FMA).
+    // bandwidth, prefill at a quarter of the FMA rate (what the CPU backend reached on the
+    // 2-core development machine, 2026-11-29: 14-33% of read, 25-55% of FMA).
     const double estimate_s = row.is_decode()
                                   ? row.kv_bytes() / (0.25 * ceilings.read_gbps * 1e9)
-                                  : row.flops() / (0.1 * ceilings.cpu_fma_fp32_gflops * 1e9);
+                                  : row.flops() / (0.25 * ceilings.cpu_fma_fp32_gflops * 1e9);
+    // A call of seconds is timed twice (see time_cpu below): more input sets would go unused.
+    const bool long_call = cpu && estimate_s > 1.0;
+    const int64_t per_call = BenchWorld::call_bytes(row);
+    const int sets = int(std::clamp<int64_t>((rotate_bytes + per_call - 1) / per_call, 1,
+                                             long_call ? 2 : 32));
+    result.input_sets = sets;
+    const int64_t needed = BenchWorld::world_bytes(row, sets);
     std::fprintf(stderr, "[%zu/%zu %.0fs] %s ", i + 1, grid.size(), seconds_since(bench_start),
                  row.label().c_str());
     char why[96];
@@ -620,7 +623,6 @@ int run_bench(const std::vector<std::string>& args) {
         TimingResult timing;
         if (cpu) {
           // A call of seconds needs no warm-up and few samples to be timed well.
-          const bool long_call = estimate_s > 1.0;
           timing = time_cpu(world, sets, !long_call, long_call ? 2 : (quick ? 2 : 3),
                             quick ? 10 : 30, quick ? 0.3 : 1.0);
         } else {
