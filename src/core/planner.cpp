@@ -12,14 +12,18 @@
 namespace kvattn::core {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+int64_t round_up(int64_t a, int64_t b) {
+  return ceil_div(a, b) * b;
+}
 
 // Split factors of the longest request tried by the planner: dense where one more chunk changes
 // the wave count a lot, sparse beyond (each candidate costs one LPT simulation).
-constexpr int kSplitCandidates[] = {1,  2,  3,  4,  5,  6,  7,   8,   10,  12,  14,  16,
-                                    20, 24, 28, 32, 40, 48, 56,  64,  80,  96,  112, 128,
-                                    160, 192, 224, 256, 320, 384, 448, 512};
+constexpr int kSplitCandidates[] = {1,   2,   3,   4,   5,   6,   7,   8,   10,  12, 14,
+                                    16,  20,  24,  28,  32,  40,  48,  56,  64,  80, 96,
+                                    112, 128, 160, 192, 224, 256, 320, 384, 448, 512};
 
 // A candidate split must beat the best so far by this much: one more split costs merge work
 // and partial-state traffic that the cost model only approximates.
@@ -56,9 +60,9 @@ int decode_item_capacity(int batch_size, const DecodePlanConfig& config) {
   check_config(config);
   check_arg(batch_size >= 0, "batch_size", "got ", batch_size, ", expected >= 0");
   // Splitting never pays beyond about two waves of CTAs (see the worked example in planner.h).
-  const int64_t extra =
-      config.concurrent_ctas > 0 ? ceil_div(2 * int64_t(config.concurrent_ctas), config.ctas_per_item)
-                                 : 0;
+  const int64_t extra = config.concurrent_ctas > 0
+                            ? ceil_div(2 * int64_t(config.concurrent_ctas), config.ctas_per_item)
+                            : 0;
   return int(std::max<int64_t>(1, batch_size + extra));
 }
 
@@ -71,7 +75,8 @@ double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePla
   costs.reserve(kv_len.size());
   for (int32_t len : kv_len) {
     const int64_t pieces = std::max<int64_t>(1, ceil_div(len, chunk));
-    const double extra = config.cta_overhead_tokens + (pieces > 1 ? config.merge_overhead_tokens : 0);
+    const double extra =
+        config.cta_overhead_tokens + (pieces > 1 ? config.merge_overhead_tokens : 0);
     for (int64_t p = 0; p < pieces; ++p) {
       const int64_t begin = p * chunk;
       const int64_t end = std::min<int64_t>(len, begin + chunk);
@@ -185,7 +190,8 @@ class BufferCursor {
 
 template <typename T>
 void write_array(void* host, size_t offset, const std::vector<T>& values) {
-  if (!values.empty()) std::memcpy(static_cast<char*>(host) + offset, values.data(), values.size() * sizeof(T));
+  if (!values.empty())
+    std::memcpy(static_cast<char*>(host) + offset, values.data(), values.size() * sizeof(T));
 }
 
 }  // namespace

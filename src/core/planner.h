@@ -63,8 +63,8 @@ struct DecodePlan {
   std::vector<int32_t> merge_indptr;  ///< [batch_size + 1] partial rows of each request;
                                       ///< an empty range: the request was not split
   int num_partials = 0;
-  int chunk = 0;                      ///< tokens per chunk chosen (>= the longest request: no split)
-  double estimated_cost = 0;          ///< makespan in token-equivalents per CTA slot (for tests)
+  int chunk = 0;              ///< tokens per chunk chosen (>= the longest request: no split)
+  double estimated_cost = 0;  ///< makespan in token-equivalents per CTA slot (for tests)
 };
 
 /// Builds the plan for requests of `kv_len` tokens. At most `item_capacity` items.
@@ -81,9 +81,9 @@ double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePla
 /// Capacities a metadata buffer is sized for (graph mode: the bucket's batch size).
 struct CallCapacity {
   int batch_size = 0;
-  int decode_items = 0;    ///< 0: the call has no decode plan
+  int decode_items = 0;  ///< 0: the call has no decode plan
   bool custom_mask = false;
-  int num_q_heads = 0;     ///< for the decode partial-state scratch
+  int num_q_heads = 0;  ///< for the decode partial-state scratch
   int v_head_dim = 0;
 };
 
@@ -100,8 +100,8 @@ struct CallMetadataLayout {
   size_t merge_indptr = 0;  ///< int32 [batch_size + 1]
   size_t num_items = 0;     ///< int32 [1]: items of the current plan (graph grids are larger)
   size_t metadata_bytes = 0;
-  size_t partial_out = 0;   ///< float [decode_items, num_q_heads, v_head_dim] in the scratch
-  size_t partial_lse = 0;   ///< float [decode_items, num_q_heads] in the scratch
+  size_t partial_out = 0;  ///< float [decode_items, num_q_heads, v_head_dim] in the scratch
+  size_t partial_lse = 0;  ///< float [decode_items, num_q_heads] in the scratch
   size_t scratch_bytes = 0;
 };
 

@@ -23,7 +23,9 @@ size_t align_region(size_t bytes) {
   return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
 }
 
-cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+cudaStream_t as_stream(void* stream) {
+  return static_cast<cudaStream_t>(stream);
+}
 
 // Grows `buffer` to at least `bytes` (by half again, so a slowly growing batch reallocates
 // rarely). A frozen buffer may not move: graphs captured earlier hold its address.
@@ -38,7 +40,9 @@ void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, cons
   buffer = Buffer::allocate(device, grown);
 }
 
-bool is_fp8(DType d) { return d == DType::kFloat8E4M3 || d == DType::kFloat8E5M2; }
+bool is_fp8(DType d) {
+  return d == DType::kFloat8E4M3 || d == DType::kFloat8E5M2;
+}
 
 // KVATTN_DECODE_TENSOR_CORES=0/1 overrides the config (kvattn/backend.h).
 TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
@@ -71,8 +75,9 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim (kernels/prefill.h);
   // fp32 io reaches it through 16-bit copies (see compute_dtype).
   const bool io_native = config.q_dtype == DType::kBFloat16 || config.q_dtype == DType::kFloat16;
-  setup.compute_dtype = io_native ? config.q_dtype
-                        : kv.dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  setup.compute_dtype = io_native                     ? config.q_dtype
+                        : kv.dtype == DType::kFloat16 ? DType::kFloat16
+                                                      : DType::kBFloat16;
   setup.prefill_supported = false;
   if (v_head_dim == config.head_dim) {
     try {
@@ -114,8 +119,9 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
     ensure_bytes(call.scratch, call.offsets.scratch_bytes, call.frozen, device, "decode partials");
   }
   if (call.paged) {
-    ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
-                 call.frozen, device, "kv_indices");
+    ensure_bytes(call.kv_indices,
+                 size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t), call.frozen,
+                 device, "kv_indices");
   }
   call.staging.reserve(copy_bytes);
   core::write_call_metadata(capacity, &call.layout, call.prefill ? nullptr : &call.decode_plan,
@@ -228,10 +234,10 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
   launch.items = call.meta<core::DecodeWorkItem>(call.offsets.decode_items);
   launch.num_items = call.meta<int32_t>(call.offsets.num_items);
   launch.merge_indptr = call.meta<int32_t>(call.offsets.merge_indptr);
-  launch.partial_out = reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) +
-                                                call.offsets.partial_out);
-  launch.partial_lse = reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) +
-                                                call.offsets.partial_lse);
+  launch.partial_out =
+      reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) + call.offsets.partial_out);
+  launch.partial_lse =
+      reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) + call.offsets.partial_lse);
   // A captured graph replays later plans for the same batch size: cover the capacity.
   launch.grid_items = capturing ? call.item_limit : int(call.decode_plan.items.size());
   launch.has_partials = capturing || call.decode_plan.num_partials > 0;
@@ -281,7 +287,8 @@ void save_kv(const BackendConfig& config, const AttentionLayer& layer, const Ten
 
 namespace {
 
-ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool, const TensorView& req_pool_indices) {
+ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool,
+                                     const TensorView& req_pool_indices) {
   ReqToTokenSource s;
   s.table = pool.table().data_as<const int32_t>();
   s.row_stride = pool.table().stride(0);
@@ -326,10 +333,10 @@ class CudaBackend final : public AttentionBackend {
     const bool verify = batch.mode == ForwardMode::kTargetVerify;
     const bool decode = batch.mode == ForwardMode::kDecode;
     if (!decode && !setup_.prefill_supported) {
-      throw_error(ErrorKind::kNotSupported, "mode",
-                  forward_mode_name(batch.mode), " on CUDA needs the prefill kernel, which serves ",
-                  "v_head_dim == head_dim and a compiled head_dim; got head_dim ",
-                  config_.head_dim, ", v_head_dim ", config_.v_head_dim);
+      throw_error(ErrorKind::kNotSupported, "mode", forward_mode_name(batch.mode),
+                  " on CUDA needs the prefill kernel, which serves ",
+                  "v_head_dim == head_dim and a compiled head_dim; got head_dim ", config_.head_dim,
+                  ", v_head_dim ", config_.v_head_dim);
     }
     // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size.
     step_.graph_pool = graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
@@ -341,10 +348,10 @@ class CudaBackend final : public AttentionBackend {
 
     int64_t new_tokens = 0;
     for (int32_t e : lens.extend_lens) new_tokens += e;
-    step_.ragged = core::use_ragged_extend(batch.mode, new_tokens, config_.ragged_extend_threshold,
-                                           config_.sliding_window_size >= 0,
-                                           config_.is_encoder_decoder);
-    step_.num_tokens = decode ? batch.batch_size
+    step_.ragged =
+        core::use_ragged_extend(batch.mode, new_tokens, config_.ragged_extend_threshold,
+                                config_.sliding_window_size >= 0, config_.is_encoder_decoder);
+    step_.num_tokens = decode   ? batch.batch_size
                        : verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num
                                 : new_tokens;
 
@@ -367,7 +374,8 @@ class CudaBackend final : public AttentionBackend {
       ragged.custom_mask = nullptr;
       plan_call(ragged, false);
       const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
-      const size_t out_bytes = rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
+      const size_t out_bytes =
+          rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
       ensure_bytes(ragged_scratch_, align_region(out_bytes) + 2 * rows * sizeof(float), false,
                    device_, "ragged extend scratch");
     }
@@ -380,8 +388,9 @@ class CudaBackend final : public AttentionBackend {
       const size_t q_bytes = align_region(n * config_.num_q_heads * config_.head_dim * elem);
       const size_t out_bytes = align_region(n * config_.num_q_heads * config_.v_head_dim * elem);
       const size_t kv_bytes = step_.ragged
-          ? align_region(n * config_.num_kv_heads * (config_.head_dim + config_.v_head_dim) * elem)
-          : 0;
+                                  ? align_region(n * config_.num_kv_heads *
+                                                 (config_.head_dim + config_.v_head_dim) * elem)
+                                  : 0;
       ensure_bytes(io_scratch_, q_bytes + out_bytes + kv_bytes, false, device_, "fp32 io copies");
     }
     const int num_calls = int(model_sets_.size()) + (step_.ragged ? 1 : 0);
@@ -390,8 +399,9 @@ class CudaBackend final : public AttentionBackend {
       core::CallCapacity cap;
       cap.batch_size = step_.graph_pool ? graph_max_bs_ : call.layout.batch_size;
       cap.decode_items = call.prefill ? 0
-                         : step_.graph_pool ? core::decode_item_capacity(graph_max_bs_, setup_.plan_config)
-                                            : call.item_limit;
+                         : step_.graph_pool
+                             ? core::decode_item_capacity(graph_max_bs_, setup_.plan_config)
+                             : call.item_limit;
       cap.custom_mask = verify;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
@@ -460,8 +470,9 @@ class CudaBackend final : public AttentionBackend {
       }
       core::PrefillTileShape shape = prefill_shape(core::MaskMode::kNone, -1);
       const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo, kv, shape);
-      prefill_bytes = 2 * core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr,
-                                                     nullptr).total_bytes;
+      prefill_bytes =
+          2 * core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr, nullptr)
+                  .total_bytes;
     }
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       core::CallCapacity cap;
@@ -515,9 +526,9 @@ class CudaBackend final : public AttentionBackend {
       call.decode_plan = core::plan_decode(call.layout.kv_len, setup_.plan_config, call.item_limit);
     } else {
       call.item_limit = 0;
-      call.prefill_plan = core::plan_prefill_tiles(
-          call.layout.qo_indptr, call.layout.kv_indptr,
-          prefill_shape(call.layout.mask, call.layout.window_left));
+      call.prefill_plan =
+          core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr,
+                                   prefill_shape(call.layout.mask, call.layout.window_left));
     }
   }
 
@@ -544,7 +555,8 @@ class CudaBackend final : public AttentionBackend {
     const std::vector<uint8_t> folded = core::fold_window_into_tree_mask(
         lens, batch.spec.draft_token_num, config_.sliding_window_size, host_mask.data(),
         positions.data());
-    ensure_bytes(call.folded_mask, std::max<size_t>(folded.size(), 1), false, device_, "folded tree mask");
+    ensure_bytes(call.folded_mask, std::max<size_t>(folded.size(), 1), false, device_,
+                 "folded tree mask");
     copy_bytes(call.folded_mask.data(), device_, folded.data(), Device::cpu(), folded.size());
     call.custom_mask = static_cast<const uint8_t*>(call.folded_mask.data());
   }
@@ -569,7 +581,8 @@ class CudaBackend final : public AttentionBackend {
                                    save_kv_cache);
     const cudaStream_t stream = as_stream(config_.cuda_stream);
     if (save_kv_cache && k.defined()) {
-      const TensorView& loc = layer.is_cross_attention ? batch.encoder_out_cache_loc : batch.out_cache_loc;
+      const TensorView& loc =
+          layer.is_cross_attention ? batch.encoder_out_cache_loc : batch.out_cache_loc;
       save_kv(config_, layer, k, v, loc, errors_.device_ptr(), stream);
     }
     if (step_.num_tokens == 0) return;
@@ -584,8 +597,10 @@ class CudaBackend final : public AttentionBackend {
     const size_t elem = size_t(dtype_size(compute.q_dtype));
     char* base = static_cast<char*>(io_scratch_.data());
     const size_t q_bytes = align_region(size_t(n) * config_.num_q_heads * config_.head_dim * elem);
-    const size_t out_bytes = align_region(size_t(n) * config_.num_q_heads * config_.v_head_dim * elem);
-    const TensorView q16(base, compute.q_dtype, device_, {n, config_.num_q_heads, config_.head_dim});
+    const size_t out_bytes =
+        align_region(size_t(n) * config_.num_q_heads * config_.v_head_dim * elem);
+    const TensorView q16(base, compute.q_dtype, device_,
+                         {n, config_.num_q_heads, config_.head_dim});
     const TensorView out16(base + q_bytes, compute.q_dtype, device_,
                            {n, config_.num_q_heads, config_.v_head_dim});
     convert_heads(q, config_.head_dim, q16, stream);
@@ -593,9 +608,11 @@ class CudaBackend final : public AttentionBackend {
     if (step_.ragged && k.defined()) {
       const int64_t kv_rows = k.size(0);
       char* kv_base = base + q_bytes + out_bytes;
-      k16 = TensorView(kv_base, compute.q_dtype, device_, {kv_rows, config_.num_kv_heads, config_.head_dim});
-      v16 = TensorView(kv_base + size_t(kv_rows) * config_.num_kv_heads * config_.head_dim * elem,
-                       compute.q_dtype, device_, {kv_rows, config_.num_kv_heads, config_.v_head_dim});
+      k16 = TensorView(kv_base, compute.q_dtype, device_,
+                       {kv_rows, config_.num_kv_heads, config_.head_dim});
+      v16 =
+          TensorView(kv_base + size_t(kv_rows) * config_.num_kv_heads * config_.head_dim * elem,
+                     compute.q_dtype, device_, {kv_rows, config_.num_kv_heads, config_.v_head_dim});
       convert_heads(k, config_.head_dim, k16, stream);
       convert_heads(v, config_.v_head_dim, v16, stream);
     }
@@ -603,7 +620,8 @@ class CudaBackend final : public AttentionBackend {
     convert_heads(out16, config_.v_head_dim, out, stream);
   }
 
-  void convert_heads(const TensorView& src, int dim, const TensorView& dst, cudaStream_t stream) const {
+  void convert_heads(const TensorView& src, int dim, const TensorView& dst,
+                     cudaStream_t stream) const {
     ConvertRowsLaunch c;
     const HeadStrides ss = head_strides(src, dim);
     const HeadStrides ds = head_strides(dst, dim);

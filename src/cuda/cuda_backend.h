@@ -28,12 +28,12 @@ namespace kvattn::cuda {
 
 /// How decode runs for one backend config, fixed at construction.
 struct DecodeSetup {
-  bool tensor_cores = false;  ///< decode through the prefill (tensor-core) kernel
+  bool tensor_cores = false;       ///< decode through the prefill (tensor-core) kernel
   bool prefill_supported = false;  ///< the prefill kernel serves this config (EXTEND & co.)
   /// The io dtype the prefill kernel runs in: q_dtype when 16-bit, else (fp32 q) the cache's
   /// 16-bit dtype (bf16 for bf16 / fp8 caches, fp16 for fp16 caches).
   DType compute_dtype = DType::kBFloat16;
-  DecodeKernelInfo info;      ///< the CUDA-core decode kernel's facts
+  DecodeKernelInfo info;  ///< the CUDA-core decode kernel's facts
   core::DecodePlanConfig plan_config;
   int concurrent_prefill_ctas = 0;
   int prefill_tile_rows = 0;
@@ -44,24 +44,24 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device);
 /// One batched attention call of a step: its host plan and its buffers, reused step after step.
 struct CallState {
   core::PagedLayout layout;
-  bool paged = true;    ///< keys from the paged cache through kv_indices (else the new tokens)
-  bool prefill = false; ///< runs the prefill kernel (else the CUDA-core decode kernel)
+  bool paged = true;     ///< keys from the paged cache through kv_indices (else the new tokens)
+  bool prefill = false;  ///< runs the prefill kernel (else the CUDA-core decode kernel)
   core::DecodePlan decode_plan;
-  int item_limit = 0;   ///< core::decode_item_capacity(batch_size): a captured grid covers this
+  int item_limit = 0;  ///< core::decode_item_capacity(batch_size): a captured grid covers this
   core::PrefillTilePlan prefill_plan;
   core::PrefillTiles prefill_tiles;  ///< device view, filled by upload
   int max_kv_len = 0;
   const uint8_t* custom_mask = nullptr;  ///< device tree mask (TARGET_VERIFY)
 
-  core::CallCapacity capacity;       ///< what the buffers hold now
+  core::CallCapacity capacity;  ///< what the buffers hold now
   core::CallMetadataLayout offsets;
   bool frozen = false;  ///< graph buffers: never reallocated (captured graphs hold their address)
   PinnedBuffer staging;
   std::unique_ptr<CopyFence> fence;
-  Buffer metadata;    ///< [call metadata | prefill region (metadata, then its scratch)]
-  Buffer scratch;     ///< decode partial states
-  Buffer kv_indices;  ///< int32 [total keys]
-  Buffer folded_mask; ///< TARGET_VERIFY on a window layer: the tree mask with the window folded in
+  Buffer metadata;     ///< [call metadata | prefill region (metadata, then its scratch)]
+  Buffer scratch;      ///< decode partial states
+  Buffer kv_indices;   ///< int32 [total keys]
+  Buffer folded_mask;  ///< TARGET_VERIFY on a window layer: the tree mask with the window folded in
 
   template <typename T>
   const T* meta(size_t offset) const {
@@ -99,7 +99,6 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
 
 /// Saves k/v at `loc` in the layer's cache (device kernel; bad slots are flagged, not written).
 void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
-             const TensorView& v, const TensorView& loc, uint32_t* error_word,
-             cudaStream_t stream);
+             const TensorView& v, const TensorView& loc, uint32_t* error_word, cudaStream_t stream);
 
 }  // namespace kvattn::cuda

@@ -41,9 +41,9 @@ const DeviceInfo& device_info(int device) {
     check_cuda(cudaDeviceGetAttribute(&info.max_smem_per_block_optin,
                                       cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                "cudaDeviceGetAttribute(maxSharedMemoryPerBlockOptin)");
-    check_cuda(cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor,
-                                      device),
-               "cudaDeviceGetAttribute(computeCapabilityMajor)");
+    check_cuda(
+        cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute(computeCapabilityMajor)");
   }
   return info;
 }
@@ -52,7 +52,8 @@ const DeviceInfo& device_info(int device) {
 
 ErrorWord::ErrorWord() {
   void* host = nullptr;
-  check_cuda(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc(error word)");
+  check_cuda(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc(error word)");
   host_ = static_cast<volatile uint32_t*>(host);
   *host_ = 0;
   void* device = nullptr;

@@ -31,9 +31,9 @@ const DeviceInfo& device_info(int device);
 
 /// Bits of the device error word (see ErrorWord).
 enum DeviceErrorBits : uint32_t {
-  kBadKvSlot = 1u,       ///< req_to_token held a slot outside [0, num_slots): read as slot 0
-  kBadCacheLoc = 2u,     ///< out_cache_loc held a slot outside the pool: that K/V was not written
-  kBadRequestIndex = 4u, ///< req_pool_indices held a row outside req_to_token: treated as empty
+  kBadKvSlot = 1u,        ///< req_to_token held a slot outside [0, num_slots): read as slot 0
+  kBadCacheLoc = 2u,      ///< out_cache_loc held a slot outside the pool: that K/V was not written
+  kBadRequestIndex = 4u,  ///< req_pool_indices held a row outside req_to_token: treated as empty
 };
 
 /// A word that kernels set bits in when they meet bad indices on the device (which the host

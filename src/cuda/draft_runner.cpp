@@ -16,8 +16,11 @@ namespace {
 class CudaDraftRunner final : public core::DraftRunner {
  public:
   CudaDraftRunner(const BackendConfig& config, int topk, int num_steps)
-      : config_(config), device_(config.kv_cache->config().device), topk_(topk),
-        num_steps_(num_steps), steps_(size_t(num_steps)) {
+      : config_(config),
+        device_(config.kv_cache->config().device),
+        topk_(topk),
+        num_steps_(num_steps),
+        steps_(size_t(num_steps)) {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
     check_arg(!config.is_encoder_decoder, "is_encoder_decoder",
               "the multi-step draft backend serves decoder-only models");
@@ -70,8 +73,9 @@ class CudaDraftRunner final : public core::DraftRunner {
       call.max_kv_len = max_kv_len_;
       core::CallCapacity cap;
       cap.batch_size = graph_pool_ ? graph_max_bs_ * topk_ : entries;
-      cap.decode_items = graph_pool_ ? core::decode_item_capacity(cap.batch_size, setup_.plan_config)
-                                     : call.item_limit;
+      cap.decode_items = graph_pool_
+                             ? core::decode_item_capacity(cap.batch_size, setup_.plan_config)
+                             : call.item_limit;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
       const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
@@ -123,7 +127,8 @@ class CudaDraftRunner final : public core::DraftRunner {
     if (save) save_kv(config_, layer, k, v, out_cache_loc, errors_->device_ptr(), stream);
     if (entries_ == 0) return;
     const CallState& call = steps_[size_t(step)];
-    run_call(call, make_params(call, config_, layer, q, out, nullptr, {}, {}), device_.index, stream);
+    run_call(call, make_params(call, config_, layer, q, out, nullptr, {}, {}), device_.index,
+             stream);
   }
 
   void init_cuda_graph_state(int max_bs) override {

@@ -143,7 +143,8 @@ TEST(DecodePlanner, RandomBatchesStayWithinCapacity) {
     ASSERT_LE(int(plan.items.size()), capacity) << "trial " << trial;
     expect_plan_covers(plan, kv_len);
     // Never worse than not splitting.
-    EXPECT_LE(plan.estimated_cost, estimate_decode_makespan(kv_len, config, std::max(1, max_len)) + 1e-9);
+    EXPECT_LE(plan.estimated_cost,
+              estimate_decode_makespan(kv_len, config, std::max(1, max_len)) + 1e-9);
   }
 }
 
@@ -168,8 +169,7 @@ TEST(CallMetadata, DryRunAndFillAgree) {
   capacity.v_head_dim = 128;
   const CallMetadataLayout dry = write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
   EXPECT_GT(dry.metadata_bytes, 0u);
-  EXPECT_EQ(dry.scratch_bytes,
-            size_t(capacity.decode_items) * 32 * (128 + 1) * sizeof(float));
+  EXPECT_EQ(dry.scratch_bytes, size_t(capacity.decode_items) * 32 * (128 + 1) * sizeof(float));
 
   PagedLayout layout;
   layout.batch_size = 3;

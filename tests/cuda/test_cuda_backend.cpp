@@ -21,15 +21,15 @@
 namespace kvattn::testing {
 namespace {
 
-#define CUDA_OK(call)                                                                     \
-  do {                                                                                    \
-    const cudaError_t status_ = (call);                                                   \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_);      \
+#define CUDA_OK(call)                                                                \
+  do {                                                                               \
+    const cudaError_t status_ = (call);                                              \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
   } while (0)
 
-#define REQUIRE_GPU()                                                   \
-  do {                                                                  \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";     \
+#define REQUIRE_GPU()                                               \
+  do {                                                              \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
 // Forces the decode kernel choice for backends made while it lives (the backend reads
@@ -40,12 +40,16 @@ class TensorCoreChoice {
     const char* old = std::getenv("KVATTN_DECODE_TENSOR_CORES");
     had_ = old != nullptr;
     if (had_) old_ = old;
-    if (value == nullptr) unsetenv("KVATTN_DECODE_TENSOR_CORES");
-    else setenv("KVATTN_DECODE_TENSOR_CORES", value, 1);
+    if (value == nullptr)
+      unsetenv("KVATTN_DECODE_TENSOR_CORES");
+    else
+      setenv("KVATTN_DECODE_TENSOR_CORES", value, 1);
   }
   ~TensorCoreChoice() {
-    if (had_) setenv("KVATTN_DECODE_TENSOR_CORES", old_.c_str(), 1);
-    else unsetenv("KVATTN_DECODE_TENSOR_CORES");
+    if (had_)
+      setenv("KVATTN_DECODE_TENSOR_CORES", old_.c_str(), 1);
+    else
+      unsetenv("KVATTN_DECODE_TENSOR_CORES");
   }
 
  private:
@@ -270,7 +274,8 @@ TEST(CudaDecode, GraphReplayWithOtherLengths) {
   // Capture-time batch: same tensors, host lengths all 1.
   ForwardBatch capture_batch = w->batch;
   std::vector<int32_t> ones(size_t(spec.batch_size), 1);
-  capture_batch.seq_lens_cpu = TensorView(ones.data(), DType::kInt32, Device::cpu(), {spec.batch_size});
+  capture_batch.seq_lens_cpu =
+      TensorView(ones.data(), DType::kInt32, Device::cpu(), {spec.batch_size});
   capture_batch.seq_lens_sum = -1;
   const ScenarioCall& c = w->calls[0];
   backend->init_forward_metadata_out_graph(capture_batch, /*in_capture=*/true);

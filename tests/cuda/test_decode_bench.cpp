@@ -85,7 +85,8 @@ BenchRow run_case(const BenchCase& c, double read_gbps, cuda::bench::Stream& str
     auto& row = slots[size_t(r)];
     row.resize(size_t(c.kv_len));
     for (int i = 0; i < c.kv_len; ++i) {
-      row[size_t(i)] = pages[size_t(r * pages_per_req + i / c.page_size)] * c.page_size + i % c.page_size;
+      row[size_t(i)] =
+          pages[size_t(r * pages_per_req + i / c.page_size)] * c.page_size + i % c.page_size;
     }
     pool.write(r, 0, row);
   }
@@ -94,7 +95,8 @@ BenchRow run_case(const BenchCase& c, double read_gbps, cuda::bench::Stream& str
   const TensorView q = q_buf.view(DType::kBFloat16, {c.batch, kQHeads, kHeadDim});
   const TensorView out = out_buf.view(DType::kBFloat16, {c.batch, kQHeads, kHeadDim});
   cuda::bench::fill_random(q, 3000, 1.f, stream.handle());
-  std::vector<int32_t> rows(static_cast<size_t>(c.batch)), lens(static_cast<size_t>(c.batch), c.kv_len);
+  std::vector<int32_t> rows(static_cast<size_t>(c.batch)),
+      lens(static_cast<size_t>(c.batch), c.kv_len);
   std::iota(rows.begin(), rows.end(), 0);
   Buffer rows_buf = Buffer::allocate(dev, rows.size() * 4);
   Buffer lens_buf = Buffer::allocate(dev, lens.size() * 4);
@@ -154,8 +156,10 @@ BenchRow run_case(const BenchCase& c, double read_gbps, cuda::bench::Stream& str
   for (int i = 0; i < c.kv_len; ++i) {
     const int64_t slot = slots[0][size_t(i)];
     const int64_t row_elems = kKvHeads * kHeadDim;
-    const auto kr = download_bf16(cache.k_buffer(0).data_as<uint16_t>() + slot * row_elems, row_elems);
-    const auto vr = download_bf16(cache.v_buffer(0).data_as<uint16_t>() + slot * row_elems, row_elems);
+    const auto kr =
+        download_bf16(cache.k_buffer(0).data_as<uint16_t>() + slot * row_elems, row_elems);
+    const auto vr =
+        download_bf16(cache.v_buffer(0).data_as<uint16_t>() + slot * row_elems, row_elems);
     for (int64_t e = 0; e < row_elems; ++e) {
       kd[size_t(i * row_elems + e)] = bf16_to_float(kr[size_t(e)]);
       vd[size_t(i * row_elems + e)] = bf16_to_float(vr[size_t(e)]);
@@ -180,7 +184,8 @@ BenchRow run_case(const BenchCase& c, double read_gbps, cuda::bench::Stream& str
     for (int i = 0; i < c.kv_len; ++i) {
       const double p = std::exp(logits[size_t(i)] - m);
       sum += p;
-      for (int d = 0; d < kHeadDim; ++d) o[size_t(d)] += p * vd[size_t((i * kKvHeads + kvh) * kHeadDim + d)];
+      for (int d = 0; d < kHeadDim; ++d)
+        o[size_t(d)] += p * vd[size_t((i * kKvHeads + kvh) * kHeadDim + d)];
     }
     double max_ref = 0, max_diff = 0;
     for (int d = 0; d < kHeadDim; ++d) {
@@ -192,10 +197,11 @@ BenchRow run_case(const BenchCase& c, double read_gbps, cuda::bench::Stream& str
     worst = std::max(worst, max_diff / std::max(max_ref, 1e-30));
   }
   row.max_rel_err = worst;
-  std::printf("decode b%-4d kv%-6d page%-3d tc=%s layers %d: graph %9.1f us  direct %9.1f us  "
-              "%7.1f GB/s  %5.1f%% of read  err %.1e\n",
-              c.batch, c.kv_len, c.page_size, c.tensor_cores, num_layers, row.graph_us,
-              row.direct_us, row.gbps, 100 * row.fraction, row.max_rel_err);
+  std::printf(
+      "decode b%-4d kv%-6d page%-3d tc=%s layers %d: graph %9.1f us  direct %9.1f us  "
+      "%7.1f GB/s  %5.1f%% of read  err %.1e\n",
+      c.batch, c.kv_len, c.page_size, c.tensor_cores, num_layers, row.graph_us, row.direct_us,
+      row.gbps, 100 * row.fraction, row.max_rel_err);
   std::fflush(stdout);
   unsetenv("KVATTN_DECODE_TENSOR_CORES");
   return row;
@@ -215,13 +221,14 @@ TEST(DecodeBench, Grid) {
               info.compiled_head_dim, info.ctas_per_sm, info.tile_tokens);
   cuda::bench::Stream stream(0);
   const std::vector<BenchCase> cases = {
-      {64, 4096, 1, "0"},   {1, 32768, 1, "0"},  {64, 4096, 16, "0"}, {1, 32768, 16, "0"},
-      {16, 4096, 1, "0"},   {256, 1024, 1, "0"}, {16, 16384, 1, "0"}, {16, 32768, 1, "0"},
-      {256, 4096, 1, "0"},  {1, 1024, 1, "0"},   {64, 4096, 1, "1"},  {1, 32768, 1, "1"},
+      {64, 4096, 1, "0"},  {1, 32768, 1, "0"},  {64, 4096, 16, "0"}, {1, 32768, 16, "0"},
+      {16, 4096, 1, "0"},  {256, 1024, 1, "0"}, {16, 16384, 1, "0"}, {16, 32768, 1, "0"},
+      {256, 4096, 1, "0"}, {1, 1024, 1, "0"},   {64, 4096, 1, "1"},  {1, 32768, 1, "1"},
   };
   std::vector<BenchRow> rows;
   for (const BenchCase& c : cases) rows.push_back(run_case(c, read_gbps, stream));
-  std::printf("\n| batch | kv_len | page | kernel | graph us | direct us | GB/s | of read | err |\n");
+  std::printf(
+      "\n| batch | kv_len | page | kernel | graph us | direct us | GB/s | of read | err |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const BenchRow& r : rows) {
     std::printf("| %d | %d | %d | %s | %.1f | %.1f | %.0f | %.1f%% | %.1e |\n", r.c.batch,

@@ -35,9 +35,9 @@ int pick_instance(int head_dim, int v_head_dim, DType kv_dtype) {
     if ((d == 64 || d == 128 || d == 256) && d >= need && (best == 0 || d < best)) best = d;
   }
   if (best == 0) {
-    throw_error(ErrorKind::kNotSupported, "head_dim", "decode kernel not compiled: head_dim=",
-                head_dim, " v_head_dim=", v_head_dim, " dtype=", dtype_name(kv_dtype),
-                " (compiled head_dims: KVATTN_CUDA_HEAD_DIMS)");
+    throw_error(ErrorKind::kNotSupported, "head_dim",
+                "decode kernel not compiled: head_dim=", head_dim, " v_head_dim=", v_head_dim,
+                " dtype=", dtype_name(kv_dtype), " (compiled head_dims: KVATTN_CUDA_HEAD_DIMS)");
   }
   return best;
 }
@@ -45,9 +45,12 @@ int pick_instance(int head_dim, int v_head_dim, DType kv_dtype) {
 void run_instance(int instance, const DecodeLaunch* launch, DType kv_dtype, int device,
                   cudaStream_t stream, DecodeKernelInfo* info) {
   switch (instance) {
-    case 64: return detail::run_decode_head_dim<64>(launch, kv_dtype, device, stream, info);
-    case 128: return detail::run_decode_head_dim<128>(launch, kv_dtype, device, stream, info);
-    default: return detail::run_decode_head_dim<256>(launch, kv_dtype, device, stream, info);
+    case 64:
+      return detail::run_decode_head_dim<64>(launch, kv_dtype, device, stream, info);
+    case 128:
+      return detail::run_decode_head_dim<128>(launch, kv_dtype, device, stream, info);
+    default:
+      return detail::run_decode_head_dim<256>(launch, kv_dtype, device, stream, info);
   }
 }
 
@@ -65,8 +68,8 @@ DecodeKernelInfo decode_kernel_info(int head_dim, int v_head_dim, DType kv_dtype
                &info);
   info.head_passes = (group_size + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
   if (info.ctas_per_sm < 1) {
-    throw_error(ErrorKind::kDeviceError, "decode_paged_kernel",
-                "no CTA fits on one SM of device ", device);
+    throw_error(ErrorKind::kDeviceError, "decode_paged_kernel", "no CTA fits on one SM of device ",
+                device);
   }
   return info;
 }

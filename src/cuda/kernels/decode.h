@@ -43,8 +43,8 @@ DecodeKernelInfo decode_kernel_info(int head_dim, int v_head_dim, DType kv_dtype
 struct DecodeLaunch {
   core::AttentionParams params;
   const core::DecodeWorkItem* items = nullptr;  ///< [item capacity] device
-  const int32_t* num_items = nullptr;  ///< [1] device: items of the current plan
-  int grid_items = 0;   ///< items the grid covers (>= *num_items; graph capture: the capacity)
+  const int32_t* num_items = nullptr;           ///< [1] device: items of the current plan
+  int grid_items = 0;  ///< items the grid covers (>= *num_items; graph capture: the capacity)
   const int32_t* merge_indptr = nullptr;  ///< [batch_size + 1] device
   float* partial_out = nullptr;           ///< [item capacity, num_q_heads, v_head_dim]
   float* partial_lse = nullptr;           ///< [item capacity, num_q_heads]
@@ -65,9 +65,9 @@ struct MergeStatesLaunch {
   const float* lse_a = nullptr;
   const void* o_b = nullptr;  ///< [num_tokens, num_heads, v_head_dim]
   const float* lse_b = nullptr;
-  void* out = nullptr;        ///< [num_tokens, num_heads, v_head_dim] (may alias o_a)
-  float* lse_out = nullptr;   ///< [num_tokens, num_heads] or null
-  int64_t stride_token = 0;   ///< of o_a and out
+  void* out = nullptr;       ///< [num_tokens, num_heads, v_head_dim] (may alias o_a)
+  float* lse_out = nullptr;  ///< [num_tokens, num_heads] or null
+  int64_t stride_token = 0;  ///< of o_a and out
   int64_t stride_head = 0;
   int64_t b_stride_token = 0;  ///< of o_b
   int64_t b_stride_head = 0;

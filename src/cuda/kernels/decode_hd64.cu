@@ -3,5 +3,5 @@
 
 namespace kvattn::cuda::detail {
 template void run_decode_head_dim<64>(const DecodeLaunch*, DType, int, cudaStream_t,
-                                       DecodeKernelInfo*);
+                                      DecodeKernelInfo*);
 }  // namespace kvattn::cuda::detail

@@ -36,8 +36,8 @@ constexpr int kDecodeMinCtasPerSm = 4;
 
 template <int kHeadDim, DType kKv>
 struct DecodeTraits {
-  static constexpr int kVec = 8;                               // elements per thread chunk
-  static constexpr int kThreadsPerToken = kHeadDim / kVec;     // 8, 16, 32
+  static constexpr int kVec = 8;                            // elements per thread chunk
+  static constexpr int kThreadsPerToken = kHeadDim / kVec;  // 8, 16, 32
   static constexpr int kStreams = kDecodeThreads / kThreadsPerToken;
   static constexpr int kTileTokens = kStreams * kDecodeTokensPerStream;
   static constexpr int kChunkBytes = kv_chunk_bytes<kKv>();
@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
     const bool live = h < num_heads && k_lane;
-    const int64_t base = int64_t(request) * p.q_stride_token + int64_t(head0 + h) * p.q_stride_head + dim0;
+    const int64_t base =
+        int64_t(request) * p.q_stride_token + int64_t(head0 + h) * p.q_stride_head + dim0;
 #pragma unroll
     for (int i = 0; i < T::kVec; ++i) {
       q[h][i] = live && dim0 + i < p.head_dim ? load_io(p.q, p.io_dtype, base + i) * q_scale : 0.f;
@@ -118,14 +119,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   const int64_t kv_base = p.kv_indptr[request] + item.kv_begin;
   const int n_tokens = item.kv_end - item.kv_begin;
   const int num_tiles = (n_tokens + T::kTileTokens - 1) / T::kTileTokens;
-  const char* k_head = static_cast<const char*>(p.k) +
-                       (int64_t(kv_head) * p.k_stride_head + dim0) * kElemBytes;
-  const char* v_head = static_cast<const char*>(p.v) +
-                       (int64_t(kv_head) * p.v_stride_head + dim0) * kElemBytes;
+  const char* k_head =
+      static_cast<const char*>(p.k) + (int64_t(kv_head) * p.k_stride_head + dim0) * kElemBytes;
+  const char* v_head =
+      static_cast<const char*>(p.v) + (int64_t(kv_head) * p.v_stride_head + dim0) * kElemBytes;
   const uint64_t num_slots = uint64_t(p.num_slots);
 
   int32_t slots[kU];
-  auto load_slots = [&](int tile, int32_t (&into)[kU]) {
+  auto load_slots = [&](int tile, int32_t(&into)[kU]) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int local = tile * T::kTileTokens + u * T::kStreams + stream;
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
       into[u] = slot;
     }
   };
-  auto issue = [&](int stage, const int32_t (&slots)[kU]) {
+  auto issue = [&](int stage, const int32_t(&slots)[kU]) {
     unsigned char* k_plane = smem + stage * T::kStageBytes;
     unsigned char* v_plane = k_plane + T::kPlaneBytes;
 #pragma unroll
@@ -145,10 +146,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
       const bool valid = slots[u] >= 0;
       const int64_t slot = valid ? slots[u] : 0;
       const int offset = (u * kDecodeThreads + tid) * T::kChunkBytes;
-      cp_async_zfill<T::kChunkBytes>(k_plane + offset, k_head + slot * p.k_stride_token * kElemBytes,
-                                     valid && k_lane);
-      cp_async_zfill<T::kChunkBytes>(v_plane + offset, v_head + slot * p.v_stride_token * kElemBytes,
-                                     valid && v_lane);
+      cp_async_zfill<T::kChunkBytes>(
+          k_plane + offset, k_head + slot * p.k_stride_token * kElemBytes, valid && k_lane);
+      cp_async_zfill<T::kChunkBytes>(
+          v_plane + offset, v_head + slot * p.v_stride_token * kElemBytes, valid && v_lane);
     }
   };
 
@@ -253,7 +254,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
 #pragma unroll
-          for (int h = 0; h < kH; ++h) s[u * kH + h] += __shfl_xor_sync(0xffffffffu, s[u * kH + h], offset);
+          for (int h = 0; h < kH; ++h)
+            s[u * kH + h] += __shfl_xor_sync(0xffffffffu, s[u * kH + h], offset);
         }
       }
 #pragma unroll
@@ -310,9 +312,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   __syncthreads();  // every thread is done with the pipeline: its memory becomes the merge area
 
   // ---- merge the CTA's streams and write -------------------------------------------------------
-  float* merge_m = reinterpret_cast<float*>(smem);         // [kStreams][kH]
-  float* merge_d = merge_m + T::kStreams * kH;             // [kStreams][kH]
-  float* merge_acc = merge_d + T::kStreams * kH;           // [kStreams][kH][kHeadDim]
+  float* merge_m = reinterpret_cast<float*>(smem);  // [kStreams][kH]
+  float* merge_d = merge_m + T::kStreams * kH;      // [kStreams][kH]
+  float* merge_acc = merge_d + T::kStreams * kH;    // [kStreams][kH][kHeadDim]
   if constexpr (kScatter) {
     if (lane < kH) {  // lane h owns head h's running max and sum
       merge_m[stream * kH + lane] = m[0];
@@ -328,7 +330,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     float* row = merge_acc + (stream * kH + h) * kHeadDim + dim0;
 #pragma unroll
     for (int i = 0; i < T::kVec; i += 4) {
-      *reinterpret_cast<float4*>(row + i) = make_float4(acc[h][i], acc[h][i + 1], acc[h][i + 2], acc[h][i + 3]);
+      *reinterpret_cast<float4*>(row + i) =
+          make_float4(acc[h][i], acc[h][i + 1], acc[h][i + 2], acc[h][i + 3]);
     }
   }
   __syncthreads();
@@ -348,7 +351,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
 #pragma unroll
       for (int st = 0; st < T::kStreams; ++st) {
         const float stream_max = merge_m[st * kH + h];
-        total_sum += stream_max == -INFINITY ? 0.f : merge_d[st * kH + h] * exp2f(stream_max - total_max);
+        total_sum +=
+            stream_max == -INFINITY ? 0.f : merge_d[st * kH + h] * exp2f(stream_max - total_max);
       }
     }
     const bool empty = !(total_sum > 0.f);
@@ -374,7 +378,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     const float lse = head_lse[h];
     const int head = head0 + h;
     if (item.partial < 0) {
-      store_io(p.out, p.io_dtype, int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim, out);
+      store_io(p.out, p.io_dtype,
+               int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim,
+               out);
       if (dim == 0 && p.lse != nullptr) p.lse[int64_t(request) * p.num_q_heads + head] = lse;
     } else {
       const int64_t row = int64_t(item.partial) * p.num_q_heads + head;
@@ -394,8 +400,9 @@ void run_decode_typed(const DecodeLaunch* launch, int device, cudaStream_t strea
   static std::atomic<uint64_t> configured{0};
   const uint64_t bit = uint64_t(1) << (device & 63);
   if ((configured.load() & bit) == 0) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes),
-               "cudaFuncSetAttribute(decode_paged_kernel)");
+    check_cuda(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes),
+        "cudaFuncSetAttribute(decode_paged_kernel)");
     // All of the unified L1/shared storage as shared memory: 4 CTAs x 48 KB need 196 KB.
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     int(cudaSharedmemCarveoutMaxShared)),
@@ -404,8 +411,9 @@ void run_decode_typed(const DecodeLaunch* launch, int device, cudaStream_t strea
   }
   if (info != nullptr) {
     int ctas = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kDecodeThreads, T::kSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(decode_paged_kernel)");
+    check_cuda(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kDecodeThreads, T::kSmemBytes),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor(decode_paged_kernel)");
     info->compiled_head_dim = kHeadDim;
     info->ctas_per_sm = ctas;
     info->tile_tokens = T::kTileTokens;
@@ -413,7 +421,8 @@ void run_decode_typed(const DecodeLaunch* launch, int device, cudaStream_t strea
   }
   const core::AttentionParams& p = launch->params;
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int64_t ctas_per_item = int64_t(p.num_kv_heads) * ((group + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta);
+  const int64_t ctas_per_item =
+      int64_t(p.num_kv_heads) * ((group + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta);
   const int64_t grid = int64_t(launch->grid_items) * ctas_per_item;
   if (grid == 0) return;
   check_arg(grid < (int64_t(1) << 31), "grid", grid, " CTAs exceed the launch limit");
@@ -441,8 +450,8 @@ void run_decode_head_dim(const DecodeLaunch* launch, DType kv_dtype, int device,
     throw_error(ErrorKind::kNotSupported, "kv_dtype", dtype_name(kv_dtype),
                 " is not a KV storage dtype of the decode kernel");
   } else {
-    throw_error(ErrorKind::kNotSupported, "head_dim", "decode kernel not compiled: head_dim=",
-                kHeadDim, " (KVATTN_CUDA_HEAD_DIMS)");
+    throw_error(ErrorKind::kNotSupported, "head_dim",
+                "decode kernel not compiled: head_dim=", kHeadDim, " (KVATTN_CUDA_HEAD_DIMS)");
   }
 }
 

@@ -20,17 +20,26 @@ constexpr float kLn2 = 0.6931471805599453f;    // ln(2): back to natural-log LSE
 
 __device__ __forceinline__ float load_io(const void* base, DType dtype, int64_t index) {
   switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(base)[index];
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[index]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
+    case DType::kFloat32:
+      return static_cast<const float*>(base)[index];
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(base)[index]);
+    default:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
   }
 }
 
 __device__ __forceinline__ void store_io(void* base, DType dtype, int64_t index, float value) {
   switch (dtype) {
-    case DType::kFloat32: static_cast<float*>(base)[index] = value; break;
-    case DType::kFloat16: static_cast<__half*>(base)[index] = __float2half_rn(value); break;
-    default: static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(value); break;
+    case DType::kFloat32:
+      static_cast<float*>(base)[index] = value;
+      break;
+    case DType::kFloat16:
+      static_cast<__half*>(base)[index] = __float2half_rn(value);
+      break;
+    default:
+      static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(value);
+      break;
   }
 }
 
@@ -64,8 +73,7 @@ __device__ __forceinline__ void chunk_to_float(const void* chunk, float (&out)[8
       out[2 * i + 1] = f.y;
     }
   } else {
-    constexpr __nv_fp8_interpretation_t kind =
-        kKv == DType::kFloat8E4M3 ? __NV_E4M3 : __NV_E5M2;
+    constexpr __nv_fp8_interpretation_t kind = kKv == DType::kFloat8E4M3 ? __NV_E4M3 : __NV_E5M2;
     const uint2 raw = *static_cast<const uint2*>(chunk);
     const uint32_t words[2] = {raw.x, raw.y};
 #pragma unroll
@@ -92,8 +100,7 @@ __device__ __forceinline__ void store_kv(void* base, int64_t index, float value)
   } else if constexpr (kKv == DType::kFloat16) {
     static_cast<__half*>(base)[index] = __float2half_rn(value);
   } else {
-    constexpr __nv_fp8_interpretation_t kind =
-        kKv == DType::kFloat8E4M3 ? __NV_E4M3 : __NV_E5M2;
+    constexpr __nv_fp8_interpretation_t kind = kKv == DType::kFloat8E4M3 ? __NV_E4M3 : __NV_E5M2;
     static_cast<__nv_fp8_storage_t*>(base)[index] =
         __nv_cvt_float_to_fp8(value, __NV_SATFINITE, kind);
   }
@@ -116,7 +123,9 @@ __device__ __forceinline__ void cp_async_zfill(void* smem_dst, const void* src, 
   }
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {

@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kIndexThreads) build_kv_indices_kernel(const K
   }
 }
 
-__global__ void __launch_bounds__(kIndexThreads) build_draft_kv_indices_kernel(const DraftIndexBuild b) {
+__global__ void __launch_bounds__(kIndexThreads)
+    build_draft_kv_indices_kernel(const DraftIndexBuild b) {
   const int entry = int(blockIdx.y);  // request * topk + branch
   const int local_step = int(blockIdx.z);
   const int step = b.first_step + local_step;
@@ -100,8 +101,8 @@ void launch_build_kv_indices(const KvIndexBuild& b, cudaStream_t stream) {
 
 void launch_build_draft_kv_indices(const DraftIndexBuild& b, cudaStream_t stream) {
   if (b.batch_size == 0) return;
-  check_arg(int64_t(b.batch_size) * b.topk < 65536, "batch_size", "batch_size * topk = ",
-            int64_t(b.batch_size) * b.topk, ", expected < 65536");
+  check_arg(int64_t(b.batch_size) * b.topk < 65536, "batch_size",
+            "batch_size * topk = ", int64_t(b.batch_size) * b.topk, ", expected < 65536");
   check_arg(b.num_steps >= 1 && b.num_steps <= kMaxDraftStepsPerLaunch, "num_steps", "got ",
             b.num_steps, ", expected 1..", kMaxDraftStepsPerLaunch, " per launch");
   const dim3 grid(ctas_per_entry(b.max_kv_len), uint32_t(b.batch_size * b.topk),

@@ -30,9 +30,9 @@ struct KvIndexBuild {
   const int32_t* kv_len = nullptr;     ///< [batch_size] device
   const int64_t* kv_indptr = nullptr;  ///< [batch_size + 1] device
   int batch_size = 0;
-  int32_t* kv_indices = nullptr;       ///< [kv_indptr[batch_size]] device
+  int32_t* kv_indices = nullptr;  ///< [kv_indptr[batch_size]] device
   int64_t num_slots = 0;
-  uint32_t* error_word = nullptr;      ///< device-visible ErrorWord
+  uint32_t* error_word = nullptr;  ///< device-visible ErrorWord
   /// Keys the grid is sized for per entry (the step's longest; graph capture: max_context_len).
   int max_kv_len = 0;
 };
@@ -46,11 +46,11 @@ constexpr int kMaxDraftStepsPerLaunch = 16;
 /// at req_to_token positions prefix_r + t * topk + b. Steps [first_step, first_step +
 /// num_steps) in one launch; step first_step + i writes kv_indices[i] at its kv_indptr[i].
 struct DraftIndexBuild {
-  ReqToTokenSource source;             ///< req_pool_indices has batch_size (requests) entries
+  ReqToTokenSource source;  ///< req_pool_indices has batch_size (requests) entries
   int batch_size = 0;
   int topk = 0;
   int first_step = 0;
-  int num_steps = 0;                   ///< <= kMaxDraftStepsPerLaunch
+  int num_steps = 0;  ///< <= kMaxDraftStepsPerLaunch
   /// Per step, the host plan's arrays on the device: kv_len [batch_size * topk] (= prefix + step
   /// + 1, so the copy never outgrows the planned range) and kv_indptr [batch_size * topk + 1].
   const int32_t* kv_len[kMaxDraftStepsPerLaunch] = {};
@@ -58,7 +58,7 @@ struct DraftIndexBuild {
   int32_t* kv_indices[kMaxDraftStepsPerLaunch] = {};
   int64_t num_slots = 0;
   uint32_t* error_word = nullptr;
-  int max_kv_len = 0;                  ///< grid sizing, as in KvIndexBuild
+  int max_kv_len = 0;  ///< grid sizing, as in KvIndexBuild
 };
 void launch_build_draft_kv_indices(const DraftIndexBuild& build, cudaStream_t stream);
 

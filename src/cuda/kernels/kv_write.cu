@@ -41,13 +41,15 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(const KvWriteLa
       continue;
     }
     if (e < w.head_dim) {
-      const float x = load_io(w.k, w.io_dtype, token * w.k_stride_token + head * w.k_stride_head + e);
+      const float x =
+          load_io(w.k, w.io_dtype, token * w.k_stride_token + head * w.k_stride_head + e);
       // Division, not a reciprocal multiply, so the stored value matches the host's k / k_scale.
       store_kv<kKv>(w.k_cache, slot * w.k_cache_stride_token + head * w.k_cache_stride_head + e,
                     fp8 ? x / w.k_scale : x);
     } else {
       const int64_t ev = e - w.head_dim;
-      const float x = load_io(w.v, w.io_dtype, token * w.v_stride_token + head * w.v_stride_head + ev);
+      const float x =
+          load_io(w.v, w.io_dtype, token * w.v_stride_token + head * w.v_stride_head + ev);
       store_kv<kKv>(w.v_cache, slot * w.v_cache_stride_token + head * w.v_cache_stride_head + ev,
                     fp8 ? x / w.v_scale : x);
     }
@@ -59,7 +61,8 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(const KvWriteLa
 void launch_kv_write(const KvWriteLaunch& w, cudaStream_t stream) {
   const int64_t total = w.num_tokens * w.num_kv_heads * (int64_t(w.head_dim) + w.v_head_dim);
   if (total == 0) return;
-  const dim3 grid(uint32_t(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, kMaxWriteCtas)));
+  const dim3 grid(
+      uint32_t(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, kMaxWriteCtas)));
   switch (w.kv_dtype) {
     case DType::kBFloat16:
       kv_write_kernel<DType::kBFloat16><<<grid, kWriteThreads, 0, stream>>>(w);
@@ -93,8 +96,10 @@ __global__ void __launch_bounds__(kWriteThreads) convert_rows_kernel(const Conve
     const int64_t rest = index % (int64_t(c.heads) * c.dim);
     const int64_t head = rest / c.dim;
     const int64_t e = rest % c.dim;
-    const float x = load_io(c.src, c.src_dtype, row * c.src_stride_token + head * c.src_stride_head + e);
-    detail::store_io(c.dst, c.dst_dtype, row * c.dst_stride_token + head * c.dst_stride_head + e, x);
+    const float x =
+        load_io(c.src, c.src_dtype, row * c.src_stride_token + head * c.src_stride_head + e);
+    detail::store_io(c.dst, c.dst_dtype, row * c.dst_stride_token + head * c.dst_stride_head + e,
+                     x);
   }
 }
 
@@ -103,7 +108,8 @@ __global__ void __launch_bounds__(kWriteThreads) convert_rows_kernel(const Conve
 void launch_convert_rows(const ConvertRowsLaunch& c, cudaStream_t stream) {
   const int64_t total = c.rows * c.heads * c.dim;
   if (total == 0) return;
-  const dim3 grid(uint32_t(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, kMaxWriteCtas)));
+  const dim3 grid(
+      uint32_t(std::min<int64_t>((total + kWriteThreads - 1) / kWriteThreads, kMaxWriteCtas)));
   convert_rows_kernel<<<grid, kWriteThreads, 0, stream>>>(c);
   check_launch("convert_rows_kernel");
 }

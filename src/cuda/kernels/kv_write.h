@@ -53,7 +53,7 @@ struct ConvertRowsLaunch {
   int64_t src_stride_token = 0;
   int64_t src_stride_head = 0;
   DType src_dtype = DType::kFloat32;
-  void* dst = nullptr;        ///< [rows, heads, dim] dst_dtype
+  void* dst = nullptr;  ///< [rows, heads, dim] dst_dtype
   int64_t dst_stride_token = 0;
   int64_t dst_stride_head = 0;
   DType dst_dtype = DType::kBFloat16;

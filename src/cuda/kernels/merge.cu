@@ -27,7 +27,8 @@ constexpr int kMergeWarps = kDecodeMergeThreads / 32;
 constexpr int kMergeBatch = 4;
 constexpr int kMaxDimsPerLane = 8;  // v_head_dim <= 256
 
-__global__ void __launch_bounds__(kDecodeMergeThreads) decode_merge_kernel(const DecodeLaunch launch) {
+__global__ void __launch_bounds__(kDecodeMergeThreads)
+    decode_merge_kernel(const DecodeLaunch launch) {
   const core::AttentionParams& p = launch.params;
   const int request = int(blockIdx.x);
   const int head = int(blockIdx.y);
@@ -55,7 +56,8 @@ __global__ void __launch_bounds__(kDecodeMergeThreads) decode_merge_kernel(const
 #pragma unroll
       for (int j = 0; j < kMaxDimsPerLane; ++j) {
         const int dim = lane + 32 * j;
-        part_out[b][j] = valid && dim < p.v_head_dim ? launch.partial_out[row * p.v_head_dim + dim] : 0.f;
+        part_out[b][j] =
+            valid && dim < p.v_head_dim ? launch.partial_out[row * p.v_head_dim + dim] : 0.f;
       }
     }
 #pragma unroll
@@ -83,7 +85,8 @@ __global__ void __launch_bounds__(kDecodeMergeThreads) decode_merge_kernel(const
       total_lse = merged;
     }
     store_io(p.out, p.io_dtype,
-             int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim, value);
+             int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim,
+             value);
     if (dim == 0 && p.lse != nullptr) p.lse[int64_t(request) * p.num_q_heads + head] = total_lse;
   }
 }
