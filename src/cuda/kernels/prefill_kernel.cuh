@@ -56,7 +56,10 @@ struct PrefillTraits {
   static constexpr int kStageBytes = 2 * kKvTileBytes;           // K and V
   // Paged: the slots of the next two steps' keys, copied one step ahead of their use.
   static constexpr int kSlotBytes = 2 * kTileKeys * 4;
-  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kSlotBytes;
+  // kCustom: the request's mask row base and row length (kept in shared memory rather than in
+  // registers the whole loop would carry).
+  static constexpr int kMaskInfoBytes = 16;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kSlotBytes + kMaskInfoBytes;
   static constexpr int kMinBlocks = 2;
   static_assert(kHeadDim % 64 == 0, "the XOR swizzle needs >= 8 chunks a row");
   static_assert((kTileKeys * kChunks) % kThreads == 0, "whole K/V chunks per thread");
@@ -213,11 +216,17 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
 
   // kCustom: the request's mask is [q_len, row_len] with row_len >= kv_len; the keys are the
-  // last kv_len columns of a row (the CPU backend's contract).
-  auto custom_row = [&](int token) -> const uint8_t* {
+  // last kv_len columns of a row (the CPU backend's contract). Read after the first barrier.
+  int64_t* mask_info =
+      reinterpret_cast<int64_t*>(smem + Tr::kQBytes + 2 * Tr::kStageBytes + Tr::kSlotBytes);
+  if (custom && tid == 0) {
     const int64_t begin = p.mask_indptr[request];
     const int64_t row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
-    return p.custom_mask + begin + token * row_len + (row_len - kv_len);
+    mask_info[0] = reinterpret_cast<int64_t>(p.custom_mask + begin + (row_len - kv_len));
+    mask_info[1] = row_len;
+  }
+  auto custom_row = [&](int token) -> const uint8_t* {
+    return reinterpret_cast<const uint8_t*>(mask_info[0]) + token * mask_info[1];
   };
 
   // ---- loads ----------------------------------------------------------------------------
@@ -561,6 +570,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     // Stage the warp's rows of O in its own rows of the Q tile (no other warp reads them), then
     // store 16-byte chunks.
     unsigned char* s_out = smem;
+    __syncwarp();  // every lane's last ldmatrix of these rows is done before any lane overwrites
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
