@@ -224,11 +224,18 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
 
 void run_call(const CallState& call, const core::AttentionParams& params, int device,
               cudaStream_t stream) {
+  const bool capturing = stream_is_capturing(stream);
   if (call.prefill) {
+    // The prefill plan's item count follows the lengths, so a captured grid would not cover a
+    // later replay's plan: refuse rather than replay wrong results.
+    if (capturing) {
+      throw_error(ErrorKind::kNotSupported, "cuda graph",
+                  "capturing the tensor-core path (TARGET_VERIFY, tensor-core decode) is not "
+                  "supported yet; capture DECODE with KVATTN_DECODE_TENSOR_CORES=0");
+    }
     launch_batch_prefill(params, call.prefill_tiles, stream);
     return;
   }
-  const bool capturing = stream_is_capturing(stream);
   DecodeLaunch launch;
   launch.params = params;
   launch.items = call.meta<core::DecodeWorkItem>(call.offsets.decode_items);
