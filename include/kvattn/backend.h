@@ -60,6 +60,10 @@ class AttentionBackend {
   virtual ~AttentionBackend() = default;
   virtual BackendKind kind() const = 0;
   virtual Device device() const = 0;
+  /// CUDA backend: the cudaStream_t later calls run on (an engine switches streams, e.g. for
+  /// graph capture on a side stream). Set it before init_forward_metadata of a step, not between
+  /// a step's metadata and its forward calls. Ignored by the CPU backend.
+  virtual void set_cuda_stream(void* stream) { (void)stream; }
 
   /// Once per step: builds index arrays, masks and the work plan. = out_graph + in_graph.
   void init_forward_metadata(const ForwardBatch& batch) {
@@ -128,6 +132,8 @@ class MultiStepDraftBackend {
                     const TensorView& out, const AttentionLayer& layer,
                     const TensorView& out_cache_loc);
   void init_cuda_graph_state(int max_bs);
+  /// As AttentionBackend::set_cuda_stream.
+  void set_cuda_stream(void* stream);
 
  private:
   struct Impl;

@@ -172,9 +172,12 @@ class _NativeBackendBase:
         cache_config = self.kv_cache.config
         self.device = torch.device(cache_config.device)
         self.kind = kind or ("cuda" if self.device.type == "cuda" else "cpu")
-        if cuda_stream is None and self.device.type == "cuda":
-            # The stream the engine runs on now; kernels are ordered with its other work.
+        # Without an explicit stream the backend follows torch's current stream, re-read at each
+        # step's metadata call (graph capture runs on a side stream).
+        self._follow_current_stream = cuda_stream is None and self.device.type == "cuda"
+        if self._follow_current_stream:
             cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._stream = cuda_stream or 0
         self.config = _kvattn.BackendConfig(
             kv_cache=self.kv_cache, req_to_token_pool=self.native_req_to_token_pool,
             num_q_heads=num_q_heads,
@@ -311,8 +314,20 @@ class KvattnAttnBackend(_NativeBackendBase):
         self.init_forward_metadata_out_graph(forward_batch)
         self.init_forward_metadata_in_graph(forward_batch)
 
+    def _follow_stream(self) -> None:
+        """Points the native backend at torch's current stream when it has moved."""
+        if not self._follow_current_stream:
+            return
+        get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        stream = (get_raw(self.device.index or 0) if get_raw is not None
+                  else torch.cuda.current_stream(self.device).cuda_stream)
+        if stream != self._stream:
+            self._stream = stream
+            self.native.set_cuda_stream(stream)
+
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
         """Host work with dynamic shapes (index arrays, plan); outside CUDA-graph capture."""
+        self._follow_stream()
         self.native.init_forward_metadata_out_graph(self._bind(forward_batch), in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
@@ -455,6 +470,7 @@ class KvattnMultiStepDraftBackend(_NativeBackendBase):
         batch.topk = self.topk
         batch.num_steps = self.speculative_num_steps
         self._batch, self._batch_source = batch, forward_batch
+        self._follow_stream()
         self.native.init_forward_metadata(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: Optional[int] = None) -> None:

@@ -393,6 +393,10 @@ void bind_backend(nb::module_& m) {
           nb::arg("max_bs"), nb::arg("max_num_tokens"))
       .def("get_cuda_graph_seq_len_fill_value",
            [](const PyBackend& b) { return b.impl->cuda_graph_seq_len_fill_value(); })
+      .def(
+          "set_cuda_stream",
+          [](PyBackend& b, uintptr_t stream) { b.impl->set_cuda_stream(reinterpret_cast<void*>(stream)); },
+          nb::arg("stream"), "The cudaStream_t (int) later calls run on; set it before a step.")
       .def("on_after_cuda_graph_warmup", [](PyBackend& b) { b.impl->on_after_cuda_graph_warmup(); })
       .def(
           "get_verify_buffers_to_fill_after_draft",
@@ -452,6 +456,10 @@ void bind_backend(nb::module_& m) {
       .def_prop_ro("topk", [](const PyDraftBackend& d) { return d.impl->topk(); })
       .def_prop_ro("num_steps", [](const PyDraftBackend& d) { return d.impl->num_steps(); })
       .def_prop_ro("q_dtype", [](const PyDraftBackend& d) { return d.config.q_dtype; })
+      .def(
+          "set_cuda_stream",
+          [](PyDraftBackend& d, uintptr_t stream) { d.impl->set_cuda_stream(reinterpret_cast<void*>(stream)); },
+          nb::arg("stream"), "The cudaStream_t (int) later calls run on; set it before a step.")
       .def(
           "init_forward_metadata",
           [](PyDraftBackend& d, const PyForwardBatch& batch) {

@@ -165,4 +165,6 @@ void MultiStepDraftBackend::init_cuda_graph_state(int max_bs) {
   impl_->runner->init_cuda_graph_state(max_bs);
 }
 
+void MultiStepDraftBackend::set_cuda_stream(void* stream) { impl_->runner->set_cuda_stream(stream); }
+
 }  // namespace kvattn

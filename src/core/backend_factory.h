@@ -19,6 +19,7 @@ class DraftRunner {
                             const TensorView& v, const TensorView& out,
                             const AttentionLayer& layer, const TensorView& out_cache_loc) = 0;
   virtual void init_cuda_graph_state(int max_bs) = 0;
+  virtual void set_cuda_stream(void* stream) { (void)stream; }
 };
 
 }  // namespace kvattn::core

@@ -324,6 +324,7 @@ class CudaBackend final : public AttentionBackend {
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   Device device() const override { return device_; }
+  void set_cuda_stream(void* stream) override { config_.cuda_stream = stream; }
 
   void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) override {
     set_device();

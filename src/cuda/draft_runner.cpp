@@ -131,6 +131,8 @@ class CudaDraftRunner final : public core::DraftRunner {
              stream);
   }
 
+  void set_cuda_stream(void* stream) override { config_.cuda_stream = stream; }
+
   void init_cuda_graph_state(int max_bs) override {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
     const int entries = max_bs * topk_;
