@@ -398,15 +398,22 @@ std::string json_string(const std::string& value) {
   return out + "\"";
 }
 
-void write_json(const std::string& path, const std::string& device_name, const Ceilings& ceilings,
-                const std::vector<RowResult>& results) {
+/// The source state a run measures, taken when it starts (HEAD may move during a long run).
+struct RunStamp {
+  std::string commit;
+  bool dirty = false;
+  std::string date;
+};
+
+void write_json(const std::string& path, const std::string& device_name, const RunStamp& stamp,
+                const Ceilings& ceilings, const std::vector<RowResult>& results) {
   const std::filesystem::path file(path);
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
   std::ofstream out(path);
   if (!out) throw_error(ErrorKind::kInvalidArgument, "--json", "cannot write '", path, "'");
   out << "{\"device\": " << json_string(device_name) << ", \"commit\": "
-      << json_string(git_commit()) << ", \"dirty\": " << (git_dirty() ? "true" : "false")
-      << ", \"date\": " << json_string(today_iso()) << ",\n";
+      << json_string(stamp.commit) << ", \"dirty\": " << (stamp.dirty ? "true" : "false")
+      << ", \"date\": " << json_string(stamp.date) << ",\n";
   out << " \"ceilings\": {\"copy_gbps\": " << json_number(ceilings.copy_gbps)
       << ", \"read_gbps\": " << json_number(ceilings.read_gbps)
       << ", \"gemm_bf16_tflops\": " << json_number(ceilings.gemm_bf16_tflops);
@@ -526,6 +533,7 @@ int run_bench(const std::vector<std::string>& args) {
   const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
   const std::string json_path = parsed.get("--json", "");
   const std::string device_name = device_description(device);
+  const RunStamp stamp{git_commit(), git_dirty(), today_iso()};
 
   std::vector<GridRow> grid;
   for (const GridRow& row : make_grid()) {
@@ -567,8 +575,8 @@ int run_bench(const std::vector<std::string>& args) {
   // touches 4x the last-level cache (CPU L3 / GPU L2).
   const int64_t rotate_bytes = 4 * cache_bytes;
 
-  std::printf("kvattn bench: %s, commit %s%s, %s\n", device_name.c_str(), git_commit().c_str(),
-              git_dirty() ? " (tree modified)" : "", today_iso().c_str());
+  std::printf("kvattn bench: %s, commit %s%s, %s\n", device_name.c_str(), stamp.commit.c_str(),
+              stamp.dirty ? " (tree modified)" : "", stamp.date.c_str());
   if (cpu) {
     std::printf("ceilings (this run): read %.1f GB/s (1 GiB, %u threads, AVX2 loads); fp32 FMA "
                 "%.1f GFLOP/s\n",
@@ -680,7 +688,7 @@ int run_bench(const std::vector<std::string>& args) {
   std::printf("\n%d rows measured, %d skipped, %d failed (%.0f s)\n", measured, skipped, failed,
               seconds_since(bench_start));
   if (!json_path.empty()) {
-    write_json(json_path, device_name, ceilings, results);
+    write_json(json_path, device_name, stamp, ceilings, results);
     std::printf("wrote %s\n", json_path.c_str());
   }
   return failed == 0 ? 0 : 1;

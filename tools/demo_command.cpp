@@ -668,20 +668,22 @@ class ServingSession {
                 "%d requests reused the system prompt's KV (%d tokens not recomputed)\n",
                 requests_.size(), static_cast<long long>(prompt),
                 static_cast<long long>(generated), shared, shared * kSharedPrefixLen);
-    std::printf("  prefill: %lld query tokens x %d layers in %.2f s of attention: %.0f tokens/s\n",
-                static_cast<long long>(prefill_tokens_), kNumLayers, prefill_seconds_,
+    std::printf("  prefill: %lld query tokens x %d layers in %s of attention: %.0f tokens/s\n",
+                static_cast<long long>(prefill_tokens_), kNumLayers,
+                format_us(prefill_seconds_ * 1e6).c_str(),
                 prefill_seconds_ > 0 ? double(prefill_tokens_) / prefill_seconds_ : 0.0);
-    std::printf("  decode + verify: %lld query tokens x %d layers in %.2f s of attention: %.0f "
+    std::printf("  decode + verify: %lld query tokens x %d layers in %s of attention: %.0f "
                 "tokens/s\n",
-                static_cast<long long>(decode_query_tokens_), kNumLayers, decode_seconds_,
+                static_cast<long long>(decode_query_tokens_), kNumLayers,
+                format_us(decode_seconds_ * 1e6).c_str(),
                 decode_seconds_ > 0 ? double(decode_query_tokens_) / decode_seconds_ : 0.0);
     if (verify_requests_ > 0) {
       std::printf("  speculative: %d request-verifications of %d-token trees accepted %.2f "
                   "tokens each on average\n",
                   verify_requests_, kDraftTokens, double(verify_accepted_) / verify_requests_);
     }
-    std::printf("  generation: %lld tokens in %.2f s of attention: %.0f tokens/s end to end\n",
-                static_cast<long long>(generated), attention_seconds_,
+    std::printf("  generation: %lld tokens in %s of attention: %.0f tokens/s end to end\n",
+                static_cast<long long>(generated), format_us(attention_seconds_ * 1e6).c_str(),
                 attention_seconds_ > 0 ? double(generated) / attention_seconds_ : 0.0);
     if (checks_.steps > 0) {
       std::printf("  verification: %d sampled steps checked against the float64 reference "
