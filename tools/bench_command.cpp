@@ -41,12 +41,12 @@ const std::vector<OptionSpec>& bench_options() {
   static const std::vector<OptionSpec> specs = {
       {"--device", "cpu|cuda", "device to time (default: cuda when a GPU is visible)"},
       {"--quick", "", "a few representative rows, fewer repetitions"},
-      {"--json", "FILE", "write the SPEC §6 results file (e.g. bench/results/cpu-grid-<date>.json)"},
+      {"--json", "FILE",
+       "write the SPEC §6 results file (e.g. bench/results/cpu-grid-<date>.json)"},
       {"--workload", "all|decode|prefill|extend", "only rows of this workload (default all)"},
       {"--max-row-seconds", "S",
        "CPU: skip rows whose one call is estimated above S s (default 15; --quick 1)"},
-      {"--max-gib", "G",
-       "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
+      {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
       {"--seed", "N", "seed of the random data (default 1)"},
   };
   return specs;
@@ -56,12 +56,12 @@ const std::vector<OptionSpec>& bench_options() {
 struct GridRow {
   std::string workload;  ///< "decode", "prefill" or "extend"
   int batch = 1;
-  int kv_len = 0;        ///< KV tokens per request: decode the context, extend prefix + new
-  int qo_len = 1;        ///< query tokens per request
+  int kv_len = 0;  ///< KV tokens per request: decode the context, extend prefix + new
+  int qo_len = 1;  ///< query tokens per request
   int prefix_len = 0;
   int page_size = 1;
   int head_dim = 128;
-  std::string variant;   ///< "page1-shuffled", "page16-shuffled", "causal"
+  std::string variant;  ///< "page1-shuffled", "page16-shuffled", "causal"
   bool in_quick = false;
 
   bool is_decode() const { return workload == "decode"; }
@@ -127,8 +127,8 @@ std::vector<GridRow> make_grid() {
 
 struct Ceilings {
   double read_gbps = kNaN;
-  double copy_gbps = kNaN;          ///< CUDA only
-  double gemm_bf16_tflops = kNaN;   ///< CUDA only
+  double copy_gbps = kNaN;            ///< CUDA only
+  double gemm_bf16_tflops = kNaN;     ///< CUDA only
   double cpu_fma_fp32_gflops = kNaN;  ///< CPU only
 };
 
@@ -255,11 +255,10 @@ class BenchWorld {
     }
     std::sort(samples.begin(), samples.end(),
               [](const Sample& a, const Sample& b) { return a.out_row < b.out_row; });
-    samples.erase(std::unique(samples.begin(), samples.end(),
-                              [](const Sample& a, const Sample& b) {
-                                return a.out_row == b.out_row;
-                              }),
-                  samples.end());
+    samples.erase(
+        std::unique(samples.begin(), samples.end(),
+                    [](const Sample& a, const Sample& b) { return a.out_row == b.out_row; }),
+        samples.end());
 
     std::vector<std::vector<int32_t>> rows;
     std::vector<int64_t> out_rows;
@@ -339,13 +338,13 @@ class BenchWorld {
   /// Rows of a [tokens, ...] tensor (row_elems values each) copied into a dense host tensor.
   static OwnedTensor copy_rows_to_host(const TensorView& tensor, const std::vector<int64_t>& rows,
                                        int64_t row_elems) {
-    OwnedTensor host = OwnedTensor::make(Device::cpu(), tensor.dtype(),
-                                         {int64_t(rows.size()), row_elems});
+    OwnedTensor host =
+        OwnedTensor::make(Device::cpu(), tensor.dtype(), {int64_t(rows.size()), row_elems});
     const int64_t row_bytes = row_elems * dtype_size(tensor.dtype());
     for (size_t i = 0; i < rows.size(); ++i) {
-      copy_bytes(static_cast<uint8_t*>(host.view.data()) + int64_t(i) * row_bytes,
-                 Device::cpu(), static_cast<const uint8_t*>(tensor.data()) + rows[i] * row_bytes,
-                 tensor.device(), size_t(row_bytes));
+      copy_bytes(static_cast<uint8_t*>(host.view.data()) + int64_t(i) * row_bytes, Device::cpu(),
+                 static_cast<const uint8_t*>(tensor.data()) + rows[i] * row_bytes, tensor.device(),
+                 size_t(row_bytes));
     }
     return host;
   }
@@ -411,8 +410,9 @@ void write_json(const std::string& path, const std::string& device_name, const R
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
   std::ofstream out(path);
   if (!out) throw_error(ErrorKind::kInvalidArgument, "--json", "cannot write '", path, "'");
-  out << "{\"device\": " << json_string(device_name) << ", \"commit\": "
-      << json_string(stamp.commit) << ", \"dirty\": " << (stamp.dirty ? "true" : "false")
+  out << "{\"device\": " << json_string(device_name)
+      << ", \"commit\": " << json_string(stamp.commit)
+      << ", \"dirty\": " << (stamp.dirty ? "true" : "false")
       << ", \"date\": " << json_string(stamp.date) << ",\n";
   out << " \"ceilings\": {\"copy_gbps\": " << json_number(ceilings.copy_gbps)
       << ", \"read_gbps\": " << json_number(ceilings.read_gbps)
@@ -494,9 +494,8 @@ void print_row(const RowResult& r, bool cpu) {
     }
   }
   std::printf("%-8s %5d %6d %6d %6d %4d %4d %-16s %10s %14s %8s %11s  %s\n", g.workload.c_str(),
-              g.batch, g.kv_len, g.qo_len, g.prefix_len, g.page_size, g.head_dim,
-              g.variant.c_str(), time.c_str(), rate.c_str(), fraction.c_str(), err.c_str(),
-              r.note.c_str());
+              g.batch, g.kv_len, g.qo_len, g.prefix_len, g.page_size, g.head_dim, g.variant.c_str(),
+              time.c_str(), rate.c_str(), fraction.c_str(), err.c_str(), r.note.c_str());
   std::fflush(stdout);
 }
 
@@ -528,8 +527,7 @@ int run_bench(const std::vector<std::string>& args) {
   const bool quick = parsed.has("--quick");
   const std::string workload =
       parsed.get_choice("--workload", "all", {"all", "decode", "prefill", "extend"});
-  const double max_row_seconds =
-      parsed.get_double("--max-row-seconds", quick ? 1.0 : 15.0, 0, 1e6);
+  const double max_row_seconds = parsed.get_double("--max-row-seconds", quick ? 1.0 : 15.0, 0, 1e6);
   const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
   const std::string json_path = parsed.get("--json", "");
   const std::string device_name = device_description(device);
@@ -578,18 +576,21 @@ int run_bench(const std::vector<std::string>& args) {
   std::printf("kvattn bench: %s, commit %s%s, %s\n", device_name.c_str(), stamp.commit.c_str(),
               stamp.dirty ? " (tree modified)" : "", stamp.date.c_str());
   if (cpu) {
-    std::printf("ceilings (this run): read %.1f GB/s (1 GiB, %u threads, AVX2 loads); fp32 FMA "
-                "%.1f GFLOP/s\n",
-                ceilings.read_gbps, std::max(1u, std::thread::hardware_concurrency()),
-                ceilings.cpu_fma_fp32_gflops);
-    std::printf("fraction: decode of read GB/s; prefill/extend of the fp32 FMA rate. Rows whose "
-                "one call is estimated over %.1f s, or whose world needs over %.1f GiB, are "
-                "skipped.\n",
-                max_row_seconds, double(memory_limit) / double(kGiB));
+    std::printf(
+        "ceilings (this run): read %.1f GB/s (1 GiB, %u threads, AVX2 loads); fp32 FMA "
+        "%.1f GFLOP/s\n",
+        ceilings.read_gbps, std::max(1u, std::thread::hardware_concurrency()),
+        ceilings.cpu_fma_fp32_gflops);
+    std::printf(
+        "fraction: decode of read GB/s; prefill/extend of the fp32 FMA rate. Rows whose "
+        "one call is estimated over %.1f s, or whose world needs over %.1f GiB, are "
+        "skipped.\n",
+        max_row_seconds, double(memory_limit) / double(kGiB));
   } else {
-    std::printf("ceilings (this run): read %.0f GB/s (4 GiB), copy %.0f GB/s, bf16 GEMM 8192^3 "
-                "%.0f TFLOP/s\n",
-                ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
+    std::printf(
+        "ceilings (this run): read %.0f GB/s (4 GiB), copy %.0f GB/s, bf16 GEMM 8192^3 "
+        "%.0f TFLOP/s\n",
+        ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
     std::printf("fraction: decode of read GB/s; prefill/extend of the GEMM rate.\n");
   }
   std::printf("\n");
@@ -611,8 +612,8 @@ int run_bench(const std::vector<std::string>& args) {
     // A call of seconds is timed twice (see time_cpu below): more input sets would go unused.
     const bool long_call = cpu && estimate_s > 1.0;
     const int64_t per_call = BenchWorld::call_bytes(row);
-    const int sets = int(std::clamp<int64_t>((rotate_bytes + per_call - 1) / per_call, 1,
-                                             long_call ? 2 : 32));
+    const int sets =
+        int(std::clamp<int64_t>((rotate_bytes + per_call - 1) / per_call, 1, long_call ? 2 : 32));
     result.input_sets = sets;
     const int64_t needed = BenchWorld::world_bytes(row, sets);
     std::fprintf(stderr, "[%zu/%zu %.0fs] %s ", i + 1, grid.size(), seconds_since(bench_start),
@@ -671,8 +672,8 @@ int run_bench(const std::vector<std::string>& args) {
         result.note = std::string("FAIL: ") + e.what();
       }
     }
-    std::fprintf(stderr, "%s\n", result.measured ? format_us(result.time_us).c_str()
-                                                 : result.note.c_str());
+    std::fprintf(stderr, "%s\n",
+                 result.measured ? format_us(result.time_us).c_str() : result.note.c_str());
     print_row(result, cpu);
     results.push_back(result);
   }
@@ -681,9 +682,12 @@ int run_bench(const std::vector<std::string>& args) {
   int skipped = 0;
   int failed = 0;
   for (const RowResult& r : results) {
-    if (r.failed) ++failed;
-    else if (r.measured) ++measured;
-    else ++skipped;
+    if (r.failed)
+      ++failed;
+    else if (r.measured)
+      ++measured;
+    else
+      ++skipped;
   }
   std::printf("\n%d rows measured, %d skipped, %d failed (%.0f s)\n", measured, skipped, failed,
               seconds_since(bench_start));

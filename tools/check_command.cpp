@@ -71,8 +71,10 @@ int run_check(const std::vector<std::string>& args) {
     const bool ok = error.empty() && result.passed && result.kv_pool_ok;
     (ok ? passed : failed) += 1;
     std::string verdict = ok ? "ok" : "FAIL";
-    if (!error.empty()) verdict = "FAIL (threw)";
-    else if (!ok && !result.kv_pool_ok) verdict = "FAIL (kv pool)";
+    if (!error.empty())
+      verdict = "FAIL (threw)";
+    else if (!ok && !result.kv_pool_ok)
+      verdict = "FAIL (kv pool)";
     std::string err_text = "-";
     if (error.empty()) {
       char text[32];
@@ -84,8 +86,8 @@ int run_check(const std::vector<std::string>& args) {
                 result.tolerance, verdict.c_str());
     if (!ok) {
       const std::string why = !error.empty() ? error : result.detail;
-      failures.push_back("#" + std::to_string(i + 1) + " " + mode_label(spec) + " " +
-                         spec.variant + ": " + why);
+      failures.push_back("#" + std::to_string(i + 1) + " " + mode_label(spec) + " " + spec.variant +
+                         ": " + why);
       if (verbose) std::printf("     %s\n", why.c_str());
     }
     std::fflush(stdout);

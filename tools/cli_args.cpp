@@ -16,8 +16,7 @@ const OptionSpec* find_spec(const std::vector<OptionSpec>& specs, const std::str
 
 }  // namespace
 
-ParsedArgs::ParsedArgs(const std::vector<std::string>& args,
-                       const std::vector<OptionSpec>& specs) {
+ParsedArgs::ParsedArgs(const std::vector<std::string>& args, const std::vector<OptionSpec>& specs) {
   for (size_t i = 0; i < args.size(); ++i) {
     std::string word = args[i];
     if (word.rfind("--", 0) != 0) {
@@ -78,8 +77,8 @@ double ParsedArgs::get_double(const std::string& name, double fallback, double m
   if (end == it->second.c_str() || *end != '\0' || !(parsed >= min_value) ||
       !(parsed <= max_value)) {
     std::ostringstream os;
-    os << "option '" << name << "': got '" << it->second << "', expected a number in ["
-       << min_value << ", " << max_value << "]";
+    os << "option '" << name << "': got '" << it->second << "', expected a number in [" << min_value
+       << ", " << max_value << "]";
     throw UsageError(os.str());
   }
   return parsed;
@@ -102,8 +101,10 @@ std::string format_options(const std::vector<OptionSpec>& specs) {
     std::string left = "  " + spec.name;
     if (!spec.value_name.empty()) left += " " + spec.value_name;
     os << left;
-    if (left.size() < 26) os << std::string(26 - left.size(), ' ');
-    else os << "\n" << std::string(26, ' ');
+    if (left.size() < 26)
+      os << std::string(26 - left.size(), ' ');
+    else
+      os << "\n" << std::string(26, ' ');
     os << spec.help << "\n";
   }
   return os.str();

@@ -15,7 +15,9 @@
 namespace kvattn::tools {
 namespace {
 
-int host_threads() { return int(std::max(1u, std::thread::hardware_concurrency())); }
+int host_threads() {
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());

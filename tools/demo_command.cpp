@@ -35,17 +35,17 @@ constexpr int kHeadDim = 128;
 constexpr DType kDType = DType::kBFloat16;
 
 // The workload.
-constexpr int kSharedPrefixLen = 256;   ///< the system prompt; a multiple of every page size
+constexpr int kSharedPrefixLen = 256;  ///< the system prompt; a multiple of every page size
 constexpr int kMinPrompt = 16;
 constexpr int kMaxPrompt = 1024;
 constexpr int kMinNewTokens = 8;
 constexpr int kMaxNewTokens = 40;
 // The scheduler.
-constexpr int kMaxRunning = 32;         ///< requests decoding at once
+constexpr int kMaxRunning = 32;            ///< requests decoding at once
 constexpr int kPrefillTokenBudget = 2048;  ///< new prompt tokens per EXTEND / MIXED step
-constexpr int kVerifyEvery = 6;         ///< a TARGET_VERIFY step after this many DECODE steps
-constexpr int kDraftTokens = 6;         ///< tree tokens per request in a verify step
-constexpr int kDraftChain = 4;          ///< the tree's main chain (the tokens that may be accepted)
+constexpr int kVerifyEvery = 6;            ///< a TARGET_VERIFY step after this many DECODE steps
+constexpr int kDraftTokens = 6;            ///< tree tokens per request in a verify step
+constexpr int kDraftChain = 4;  ///< the tree's main chain (the tokens that may be accepted)
 /// EXTEND steps with at least this many new tokens take the ragged + paged-prefix path, so the
 /// session exercises both EXTEND paths (the reference's 4096 is past this workload's steps).
 constexpr int64_t kRaggedThreshold = 1024;
@@ -58,8 +58,9 @@ const std::vector<OptionSpec>& demo_options() {
       {"--device", "cpu|cuda", "backend to serve with (default: cuda when a GPU is visible)"},
       {"--requests", "N", "requests in the session (default 64)"},
       {"--page-size", "P", "KV page size, a power of two up to 128 (default 16)"},
-      {"--check-every", "N", "check every N-th step (and every verify step) against the float64 "
-                             "reference (default 4; 0 = never)"},
+      {"--check-every", "N",
+       "check every N-th step (and every verify step) against the float64 "
+       "reference (default 4; 0 = never)"},
       {"--seed", "N", "seed of the workload and the data (default 1)"},
       {"--quiet", "", "print only the summary"},
   };
@@ -70,10 +71,10 @@ struct Request {
   int id = 0;
   int arrival_step = 0;
   bool shares_prefix = false;
-  int prompt_len = 0;       ///< own prompt tokens, after the shared prefix when there is one
+  int prompt_len = 0;  ///< own prompt tokens, after the shared prefix when there is one
   int max_new_tokens = 0;
   int pool_row = -1;
-  int seq_len = 0;          ///< tokens whose K/V are committed
+  int seq_len = 0;  ///< tokens whose K/V are committed
   int generated = 0;
   std::vector<int32_t> slots;  ///< slot of each position that has one (>= seq_len)
   int prefix_len() const { return shares_prefix ? kSharedPrefixLen : 0; }
@@ -126,7 +127,7 @@ struct StepStats {
   int new_requests = 0;
   int64_t query_tokens = 0;
   int64_t kv_tokens = 0;
-  double seconds = 0;  ///< metadata + all layers, device synchronized
+  double seconds = 0;   ///< metadata + all layers, device synchronized
   bool ragged = false;  ///< EXTEND / MIXED by the ragged + paged-prefix path
 };
 
@@ -151,9 +152,10 @@ class ServingSession {
         cache_(KvCache::allocate(cache_config(requests_, page_size, device.device))),
         pool_(ReqToTokenPool::allocate(num_requests + 1, max_context_len(), device.device)),
         allocator_(cache_.num_slots(), page_size),
-        random_(device.device, int64_t(kPrefillTokenBudget + kMaxPrompt + kMaxRunning * 8) *
-                                   kQHeads * kHeadDim * 2,
-                seed ^ 0x5eed) {
+        random_(
+            device.device,
+            int64_t(kPrefillTokenBudget + kMaxPrompt + kMaxRunning * 8) * kQHeads * kHeadDim * 2,
+            seed ^ 0x5eed) {
     // NaN in every slot nobody wrote (bf16 0xFFFF): a read of a wrong slot poisons the output.
     for (int layer = 0; layer < kNumLayers; ++layer) {
       fill_bytes(cache_.k_buffer(layer).data(), device.device, 0xFF,
@@ -180,25 +182,27 @@ class ServingSession {
     for (const Request& r : requests_) shared += r.shares_prefix;
     std::printf("kvattn demo on %s (%s)\n", backend_kind_name(device_.kind),
                 device_description(device_).c_str());
-    std::printf("model: %d layers, %d q / %d kv heads, head_dim %d, %s; KV pool %lld slots, "
-                "page %d\n",
-                kNumLayers, kQHeads, kKvHeads, kHeadDim, dtype_name(kDType),
-                static_cast<long long>(cache_.num_slots()), page_size_);
-    std::printf("workload: %zu requests, prompts %d..%d tokens, %d share a %d-token system "
-                "prompt, %d..%d new tokens each; at most %d running, %d prompt tokens per step\n",
-                requests_.size(), kMinPrompt, kMaxPrompt, shared, kSharedPrefixLen,
-                kMinNewTokens, kMaxNewTokens, kMaxRunning, kPrefillTokenBudget);
-    std::printf("steps with >= %lld new tokens take the ragged + paged-prefix EXTEND path; a "
-                "verify step (%d-token draft trees) follows every %d decode steps\n\n",
-                static_cast<long long>(kRaggedThreshold), kDraftTokens, kVerifyEvery);
+    std::printf(
+        "model: %d layers, %d q / %d kv heads, head_dim %d, %s; KV pool %lld slots, "
+        "page %d\n",
+        kNumLayers, kQHeads, kKvHeads, kHeadDim, dtype_name(kDType),
+        static_cast<long long>(cache_.num_slots()), page_size_);
+    std::printf(
+        "workload: %zu requests, prompts %d..%d tokens, %d share a %d-token system "
+        "prompt, %d..%d new tokens each; at most %d running, %d prompt tokens per step\n",
+        requests_.size(), kMinPrompt, kMaxPrompt, shared, kSharedPrefixLen, kMinNewTokens,
+        kMaxNewTokens, kMaxRunning, kPrefillTokenBudget);
+    std::printf(
+        "steps with >= %lld new tokens take the ragged + paged-prefix EXTEND path; a "
+        "verify step (%d-token draft trees) follows every %d decode steps\n\n",
+        static_cast<long long>(kRaggedThreshold), kDraftTokens, kVerifyEvery);
 
     warm_shared_prefix();  // step 0
     ++step_;
     size_t next_arrival = 0;
     int decodes_since_verify = 0;
     while (finished_ < int(requests_.size())) {
-      while (next_arrival < requests_.size() &&
-             requests_[next_arrival].arrival_step <= step_) {
+      while (next_arrival < requests_.size() && requests_[next_arrival].arrival_step <= step_) {
         waiting_.push_back(int(next_arrival++));
       }
       if (!waiting_.empty() && int(running_.size()) < kMaxRunning) {
@@ -231,9 +235,9 @@ class ServingSession {
       // A burst at the start, then about two arrivals per step.
       r.arrival_step = i < 8 ? 1 : int(1 + i / 2 + rng.uniform_int(0, 3));
       r.shares_prefix = rng.uniform() < 0.5;
-      const double log_len = std::log(double(kMinPrompt)) +
-                             rng.uniform() * (std::log(double(kMaxPrompt)) -
-                                              std::log(double(kMinPrompt)));
+      const double log_len =
+          std::log(double(kMinPrompt)) +
+          rng.uniform() * (std::log(double(kMaxPrompt)) - std::log(double(kMinPrompt)));
       r.prompt_len = int(std::lround(std::exp(log_len)));
       r.max_new_tokens = int(rng.uniform_int(kMinNewTokens, kMaxNewTokens));
     }
@@ -522,8 +526,7 @@ class ServingSession {
                        (step_ % check_every_ == 0 || spec.mode == ForwardMode::kTargetVerify);
     if (check) {
       const int l = checks_.steps % kNumLayers;  // each check looks at the next layer
-      check_note = check_step(spec, rows, layer(l), layers[size_t(l)].q_host,
-                              outs[size_t(l)].view);
+      check_note = check_step(spec, rows, layer(l), layers[size_t(l)].q_host, outs[size_t(l)].view);
     }
     if (!quiet_) print_step(stats, label, check_note);
   }
@@ -571,8 +574,7 @@ class ServingSession {
         ref.extend_lens.push_back(spec.extend_lens[i]);
       }
       if (spec.mode == ForwardMode::kTargetVerify) {
-        ref.custom_mask.insert(ref.custom_mask.end(),
-                               spec.custom_mask.begin() + mask_offsets[i],
+        ref.custom_mask.insert(ref.custom_mask.end(), spec.custom_mask.begin() + mask_offsets[i],
                                spec.custom_mask.begin() + mask_offsets[i + 1]);
       }
       for (int64_t t = 0; t < rows[i].q_len; ++t) token_rows.push_back(rows[i].first_row + t);
@@ -629,8 +631,8 @@ class ServingSession {
 
   void print_step(const StepStats& stats, const char* label, const std::string& check_note) {
     char line[256];
-    const double tokens_per_s = stats.seconds > 0 ? double(stats.query_tokens) / stats.seconds
-                                                  : 0.0;
+    const double tokens_per_s =
+        stats.seconds > 0 ? double(stats.query_tokens) / stats.seconds : 0.0;
     std::snprintf(line, sizeof(line), "step %3d %-13s reqs %3d", step_,
                   forward_mode_name(stats.mode), stats.requests);
     std::string text = line;
@@ -659,37 +661,41 @@ class ServingSession {
     }
     auto count = [&](ForwardMode m) { return mode_counts_[int(m)]; };
     std::printf("\nsummary\n");
-    std::printf("  steps: %d (the system prompt, %d extend, %d mixed, %d decode, %d verify, %d "
-                "idle)\n",
-                step_, count(ForwardMode::kExtend) - 1, count(ForwardMode::kMixed),
-                count(ForwardMode::kDecode), count(ForwardMode::kTargetVerify),
-                count(ForwardMode::kIdle));
-    std::printf("  requests: %zu finished, %lld prompt tokens prefilled, %lld tokens generated; "
-                "%d requests reused the system prompt's KV (%d tokens not recomputed)\n",
-                requests_.size(), static_cast<long long>(prompt),
-                static_cast<long long>(generated), shared, shared * kSharedPrefixLen);
+    std::printf(
+        "  steps: %d (the system prompt, %d extend, %d mixed, %d decode, %d verify, %d "
+        "idle)\n",
+        step_, count(ForwardMode::kExtend) - 1, count(ForwardMode::kMixed),
+        count(ForwardMode::kDecode), count(ForwardMode::kTargetVerify), count(ForwardMode::kIdle));
+    std::printf(
+        "  requests: %zu finished, %lld prompt tokens prefilled, %lld tokens generated; "
+        "%d requests reused the system prompt's KV (%d tokens not recomputed)\n",
+        requests_.size(), static_cast<long long>(prompt), static_cast<long long>(generated), shared,
+        shared * kSharedPrefixLen);
     std::printf("  prefill: %lld query tokens x %d layers in %s of attention: %.0f tokens/s\n",
                 static_cast<long long>(prefill_tokens_), kNumLayers,
                 format_us(prefill_seconds_ * 1e6).c_str(),
                 prefill_seconds_ > 0 ? double(prefill_tokens_) / prefill_seconds_ : 0.0);
-    std::printf("  decode + verify: %lld query tokens x %d layers in %s of attention: %.0f "
-                "tokens/s\n",
-                static_cast<long long>(decode_query_tokens_), kNumLayers,
-                format_us(decode_seconds_ * 1e6).c_str(),
-                decode_seconds_ > 0 ? double(decode_query_tokens_) / decode_seconds_ : 0.0);
+    std::printf(
+        "  decode + verify: %lld query tokens x %d layers in %s of attention: %.0f "
+        "tokens/s\n",
+        static_cast<long long>(decode_query_tokens_), kNumLayers,
+        format_us(decode_seconds_ * 1e6).c_str(),
+        decode_seconds_ > 0 ? double(decode_query_tokens_) / decode_seconds_ : 0.0);
     if (verify_requests_ > 0) {
-      std::printf("  speculative: %d request-verifications of %d-token trees accepted %.2f "
-                  "tokens each on average\n",
-                  verify_requests_, kDraftTokens, double(verify_accepted_) / verify_requests_);
+      std::printf(
+          "  speculative: %d request-verifications of %d-token trees accepted %.2f "
+          "tokens each on average\n",
+          verify_requests_, kDraftTokens, double(verify_accepted_) / verify_requests_);
     }
     std::printf("  generation: %lld tokens in %s of attention: %.0f tokens/s end to end\n",
                 static_cast<long long>(generated), format_us(attention_seconds_ * 1e6).c_str(),
                 attention_seconds_ > 0 ? double(generated) / attention_seconds_ : 0.0);
     if (checks_.steps > 0) {
-      std::printf("  verification: %d sampled steps checked against the float64 reference "
-                  "(%.1f s), worst max_rel_err %.2e, tolerance %.0e: %s\n",
-                  checks_.steps, checks_.seconds, checks_.worst, tolerance_,
-                  checks_.failed == 0 ? "PASS" : "FAIL");
+      std::printf(
+          "  verification: %d sampled steps checked against the float64 reference "
+          "(%.1f s), worst max_rel_err %.2e, tolerance %.0e: %s\n",
+          checks_.steps, checks_.seconds, checks_.worst, tolerance_,
+          checks_.failed == 0 ? "PASS" : "FAIL");
     } else {
       std::printf("  verification: off (--check-every 0)\n");
     }

@@ -36,7 +36,9 @@ const Command kCommands[] = {
     {"demo", kvattn::tools::run_demo, kvattn::tools::demo_usage},
 };
 
-bool is_help(const std::string& word) { return word == "--help" || word == "-h" || word == "help"; }
+bool is_help(const std::string& word) {
+  return word == "--help" || word == "-h" || word == "help";
+}
 
 }  // namespace
 

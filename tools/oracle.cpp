@@ -65,12 +65,12 @@ CompactPool snapshot_rows(const KvCache& cache, int layer_id,
       double* k_dst = out.pool.k.data() + (int64_t(i) + 1 + s) * k_row_elems;
       double* v_dst = out.pool.v.data() + (int64_t(i) + 1 + s) * v_row_elems;
       for (int64_t e = 0; e < k_row_elems; ++e) {
-        k_dst[e] = testing::decode_element(k_staging.data(), config.dtype, s * k_row_elems + e) *
-                   k_scale;
+        k_dst[e] =
+            testing::decode_element(k_staging.data(), config.dtype, s * k_row_elems + e) * k_scale;
       }
       for (int64_t e = 0; e < v_row_elems; ++e) {
-        v_dst[e] = testing::decode_element(v_staging.data(), config.dtype, s * v_row_elems + e) *
-                   v_scale;
+        v_dst[e] =
+            testing::decode_element(v_staging.data(), config.dtype, s * v_row_elems + e) * v_scale;
       }
     }
     i = j;

@@ -17,7 +17,9 @@
 namespace kvattn::tools {
 namespace {
 
-int host_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
+int host_threads() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 /// Runs body(begin, end) over [0, count) split across all cores.
 template <typename Body>
@@ -65,8 +67,9 @@ ToolDevice select_device(const std::string& name) {
     throw UsageError("option '--device': got '" + name + "', expected cpu|cuda");
   }
   if (!cuda_compiled()) {
-    throw UsageError("--device cuda: this build of kvattn has no CUDA backend "
-                     "(configure with nvcc present and -DKVATTN_WITH_CUDA=ON)");
+    throw UsageError(
+        "--device cuda: this build of kvattn has no CUDA backend "
+        "(configure with nvcc present and -DKVATTN_WITH_CUDA=ON)");
   }
   if (cuda_device_count() == 0) throw UsageError("--device cuda: no CUDA device is visible");
   out.kind = BackendKind::kCuda;
@@ -93,8 +96,10 @@ void fill_random(const TensorView& tensor, uint64_t seed, float scale) {
       const uint64_t bits = mix64(seed * 0x9E3779B97F4A7C15ull + uint64_t(i));
       const float value = (2.f * (float(bits >> 40) * (1.f / 16777216.f)) - 1.f) * scale;
       // bf16 is what the benchmark fills by the GiB: skip the generic per-element dispatch.
-      if (dtype == DType::kBFloat16) static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
-      else store_from_float(data, dtype, i, value);
+      if (dtype == DType::kBFloat16)
+        static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
+      else
+        store_from_float(data, dtype, i, value);
     }
   });
 }
@@ -216,10 +221,14 @@ std::string device_description(const ToolDevice& device) {
 
 std::string format_us(double us) {
   char text[32];
-  if (us >= 1e6) std::snprintf(text, sizeof(text), "%.2f s", us / 1e6);
-  else if (us >= 1e4) std::snprintf(text, sizeof(text), "%.1f ms", us / 1e3);
-  else if (us >= 1e3) std::snprintf(text, sizeof(text), "%.2f ms", us / 1e3);
-  else std::snprintf(text, sizeof(text), "%.1f us", us);
+  if (us >= 1e6)
+    std::snprintf(text, sizeof(text), "%.2f s", us / 1e6);
+  else if (us >= 1e4)
+    std::snprintf(text, sizeof(text), "%.1f ms", us / 1e3);
+  else if (us >= 1e3)
+    std::snprintf(text, sizeof(text), "%.2f ms", us / 1e3);
+  else
+    std::snprintf(text, sizeof(text), "%.1f us", us);
   return text;
 }
 

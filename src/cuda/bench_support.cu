@@ -16,9 +16,9 @@ namespace {
 
 void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
-    throw_error(status == cudaErrorMemoryAllocation ? ErrorKind::kOutOfResources
-                                                    : ErrorKind::kDeviceError,
-                what, cudaGetErrorString(status));
+    throw_error(
+        status == cudaErrorMemoryAllocation ? ErrorKind::kOutOfResources : ErrorKind::kDeviceError,
+        what, cudaGetErrorString(status));
   }
 }
 
@@ -54,7 +54,9 @@ class EventPair {
   }
   EventPair(const EventPair&) = delete;
   EventPair& operator=(const EventPair&) = delete;
-  void start(cudaStream_t stream) { check_cuda(cudaEventRecord(start_, stream), "cudaEventRecord"); }
+  void start(cudaStream_t stream) {
+    check_cuda(cudaEventRecord(start_, stream), "cudaEventRecord");
+  }
   double stop_us(cudaStream_t stream) {
     check_cuda(cudaEventRecord(stop_, stream), "cudaEventRecord");
     check_cuda(cudaEventSynchronize(stop_), "cudaEventSynchronize");
@@ -179,8 +181,7 @@ void Stream::synchronize() const {
 }
 
 void fill_random(const TensorView& tensor, uint64_t seed, float scale, void* stream) {
-  check_arg(tensor.device().is_cuda(), "tensor", "expected a CUDA tensor, got ",
-            tensor.describe());
+  check_arg(tensor.device().is_cuda(), "tensor", "expected a CUDA tensor, got ", tensor.describe());
   check_arg(is_float_dtype(tensor.dtype()) && tensor.is_contiguous(), "tensor",
             "expected a contiguous float tensor, got ", tensor.describe());
   const int64_t count = tensor.numel();
@@ -189,13 +190,14 @@ void fill_random(const TensorView& tensor, uint64_t seed, float scale, void* str
   const int threads = 256;
   const int blocks = int(std::min<int64_t>((count + threads - 1) / threads, 65536));
   auto s = static_cast<cudaStream_t>(stream);
-  fill_random_kernel<<<blocks, threads, 0, s>>>(tensor.data(), tensor.dtype(), count, seed,
-                                                scale);
+  fill_random_kernel<<<blocks, threads, 0, s>>>(tensor.data(), tensor.dtype(), count, seed, scale);
   check_cuda(cudaGetLastError(), "fill_random_kernel");
   check_cuda(cudaStreamSynchronize(s), "fill_random_kernel");
 }
 
-void device_synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+void device_synchronize() {
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
 
 double measure_read_gbps(int device, int64_t bytes, int reps) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
@@ -203,12 +205,11 @@ double measure_read_gbps(int device, int64_t bytes, int reps) {
   DeviceAllocation data(size_t(num_vectors) * sizeof(uint4));
   DeviceAllocation sink(sizeof(uint32_t));
   // Random content: reading zeros could take a faster path somewhere in the memory system.
-  fill_random(TensorView(data.get(), DType::kFloat32, Device::cuda(device),
-                         {num_vectors * 4}),
+  fill_random(TensorView(data.get(), DType::kFloat32, Device::cuda(device), {num_vectors * 4}),
               0x5eed, 1.f, nullptr);
   const int threads = 512;
-  const int blocks = blocks_filling_device(reinterpret_cast<const void*>(read_stream_kernel),
-                                           threads, device);
+  const int blocks =
+      blocks_filling_device(reinterpret_cast<const void*>(read_stream_kernel), threads, device);
   auto run = [&] {
     read_stream_kernel<<<blocks, threads>>>(static_cast<const uint4*>(data.get()), num_vectors,
                                             static_cast<uint32_t*>(sink.get()));
@@ -233,8 +234,8 @@ double measure_copy_gbps(int device, int64_t bytes, int reps) {
   const size_t half = size_t(bytes / 2) & ~size_t(255);
   DeviceAllocation data(2 * half);
   char* base = static_cast<char*>(data.get());
-  fill_random(TensorView(base, DType::kFloat32, Device::cuda(device), {int64_t(half / 4)}), 7,
-              1.f, nullptr);
+  fill_random(TensorView(base, DType::kFloat32, Device::cuda(device), {int64_t(half / 4)}), 7, 1.f,
+              nullptr);
   check_cuda(cudaMemcpy(base + half, base, half, cudaMemcpyDeviceToDevice), "cudaMemcpy");
   EventPair events;
   std::vector<double> gbps;
@@ -264,8 +265,8 @@ double measure_gemm_bf16_tflops(int device, int n, int reps) {
   const float beta = 0.f;
   auto gemm = [&] {
     check_cublas(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(),
-                              CUDA_R_16BF, n, b.get(), CUDA_R_16BF, n, &beta, c.get(),
-                              CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                              CUDA_R_16BF, n, b.get(), CUDA_R_16BF, n, &beta, c.get(), CUDA_R_16BF,
+                              n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "cublasGemmEx");
   };
   std::vector<double> tflops;

@@ -13,9 +13,9 @@
 namespace kvattn::cuda::bench {
 
 struct DeviceProperties {
-  std::string name;        ///< "NVIDIA H200"
+  std::string name;  ///< "NVIDIA H200"
   int sm_count = 0;
-  int64_t l2_bytes = 0;    ///< 60 MiB on the H200: small benchmark inputs sit in it
+  int64_t l2_bytes = 0;  ///< 60 MiB on the H200: small benchmark inputs sit in it
   int64_t global_bytes = 0;
   int compute_major = 0;
   int compute_minor = 0;
@@ -56,7 +56,7 @@ void fill_random(const TensorView& tensor, uint64_t seed, float scale, void* str
 void device_synchronize();
 
 struct TimingOptions {
-  int warmup = 3;            ///< untimed calls of the whole rep first
+  int warmup = 3;  ///< untimed calls of the whole rep first
   int min_reps = 5;
   int max_reps = 50;
   double max_seconds = 2.0;  ///< stop adding reps once this much time was spent timing
@@ -69,7 +69,7 @@ struct Timing {
   double median_us = 0;  ///< per call
   double min_us = 0;
   int reps = 0;
-  bool graph = false;    ///< whether the graph path was used
+  bool graph = false;  ///< whether the graph path was used
 };
 /// Times fn with CUDA events on `stream`. fn(call) must queue its work on `stream`; `call` runs
 /// 0..calls_per_rep-1 within a rep so that fn can rotate input sets.
