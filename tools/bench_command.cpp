@@ -11,7 +11,6 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cli_args.h"
@@ -142,9 +141,6 @@ struct RowResult {
   double tflops = kNaN;
   double fraction = kNaN;
   double max_rel_err = kNaN;
-  int reps = 0;
-  bool graph = false;
-  int input_sets = 1;
 };
 
 struct TimingResult {
@@ -360,12 +356,6 @@ class BenchWorld {
   std::unique_ptr<AttentionBackend> backend_;
 };
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t mid = values.size() / 2;
-  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
-}
-
 /// Host timing: one call per sample, rotating the input sets; median after one warm-up call.
 TimingResult time_cpu(BenchWorld& world, int sets, bool warm_up, int min_reps, int max_reps,
                       double max_seconds) {
@@ -577,10 +567,9 @@ int run_bench(const std::vector<std::string>& args) {
               stamp.dirty ? " (tree modified)" : "", stamp.date.c_str());
   if (cpu) {
     std::printf(
-        "ceilings (this run): read %.1f GB/s (1 GiB, %u threads, AVX2 loads); fp32 FMA "
+        "ceilings (this run): read %.1f GB/s (1 GiB, %d threads, AVX2 loads); fp32 FMA "
         "%.1f GFLOP/s\n",
-        ceilings.read_gbps, std::max(1u, std::thread::hardware_concurrency()),
-        ceilings.cpu_fma_fp32_gflops);
+        ceilings.read_gbps, host_threads(), ceilings.cpu_fma_fp32_gflops);
     std::printf(
         "fraction: decode of read GB/s; prefill/extend of the fp32 FMA rate. Rows whose "
         "one call is estimated over %.1f s, or whose world needs over %.1f GiB, are "
@@ -614,7 +603,6 @@ int run_bench(const std::vector<std::string>& args) {
     const int64_t per_call = BenchWorld::call_bytes(row);
     const int sets =
         int(std::clamp<int64_t>((rotate_bytes + per_call - 1) / per_call, 1, long_call ? 2 : 32));
-    result.input_sets = sets;
     const int64_t needed = BenchWorld::world_bytes(row, sets);
     std::fprintf(stderr, "[%zu/%zu %.0fs] %s ", i + 1, grid.size(), seconds_since(bench_start),
                  row.label().c_str());
@@ -646,8 +634,6 @@ int run_bench(const std::vector<std::string>& args) {
         }
         result.measured = true;
         result.time_us = timing.median_us;
-        result.reps = timing.reps;
-        result.graph = timing.graph;
         if (row.is_decode()) {
           result.gbps = row.kv_bytes() / (result.time_us * 1e3);
           result.fraction = result.gbps / ceilings.read_gbps;

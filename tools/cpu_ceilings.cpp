@@ -15,16 +15,6 @@
 namespace kvattn::tools {
 namespace {
 
-int host_threads() {
-  return int(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t mid = values.size() / 2;
-  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
-}
-
 /// Runs work(thread_index) on all cores, started together; returns the wall seconds from the
 /// common start to the last finish.
 template <typename Work>

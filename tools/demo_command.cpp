@@ -89,9 +89,9 @@ class RandomSource {
       : elements_(elements),
         host_(OwnedTensor::make(Device::cpu(), kDType, {elements})),
         device_(device.is_cpu() ? OwnedTensor{} : OwnedTensor::make(device, kDType, {elements})),
-        device_type_cpu_(device.is_cpu()) {
+        on_host_(device.is_cpu()) {
     fill_random(host_.view, seed, 1.f);
-    if (!device_type_cpu_) {
+    if (!on_host_) {
       copy_bytes(device_.view.data(), device, host_.view.data(), Device::cpu(),
                  size_t(host_.view.nbytes()));
     }
@@ -110,14 +110,14 @@ class RandomSource {
                         {rows, heads, kHeadDim});
     };
     const TensorView host = view_at(host_);
-    return {device_type_cpu_ ? host : view_at(device_), host};
+    return {on_host_ ? host : view_at(device_), host};
   }
 
  private:
   int64_t elements_;
   OwnedTensor host_;
   OwnedTensor device_;
-  bool device_type_cpu_;
+  bool on_host_;
 };
 
 /// What one step did, for the progress line and the summary.
@@ -447,6 +447,12 @@ class ServingSession {
 
   // ---- running a step through the backend -------------------------------------------------
 
+  /// One layer's q/k/v for a step: views on the backend's device and the same values on the host.
+  struct LayerInputs {
+    TensorView q, k, v;
+    TensorView q_host, k_host, v_host;
+  };
+
   /// Per request of the step: query rows and the req_to_token positions its keys live at.
   struct RequestRows {
     int64_t first_row = 0;
@@ -495,15 +501,12 @@ class ServingSession {
     stats.ragged = core::use_ragged_extend(spec.mode, tokens, kRaggedThreshold,
                                            /*has_window=*/false, /*is_encoder_decoder=*/false);
     StepBatch batch(spec, device_.device, &cache_, &pool_);
-    struct LayerData {
-      TensorView q, k, v, q_host;
-    };
-    std::vector<LayerData> layers;
+    std::vector<LayerInputs> layers;
     for (int l = 0; l < kNumLayers; ++l) {
-      LayerData d;
+      LayerInputs d;
       std::tie(d.q, d.q_host) = random_.slice(data_rng_, tokens, kQHeads);
-      d.k = random_.slice(data_rng_, tokens, kKvHeads).first;
-      d.v = random_.slice(data_rng_, tokens, kKvHeads).first;
+      std::tie(d.k, d.k_host) = random_.slice(data_rng_, tokens, kKvHeads);
+      std::tie(d.v, d.v_host) = random_.slice(data_rng_, tokens, kKvHeads);
       layers.push_back(d);
     }
     std::vector<OwnedTensor> outs;
@@ -526,15 +529,17 @@ class ServingSession {
                        (step_ % check_every_ == 0 || spec.mode == ForwardMode::kTargetVerify);
     if (check) {
       const int l = checks_.steps % kNumLayers;  // each check looks at the next layer
-      check_note = check_step(spec, rows, layer(l), layers[size_t(l)].q_host, outs[size_t(l)].view);
+      check_note = check_step(spec, rows, layer(l), layers[size_t(l)], outs[size_t(l)].view);
     }
     if (!quiet_) print_step(stats, label, check_note);
   }
 
   /// Checks some requests of the step on one layer against the float64 reference: picks
-  /// requests in random order while the oracle's cost stays within kCheckPairBudget.
+  /// requests in random order while the oracle's cost stays within kCheckPairBudget. The pool
+  /// snapshot is taken after the step, but the step's own new K/V are put into it from the
+  /// inputs (as the oracle models the save), so a wrong save by the backend shows up too.
   std::string check_step(const StepSpec& spec, const std::vector<RequestRows>& rows,
-                         const AttentionLayer& checked_layer, const TensorView& q_host,
+                         const AttentionLayer& checked_layer, const LayerInputs& inputs,
                          const TensorView& out) {
     const auto start = std::chrono::steady_clock::now();
     std::vector<size_t> order(rows.size());
@@ -580,10 +585,20 @@ class ServingSession {
       for (int64_t t = 0; t < rows[i].q_len; ++t) token_rows.push_back(rows[i].first_row + t);
     }
     CompactPool compact = snapshot_rows(cache_, checked_layer.layer_id, slot_rows);
+    // The step's new tokens are the last q_len positions of each checked request's KV range.
+    testing::RefNewKv new_kv;
+    for (size_t k = 0; k < picked.size(); ++k) {
+      const RequestRows& r = rows[picked[k]];
+      const int32_t* row = compact.req_to_token.data() + k * size_t(compact.max_context_len);
+      for (int64_t j = 0; j < r.q_len; ++j) new_kv.slots.push_back(row[r.kv_extent - r.q_len + j]);
+    }
+    new_kv.k = gather_rows_as_double(inputs.k_host, token_rows, int64_t(kKvHeads) * kHeadDim);
+    new_kv.v = gather_rows_as_double(inputs.v_host, token_rows, int64_t(kKvHeads) * kHeadDim);
+    testing::reference_save_kv(compact.pool, new_kv, kDType, 1.0, 1.0);
     ref.max_context_len = compact.max_context_len;
     ref.req_to_token = std::move(compact.req_to_token);
     const std::vector<double> q =
-        gather_rows_as_double(q_host, token_rows, int64_t(kQHeads) * kHeadDim);
+        gather_rows_as_double(inputs.q_host, token_rows, int64_t(kQHeads) * kHeadDim);
     const testing::RefOutput expected =
         testing::reference_attention(checked_layer, ref, compact.pool, q);
     const OwnedTensor out_host = to_host(out);
@@ -600,10 +615,8 @@ class ServingSession {
     return note;
   }
 
+  /// The live request on a pool row (running or just admitted); null for the system prompt's.
   const Request* find_request(int pool_row) const {
-    for (int id : running_) {
-      if (requests_[size_t(id)].pool_row == pool_row) return &requests_[size_t(id)];
-    }
     for (const Request& r : requests_) {
       if (r.pool_row == pool_row) return &r;
     }

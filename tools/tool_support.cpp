@@ -17,10 +17,6 @@
 namespace kvattn::tools {
 namespace {
 
-int host_threads() {
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
 /// Runs body(begin, end) over [0, count) split across all cores.
 template <typename Body>
 void parallel_ranges(int64_t count, Body body) {
@@ -57,6 +53,17 @@ std::string run_and_read_line(const std::string& command) {
 }
 
 }  // namespace
+
+int host_threads() {
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
 
 ToolDevice select_device(const std::string& name) {
   ToolDevice out;

@@ -74,6 +74,12 @@ struct OwnedTensor {
 /// Copies a device tensor to a new host tensor (a view of the same buffer when already there).
 OwnedTensor to_host(const TensorView& tensor);
 
+/// Hardware threads of the host (at least 1).
+int host_threads();
+
+/// The median of `values` (0 for none).
+double median(std::vector<double> values);
+
 /// Monotonic seconds since `start`.
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
