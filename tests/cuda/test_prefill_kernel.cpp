@@ -1,8 +1,9 @@
 // The CUDA batch prefill kernel against a float64 formula written here: random inputs, poisoned
 // outputs (and poisoned padding that must stay untouched), NaN in every KV slot no request
 // uses, paged (page 1 shuffled, page 16) and ragged K/V, every mask, window, soft-cap, LSE,
-// split-KV, fp8 KV, head_dim 64/128/256, lengths that are not multiples of the tile, kv_len 0
-// and 1.
+// split-KV, fp8 KV, head_dim 64/128/256, v_head_dim below head_dim (128 with 16..112; V and out
+// rows then carry NaN / poison padding after each head), lengths that are not multiples of the
+// tile, kv_len 0 and 1.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -59,6 +60,7 @@ struct Case {
   int num_q_heads = 8;
   int num_kv_heads = 2;
   int head_dim = 128;
+  int v_head_dim = 0;  // 0: head_dim
   DType io = DType::kBFloat16;
   DType kv = DType::kBFloat16;
   core::MaskMode mask = core::MaskMode::kCausal;
@@ -92,6 +94,12 @@ void run_case(const Case& c) {
   std::uniform_real_distribution<float> uni(-c.input_range, c.input_range);
   const int batch = static_cast<int>(c.q_lens.size());
   const int hq = c.num_q_heads, hkv = c.num_kv_heads, d = c.head_dim, group = hq / hkv;
+  const int dv = c.v_head_dim > 0 ? c.v_head_dim : d;
+  // v_head_dim != head_dim: V and out rows get padding after each head (NaN in V, poison in
+  // out), so a kernel that reads or writes past v_head_dim fails.
+  const bool narrow = dv != d;
+  const int64_t v_stride_head = narrow ? dv + 16 : d;
+  const int64_t out_stride_head = narrow ? dv + 8 : d;
   const bool fp8 = is_fp8_dtype(c.kv);
   const int kv_elem = dtype_size(c.kv);
 
@@ -144,9 +152,10 @@ void run_case(const Case& c) {
     num_rows = total_pages * c.page_size;
   }
   const int64_t kv_stride_token = int64_t(hkv) * d;
+  const int64_t v_stride_token = hkv * v_stride_head;
   // Every row starts as NaN; rows that tokens use get values.
   std::vector<uint8_t> k_host(std::max<int64_t>(num_rows * kv_stride_token * kv_elem, 16));
-  std::vector<uint8_t> v_host(k_host.size());
+  std::vector<uint8_t> v_host(std::max<int64_t>(num_rows * v_stride_token * kv_elem, 16));
   auto poison = [&](std::vector<uint8_t>& buf) {
     if (fp8) {
       std::fill(buf.begin(), buf.end(), uint8_t(0x7f));  // NaN in e4m3 and e5m2
@@ -156,7 +165,7 @@ void run_case(const Case& c) {
   };
   poison(k_host);
   poison(v_host);
-  std::vector<double> k_ref(total_kv * hkv * d), v_ref(total_kv * hkv * d);
+  std::vector<double> k_ref(total_kv * hkv * d), v_ref(total_kv * hkv * dv);
   auto store = [&](std::vector<uint8_t>& buf, int64_t element, float value, float scale) -> double {
     if (c.kv == DType::kFloat8E4M3) {
       buf[element] = float_to_fp8_e4m3(value / scale);
@@ -173,10 +182,15 @@ void run_case(const Case& c) {
   for (int64_t t = 0; t < total_kv; ++t) {
     const int64_t row = c.paged ? kv_indices[t] : t;
     for (int h = 0; h < hkv; ++h) {
-      for (int i = 0; i < d; ++i) {
-        const int64_t e = row * kv_stride_token + h * d + i;
-        k_ref[(t * hkv + h) * d + i] = store(k_host, e, uni(rng), c.k_scale);
-        v_ref[(t * hkv + h) * d + i] = store(v_host, e, uni(rng), c.v_scale);
+      for (int i = 0; i < std::max(d, dv); ++i) {
+        if (i < d) {
+          k_ref[(t * hkv + h) * d + i] =
+              store(k_host, row * kv_stride_token + h * d + i, uni(rng), c.k_scale);
+        }
+        if (i < dv) {
+          v_ref[(t * hkv + h) * dv + i] =
+              store(v_host, row * v_stride_token + h * v_stride_head + i, uni(rng), c.v_scale);
+        }
       }
     }
   }
@@ -199,7 +213,7 @@ void run_case(const Case& c) {
   const double sm_scale = 1.0 / std::sqrt(double(d));
 
   // ---- float64 reference ------------------------------------------------------------------
-  std::vector<double> out_ref(total_q * hq * d, 0.0);
+  std::vector<double> out_ref(total_q * hq * dv, 0.0);
   std::vector<double> lse_ref(total_q * hq, -INFINITY);
   for (int r = 0; r < batch; ++r) {
     const int q_len = c.q_lens[r], kv_len = c.kv_lens[r];
@@ -236,10 +250,10 @@ void run_case(const Case& c) {
         const double m = *std::max_element(logits.begin(), logits.end());
         double sum = 0;
         for (double& x : logits) sum += (x = std::exp(x - m));
-        double* o = &out_ref[(t * hq + h) * d];
+        double* o = &out_ref[(t * hq + h) * dv];
         for (size_t n = 0; n < keys.size(); ++n) {
-          const double* vv = &v_ref[((kv_indptr[r] + keys[n]) * hkv + kh) * d];
-          for (int e = 0; e < d; ++e) o[e] += logits[n] / sum * vv[e];
+          const double* vv = &v_ref[((kv_indptr[r] + keys[n]) * hkv + kh) * dv];
+          for (int e = 0; e < dv; ++e) o[e] += logits[n] / sum * vv[e];
         }
         lse_ref[t * hq + h] = m + std::log(sum);
       }
@@ -248,7 +262,7 @@ void run_case(const Case& c) {
 
   // ---- device run ---------------------------------------------------------------------------
   std::vector<std::unique_ptr<DeviceBytes>> keep;
-  const int64_t out_stride_token = int64_t(hq) * d + 8;
+  const int64_t out_stride_token = hq * out_stride_head + 8;
   std::vector<uint16_t> out_host(std::max<int64_t>(total_q * out_stride_token, 1), kPoison16);
   std::vector<float> lse_host(std::max<int64_t>(total_q * hq, 1), std::nanf(""));
 
@@ -258,13 +272,15 @@ void run_case(const Case& c) {
   p.q_stride_head = d;
   p.out = upload(keep, out_host);
   p.out_stride_token = out_stride_token;
-  p.out_stride_head = d;
+  p.out_stride_head = out_stride_head;
   p.lse = c.lse ? static_cast<float*>(upload(keep, lse_host)) : nullptr;
   p.io_dtype = c.io;
   p.k = upload(keep, k_host);
   p.v = upload(keep, v_host);
-  p.k_stride_token = p.v_stride_token = kv_stride_token;
-  p.k_stride_head = p.v_stride_head = d;
+  p.k_stride_token = kv_stride_token;
+  p.k_stride_head = d;
+  p.v_stride_token = v_stride_token;
+  p.v_stride_head = v_stride_head;
   p.kv_dtype = c.kv;
   p.k_scale = c.k_scale;
   p.v_scale = c.v_scale;
@@ -284,9 +300,9 @@ void run_case(const Case& c) {
   p.num_q_heads = hq;
   p.num_kv_heads = hkv;
   p.head_dim = d;
-  p.v_head_dim = d;
+  p.v_head_dim = dv;
 
-  const PrefillKernelShape shape = prefill_kernel_shape(d);
+  const PrefillKernelShape shape = prefill_kernel_shape(d, dv);
   core::PrefillTileShape tile_shape;
   tile_shape.num_q_heads = hq;
   tile_shape.num_kv_heads = hkv;
@@ -299,11 +315,11 @@ void run_case(const Case& c) {
   const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, tile_shape);
   if (c.concurrent_ctas > 0) EXPECT_GT(plan.num_partials, 0) << "the case meant to split";
   const core::PrefillBufferLayout layout =
-      core::write_prefill_buffer(plan, d, nullptr, 0, nullptr, nullptr);
+      core::write_prefill_buffer(plan, dv, nullptr, 0, nullptr, nullptr);
   std::vector<unsigned char> metadata(layout.metadata_bytes);
   keep.push_back(std::make_unique<DeviceBytes>(layout.total_bytes));
   core::PrefillTiles tiles;
-  core::write_prefill_buffer(plan, d, metadata.data(), metadata.size(), keep.back()->ptr, &tiles);
+  core::write_prefill_buffer(plan, dv, metadata.data(), metadata.size(), keep.back()->ptr, &tiles);
   // Poison the partial scratch too: the merge must read only what the kernel wrote.
   PREFILL_CUDA_OK(cudaMemset(keep.back()->ptr, 0xff, layout.total_bytes));
   PREFILL_CUDA_OK(
@@ -322,11 +338,12 @@ void run_case(const Case& c) {
   int64_t bad = 0;
   for (int64_t t = 0; t < total_q; ++t) {
     for (int h = 0; h < hq; ++h) {
-      const double* r = &out_ref[(t * hq + h) * d];
+      const double* r = &out_ref[(t * hq + h) * dv];
       double scale = 1e-3;
-      for (int e = 0; e < d; ++e) scale = std::max(scale, std::abs(r[e]));
-      for (int e = 0; e < d; ++e) {
-        const double o = from_16bit(out_host[t * out_stride_token + h * d + e], c.io);
+      for (int e = 0; e < dv; ++e) scale = std::max(scale, std::abs(r[e]));
+      for (int e = 0; e < dv; ++e) {
+        const double o =
+            from_16bit(out_host[t * out_stride_token + h * out_stride_head + e], c.io);
         const double err = std::abs(o - r[e]);
         diff2 += err * err;
         ref2 += r[e] * r[e];
@@ -352,9 +369,11 @@ void run_case(const Case& c) {
         }
       }
     }
-    // The padding after the last head must still be poison.
-    for (int e = hq * d; e < out_stride_token; ++e) {
-      EXPECT_EQ(out_host[t * out_stride_token + e], kPoison16) << "wrote padding of token " << t;
+    // Padding (after each head's v_head_dim values, after the last head) must still be poison.
+    for (int64_t e = 0; e < out_stride_token; ++e) {
+      if (e < hq * out_stride_head && e % out_stride_head < dv) continue;
+      EXPECT_EQ(out_host[t * out_stride_token + e], kPoison16)
+          << "wrote padding of token " << t << " at " << e;
     }
   }
   EXPECT_EQ(bad, 0) << bad << " elements off";
@@ -567,6 +586,164 @@ TEST_F(PrefillKernel, Fp8Kv) {
   run_case(c);
 }
 
+// v_head_dim below head_dim (the kNarrowV instance at head_dim 128): every layout, mask, fp8,
+// split-KV (partial rows v_head_dim wide) and the edge widths 16 and 112.
+TEST_F(PrefillKernel, NarrowVHeadDimCausalPagedAndRagged) {
+  Case c;
+  c.name = "causal paged p1 hd128 v64 bf16 + lse";
+  c.v_head_dim = 64;
+  c.q_lens = {37, 130, 1};
+  c.kv_lens = {37, 300, 77};
+  c.seed = 30;
+  run_case(c);
+  c.name = "none ragged hd128 v64 fp16 + lse";
+  c.io = c.kv = DType::kFloat16;
+  c.paged = false;
+  c.mask = core::MaskMode::kNone;
+  c.q_lens = {129, 64, 5};
+  c.kv_lens = {129, 80, 200};
+  c.seed = 31;
+  run_case(c);
+  c.name = "causal ragged hd128 v16 bf16 group 8";
+  c.io = c.kv = DType::kBFloat16;
+  c.mask = core::MaskMode::kCausal;
+  c.v_head_dim = 16;
+  c.num_q_heads = 16;
+  c.num_kv_heads = 2;
+  c.q_lens = {33, 70};
+  c.kv_lens = {33, 120};
+  c.seed = 32;
+  run_case(c);
+  c.name = "causal paged p16 hd128 v112 fp16 window 37";
+  c.io = c.kv = DType::kFloat16;
+  c.paged = true;
+  c.page_size = 16;
+  c.v_head_dim = 112;
+  c.num_q_heads = 8;
+  c.window = 37;
+  c.q_lens = {150, 1};
+  c.kv_lens = {400, 90};
+  c.seed = 33;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, NarrowVHeadDimCustomSoftCapLargeLogits) {
+  Case c;
+  c.name = "custom paged p1 hd128 v64, wider rows + window";
+  c.v_head_dim = 64;
+  c.mask = core::MaskMode::kCustom;
+  c.mask_extra_cols = 5;
+  c.window = 20;
+  c.q_lens = {7, 16, 1};
+  c.kv_lens = {100, 40, 9};
+  c.seed = 34;
+  run_case(c);
+  c.name = "causal softcap 2 hd128 v48";
+  c.v_head_dim = 48;
+  c.mask = core::MaskMode::kCausal;
+  c.mask_extra_cols = 0;
+  c.window = -1;
+  c.cap = 2.f;
+  c.input_range = 3.f;
+  c.q_lens = {90};
+  c.kv_lens = {130};
+  c.seed = 35;
+  run_case(c);
+  c.name = "large logits hd128 v64 causal";
+  c.v_head_dim = 64;
+  c.cap = 0.f;
+  c.input_range = 6.f;
+  c.q_lens = {40, 200};
+  c.kv_lens = {300, 700};
+  c.seed = 36;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, NarrowVHeadDimSplitKvAndShortKv) {
+  Case c;
+  c.name = "split decode-like hd128 v64 (q_len 1)";
+  c.v_head_dim = 64;
+  c.q_lens = {1, 1, 1};
+  c.kv_lens = {3000, 17, 1500};
+  c.concurrent_ctas = 264;
+  c.seed = 37;
+  run_case(c);
+  c.name = "split prefill hd128 v96 fp16 + window";
+  c.v_head_dim = 96;
+  c.io = c.kv = DType::kFloat16;
+  c.q_lens = {70};
+  c.kv_lens = {2500};
+  c.window = 1500;
+  c.seed = 38;
+  run_case(c);
+  c.name = "kv_len 0 and 1 hd128 v32";
+  c.v_head_dim = 32;
+  c.io = c.kv = DType::kBFloat16;
+  c.concurrent_ctas = 0;
+  c.window = -1;
+  c.q_lens = {4, 1, 2};
+  c.kv_lens = {0, 1, 1};
+  c.seed = 39;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, NarrowVHeadDimFp8Kv) {
+  Case c;
+  c.name = "fp8 e4m3 hd128 v64 bf16 scales";
+  c.v_head_dim = 64;
+  c.q_lens = {45, 1};
+  c.kv_lens = {300, 64};
+  c.kv = DType::kFloat8E4M3;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.seed = 40;
+  run_case(c);
+  c.name = "fp8 e5m2 hd128 v80 fp16 page 16";
+  c.v_head_dim = 80;
+  c.io = DType::kFloat16;
+  c.kv = DType::kFloat8E5M2;
+  c.page_size = 16;
+  c.k_scale = 1.5f;
+  c.v_scale = 0.25f;
+  c.seed = 41;
+  run_case(c);
+  c.name = "fp8 e4m3 hd128 v64 bf16 split";
+  c.v_head_dim = 64;
+  c.io = DType::kBFloat16;
+  c.kv = DType::kFloat8E4M3;
+  c.page_size = 1;
+  c.q_lens = {1, 2};
+  c.kv_lens = {900, 40};
+  c.concurrent_ctas = 264;
+  c.seed = 42;
+  run_case(c);
+}
+
+// Host-only: which (head_dim, v_head_dim) pairs the kernel serves (runs without a device).
+TEST(PrefillKernelSupport, VHeadDimPairs) {
+  for (int dv = 16; dv < 128; dv += 16) {
+    EXPECT_TRUE(prefill_v_head_dim_supported(128, dv)) << dv;
+    EXPECT_EQ(prefill_kernel_shape(128, dv).tile_rows, prefill_kernel_shape(128).tile_rows);
+  }
+  for (int d : {64, 128, 256}) {
+    EXPECT_TRUE(prefill_v_head_dim_supported(d, d)) << d;
+    EXPECT_EQ(prefill_kernel_shape(d, d).kv_tile, prefill_kernel_shape(d).kv_tile);
+  }
+  const int unsupported[][2] = {{128, 72}, {128, 8}, {128, 0}, {128, 144}, {128, 256},
+                                {64, 32},  {256, 128}, {256, 64}, {96, 64}};
+  for (const auto& pair : unsupported) {
+    EXPECT_FALSE(prefill_v_head_dim_supported(pair[0], pair[1])) << pair[0] << "/" << pair[1];
+    try {
+      prefill_kernel_shape(pair[0], pair[1]);
+      ADD_FAILURE() << "no throw for " << pair[0] << "/" << pair[1];
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kNotSupported);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("v_head_dim " + std::to_string(pair[1])), std::string::npos) << what;
+    }
+  }
+}
+
 TEST_F(PrefillKernel, RejectsUnsupported) {
   core::AttentionParams p;
   p.num_q_heads = 8;
@@ -584,8 +761,14 @@ TEST_F(PrefillKernel, RejectsUnsupported) {
   };
   EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // head_dim 96
   p.head_dim = 128;
-  p.v_head_dim = 64;
-  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // v_head_dim != head_dim
+  p.v_head_dim = 72;
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // not a multiple of 16
+  p.v_head_dim = 160;
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // above head_dim
+  p.head_dim = 64;
+  p.v_head_dim = 32;
+  EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);  // below head_dim is compiled at 128 only
+  p.head_dim = 128;
   p.v_head_dim = 128;
   p.io_dtype = DType::kFloat32;
   EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);

@@ -88,20 +88,13 @@ void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
     throw_error(ErrorKind::kNotSupported, "kv_dtype", "prefill supports KV in the io dtype (",
                 dtype_name(p.io_dtype), ") or fp8, got ", dtype_name(p.kv_dtype));
   }
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
-    throw_error(ErrorKind::kNotSupported, "head_dim", "prefill supports 64, 128, 256, got ",
-                p.head_dim);
-  }
-  if (p.v_head_dim != p.head_dim) {
-    throw_error(ErrorKind::kNotSupported, "v_head_dim", "prefill needs v_head_dim == head_dim (",
-                p.head_dim, "), got ", p.v_head_dim);
-  }
+  // Throws kNotSupported for a head_dim / v_head_dim pair without a compiled instance.
+  const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim, p.v_head_dim);
   check_arg(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "num_q_heads", "got ",
             p.num_q_heads, " q heads over ", p.num_kv_heads, " kv heads");
   const int group = p.num_q_heads / p.num_kv_heads;
   check_arg(tiles.group_size == group, "tiles.group_size", "got ", tiles.group_size,
             ", the call's GQA group is ", group);
-  const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim);
   check_arg(tiles.tile_rows == shape.tile_rows, "tiles.tile_rows", "got ", tiles.tile_rows,
             ", the head_dim ", p.head_dim, " kernel needs ", shape.tile_rows);
   check_arg(
@@ -159,6 +152,21 @@ PrefillKernelShape prefill_kernel_shape(int head_dim) {
   return shape;
 }
 
+bool prefill_v_head_dim_supported(int head_dim, int v_head_dim) {
+  return v_head_dim == head_dim ||
+         (head_dim == 128 && v_head_dim > 0 && v_head_dim < head_dim && v_head_dim % 16 == 0);
+}
+
+PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim) {
+  if (!prefill_v_head_dim_supported(head_dim, v_head_dim)) {
+    throw_error(ErrorKind::kNotSupported, "v_head_dim",
+                "prefill supports v_head_dim == head_dim, or head_dim 128 with v_head_dim a "
+                "multiple of 16 below 128; got head_dim ",
+                head_dim, ", v_head_dim ", v_head_dim);
+  }
+  return prefill_kernel_shape(head_dim);
+}
+
 void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                           cudaStream_t stream) {
   validate(p, tiles);
@@ -168,7 +176,11 @@ void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTil
       prefill_detail::launch_prefill_hd64(p, tiles, stream);
       break;
     case 128:
-      prefill_detail::launch_prefill_hd128(p, tiles, stream);
+      if (p.v_head_dim == 128) {
+        prefill_detail::launch_prefill_hd128(p, tiles, stream);
+      } else {
+        prefill_detail::launch_prefill_hd128_narrow_v(p, tiles, stream);
+      }
       break;
     default:
       prefill_detail::launch_prefill_hd256(p, tiles, stream);

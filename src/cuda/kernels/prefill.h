@@ -6,7 +6,8 @@
 //   io dtype bf16 or fp16; KV dtype equal to io dtype, or fp8 e4m3 / e5m2 (dequantized exactly
 //   to the io dtype in shared memory; k_scale folds into the logit scale, v_scale into the
 //   output); head_dim 64, 128 or 256 (those compiled, see KVATTN_CUDA_HEAD_DIMS) with
-//   v_head_dim == head_dim; paged (kv_indices, any page size; a slot outside [0, num_slots)
+//   v_head_dim == head_dim, or head_dim 128 with v_head_dim a multiple of 16 below 128 (the
+//   q.k product over head_dim, O over v_head_dim; out and v rows are v_head_dim wide); paged (kv_indices, any page size; a slot outside [0, num_slots)
 //   is never read, its key and value count as zero vectors) or ragged (kv_indices == nullptr) K/V;
 //   masks none / causal (bottom-right) / custom (per request [q_len, row_len], row_len >= kv_len,
 //   keys = the last kv_len columns); window_left (bounds causal and custom masks, ignored with
@@ -33,6 +34,14 @@ struct PrefillKernelShape {
 
 /// Throws kNotSupported for a head_dim that is not compiled.
 PrefillKernelShape prefill_kernel_shape(int head_dim);
+
+/// Whether the prefill kernel serves this pair (v_head_dim == head_dim, or head_dim 128 with
+/// v_head_dim a multiple of 16 below 128); says nothing about which head_dims are compiled.
+bool prefill_v_head_dim_supported(int head_dim, int v_head_dim);
+
+/// The shape for a (head_dim, v_head_dim) pair: throws kNotSupported naming both values for a
+/// pair the kernel does not serve, and for a head_dim that is not compiled.
+PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim);
 
 /// Runs the prefill over every tile of `tiles` (device pointers, from core::write_prefill_buffer)
 /// and, when tiles.num_merges > 0, the merge of split tiles. All pointers in `p` are device

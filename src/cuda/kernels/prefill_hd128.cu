@@ -6,7 +6,7 @@ namespace kvattn::cuda::prefill_detail {
 
 void launch_prefill_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                           cudaStream_t stream) {
-  launch_if_compiled<128>(p, tiles, stream);
+  launch_if_compiled<128, false>(p, tiles, stream);
 }
 
 }  // namespace kvattn::cuda::prefill_detail

@@ -1,7 +1,14 @@
 // The batch prefill kernel: FlashAttention-2 on mma.sync m16n8k16 (fp32 accumulate), K/V tiles
 // gathered by slot (paged) or by row (ragged) with cp.async into XOR-swizzled shared memory,
 // double buffered. Included by the one-per-head_dim instance files (prefill_hd*.cu); only
-// head_dim and the io dtype are template parameters, everything else is a runtime branch.
+// head_dim, the io dtype and kNarrowV are template parameters, everything else is a runtime
+// branch.
+//
+// kNarrowV (instantiated at head_dim 128 only, prefill_hd128_narrow_v.cu): v_head_dim is a
+// runtime multiple of 16 below head_dim. The tiles keep the head_dim layout; V copies fill only
+// the first v_head_dim columns of a V tile, O += P V stops at v_head_dim, and the epilogue writes
+// v_head_dim columns. O's columns past v_head_dim stay zero and are never stored. With kNarrowV
+// false every such test folds away at compile time (the v_head_dim == head_dim code is unchanged).
 //
 // Work split: one CTA per core::PrefillWorkItem (a tile of tile_rows packed rows, see
 // core/prefill_tiles.h), 4 warps; warp w owns rows [w * kRowsPerWarp, (w + 1) * kRowsPerWarp) of
@@ -161,7 +168,7 @@ __device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
 
 // ---- the kernel -----------------------------------------------------------------------------
 
-template <int kHeadDim, typename T>
+template <int kHeadDim, bool kNarrowV, typename T>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
                                   PrefillTraits<kHeadDim>::kMinBlocks)
     batch_prefill_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
@@ -175,6 +182,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr uint32_t kRowBytes = kChunks * 16;  // one 16-bit row of q/k/v in shared memory
+  // Columns of V and O that exist (a multiple of 16, see prefill.cu's check).
+  const int v_dim = kNarrowV ? p.v_head_dim : kHeadDim;
 
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s_q = smem_address(smem);
@@ -279,6 +288,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     static_assert(kThreads % kRowChunks == 0 && kRowStep % 4 == 0 && kTileKeys % kRowStep == 0);
     const int r0 = tid / kRowChunks;
     const int c = tid % kRowChunks;
+    // kNarrowV: a thread whose chunk column is past v_head_dim copies no V (the columns are
+    // never read; v_head_dim % 16 == 0 keeps every chunk wholly in or out).
+    const bool copies_v = !kNarrowV || c * kElems < v_dim;
     int64_t rows[kPerThread];
     bool valid[kPerThread];
     const int limit = kv_end - kv_start - r0;  // chunk i holds a key of the tile iff i*step < it
@@ -315,7 +327,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       const E* k_src = valid[i] ? k_base + rows[i] * p.k_stride_token : k_base;
       const E* v_src = valid[i] ? v_base + rows[i] * p.v_stride_token : v_base;
       cp_async_16((k_dst ^ flip) + offset, k_src, valid[i]);
-      cp_async_16((v_dst ^ flip) + offset, v_src, valid[i]);
+      if (copies_v) cp_async_16((v_dst ^ flip) + offset, v_src, valid[i]);
     }
   };
   auto issue_kv = [&](int kv_start, int buffer) {
@@ -342,6 +354,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
         const int index = tid + i * kThreads;
         const int r = index / kRawChunks;
         const int c = index % kRawChunks;
+        if (kNarrowV && half == 1 && c * 16 >= v_dim) continue;  // V chunk never copied
         const uint4 bits = *reinterpret_cast<const uint4*>(src + index * 16);
         uint4 lo, hi;
         lo.x = fp8x2_to<T>(static_cast<uint16_t>(bits.x & 0xffffu), e5m2);
@@ -539,6 +552,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       }
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        if (kNarrowV && dp * 16 >= v_dim) break;  // O's columns past v_head_dim stay zero
         uint32_t vb[4];
         ldmatrix_x4_trans(vb, (v_base ^ ((dp % 4) * 32)) + (dp / 4) * 128 + kk * 16 * kRowBytes);
 #pragma unroll
@@ -594,7 +608,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       const int r = warp_row + index / kChunks;
       const int c = index % kChunks;
       const int packed = row0 + r;
-      if (packed < rows_total) {
+      if (packed < rows_total && (!kNarrowV || c * 8 < v_dim)) {
         const int token = packed / group;
         const int head = kv_head * group + packed % group;
         T* dst = out + (int64_t(q_begin) + token) * p.out_stride_token +
@@ -626,9 +640,10 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row + a * 16 + (lane >> 2) + 8 * h;
         if (row0 + r >= rows_total) continue;
-        float* dst = tiles.partial_out + (slot_row + r) * kHeadDim + (lane & 3) * 2;
+        float* dst = tiles.partial_out + (slot_row + r) * v_dim + (lane & 3) * 2;
 #pragma unroll
         for (int d = 0; d < kDimTiles; ++d) {
+          if (kNarrowV && d * 8 >= v_dim) break;
           *reinterpret_cast<float2*>(dst + d * 8) =
               make_float2(o[a][d][2 * h] * inv_sum[a][h], o[a][d][2 * h + 1] * inv_sum[a][h]);
         }
@@ -657,11 +672,11 @@ inline void check_launch(const char* what) {
   }
 }
 
-template <int kHeadDim, typename T>
+template <int kHeadDim, bool kNarrowV, typename T>
 void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                      cudaStream_t stream) {
   using Tr = PrefillTraits<kHeadDim>;
-  auto kernel = batch_prefill_kernel<kHeadDim, T>;
+  auto kernel = batch_prefill_kernel<kHeadDim, kNarrowV, T>;
   // The shared-memory opt-in is per device; set it once per device (a host call per launch
   // would show in the timing of small batches).
   static std::atomic<uint64_t> devices_ready{0};
@@ -683,14 +698,14 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
 
 /// The launcher of one instance file: throws kNotSupported when the head_dim was left out of
 /// KVATTN_CUDA_HEAD_DIMS (the template keeps the kernel from being instantiated at all then).
-template <int kHeadDim>
+template <int kHeadDim, bool kNarrowV>
 void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                         cudaStream_t stream) {
   if constexpr (head_dim_compiled(kHeadDim)) {
     if (p.io_dtype == DType::kBFloat16) {
-      launch_instance<kHeadDim, __nv_bfloat16>(p, tiles, stream);
+      launch_instance<kHeadDim, kNarrowV, __nv_bfloat16>(p, tiles, stream);
     } else {
-      launch_instance<kHeadDim, __half>(p, tiles, stream);
+      launch_instance<kHeadDim, kNarrowV, __half>(p, tiles, stream);
     }
   } else {
     throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
@@ -705,5 +720,8 @@ void launch_prefill_hd128(const core::AttentionParams& p, const core::PrefillTil
                           cudaStream_t stream);
 void launch_prefill_hd256(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                           cudaStream_t stream);
+/// head_dim 128 with v_head_dim a multiple of 16 below 128 (prefill_hd128_narrow_v.cu).
+void launch_prefill_hd128_narrow_v(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                                   cudaStream_t stream);
 
 }  // namespace kvattn::cuda::prefill_detail
