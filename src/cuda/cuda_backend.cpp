@@ -72,14 +72,15 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   setup.plan_config.chunk_align = setup.info.tile_tokens;
   setup.plan_config.min_chunk = std::max(256, setup.info.tile_tokens);
 
-  // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim (kernels/prefill.h);
-  // fp32 io reaches it through 16-bit copies (see compute_dtype).
+  // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim, or head_dim 128 with
+  // v_head_dim a multiple of 16 below it (kernels/prefill.h); fp32 io reaches it through 16-bit
+  // copies (see compute_dtype).
   const bool io_native = config.q_dtype == DType::kBFloat16 || config.q_dtype == DType::kFloat16;
   setup.compute_dtype = io_native                     ? config.q_dtype
                         : kv.dtype == DType::kFloat16 ? DType::kFloat16
                                                       : DType::kBFloat16;
   setup.prefill_supported = false;
-  if (v_head_dim == config.head_dim) {
+  if (prefill_v_head_dim_supported(config.head_dim, v_head_dim)) {
     try {
       const PrefillKernelShape shape = prefill_kernel_shape(config.head_dim);
       setup.prefill_supported = true;
