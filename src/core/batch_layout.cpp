@@ -30,8 +30,10 @@ std::vector<int32_t> read_lengths(const TensorView& host, const TensorView& devi
   std::vector<int32_t> out(static_cast<size_t>(batch_size));
   for (int r = 0; r < batch_size; ++r) {
     const int64_t value = read_index(t, r);
-    check_arg(value >= 0 && value <= INT32_MAX, arg + "[" + std::to_string(r) + "]", "got ",
-              value, ", expected a length in [0, 2^31)");
+    if (value < 0 || value > INT32_MAX) {  // the name is built only on failure (every step)
+      throw_error(ErrorKind::kInvalidArgument, arg + "[" + std::to_string(r) + "]", "got ",
+                  value, ", expected a length in [0, 2^31)");
+    }
     out[r] = int32_t(value);
   }
   return out;

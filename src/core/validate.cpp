@@ -9,6 +9,8 @@
 namespace kvattn::core {
 namespace {
 
+// Per-element names are built only when a check fails: the loops run at every step, and
+// building "seq_lens[123]" for each element cost more than the whole decode plan at batch 256.
 std::string at(const char* name, int64_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
 }
@@ -40,8 +42,10 @@ void check_slots_on_host(const TensorView& loc, const char* name, int64_t num_sl
   if (!loc.device().is_cpu()) return;  // device kernels skip and report out-of-range slots
   for (int64_t i = 0; i < loc.size(0); ++i) {
     const int64_t slot = read_index(loc, i);
-    check_arg(slot >= 0 && slot < num_slots, at(name, i), "slot ", slot,
-              " outside the KV pool [0, ", num_slots, ")");
+    if (slot < 0 || slot >= num_slots) {
+      throw_error(ErrorKind::kInvalidArgument, at(name, i), "slot ", slot,
+                  " outside the KV pool [0, ", num_slots, ")");
+    }
   }
 }
 
@@ -132,8 +136,10 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
   if (b.req_pool_indices.device().is_cpu()) {
     for (int r = 0; r < bs; ++r) {
       const int64_t row = read_index(b.req_pool_indices, r);
-      check_arg(row >= 0 && row < pool.max_reqs(), at("req_pool_indices", r), "got ", row,
-                ", expected a row of req_to_token in [0, ", pool.max_reqs(), ")");
+      if (row < 0 || row >= pool.max_reqs()) {
+        throw_error(ErrorKind::kInvalidArgument, at("req_pool_indices", r), "got ", row,
+                    ", expected a row of req_to_token in [0, ", pool.max_reqs(), ")");
+      }
     }
   }
   const HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);
@@ -147,8 +153,11 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
   for (int r = 0; r < bs; ++r) {
     const int64_t base = c.is_encoder_decoder ? lens.encoder_lens[r] : 0;
     const int64_t extent = base + lens.seq_lens[r] + (verify ? b.spec.draft_token_num : 0);
-    check_arg(extent <= pool.max_context_len(), at("seq_lens", r), "request needs ", extent,
-              " req_to_token positions, the pool has max_context_len ", pool.max_context_len());
+    if (extent > pool.max_context_len()) {
+      throw_error(ErrorKind::kInvalidArgument, at("seq_lens", r), "request needs ", extent,
+                  " req_to_token positions, the pool has max_context_len ",
+                  pool.max_context_len());
+    }
     sum += lens.seq_lens[r];
     if (verify) {
       mask_elems += int64_t(b.spec.draft_token_num) * (lens.seq_lens[r] + b.spec.draft_token_num);
