@@ -342,8 +342,7 @@ void run_case(const Case& c) {
       double scale = 1e-3;
       for (int e = 0; e < dv; ++e) scale = std::max(scale, std::abs(r[e]));
       for (int e = 0; e < dv; ++e) {
-        const double o =
-            from_16bit(out_host[t * out_stride_token + h * out_stride_head + e], c.io);
+        const double o = from_16bit(out_host[t * out_stride_token + h * out_stride_head + e], c.io);
         const double err = std::abs(o - r[e]);
         diff2 += err * err;
         ref2 += r[e] * r[e];
@@ -729,7 +728,7 @@ TEST(PrefillKernelSupport, VHeadDimPairs) {
     EXPECT_TRUE(prefill_v_head_dim_supported(d, d)) << d;
     EXPECT_EQ(prefill_kernel_shape(d, d).kv_tile, prefill_kernel_shape(d).kv_tile);
   }
-  const int unsupported[][2] = {{128, 72}, {128, 8}, {128, 0}, {128, 144}, {128, 256},
+  const int unsupported[][2] = {{128, 72}, {128, 8},   {128, 0},  {128, 144}, {128, 256},
                                 {64, 32},  {256, 128}, {256, 64}, {96, 64}};
   for (const auto& pair : unsupported) {
     EXPECT_FALSE(prefill_v_head_dim_supported(pair[0], pair[1])) << pair[0] << "/" << pair[1];

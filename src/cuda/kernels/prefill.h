@@ -7,14 +7,14 @@
 //   to the io dtype in shared memory; k_scale folds into the logit scale, v_scale into the
 //   output); head_dim 64, 128 or 256 (those compiled, see KVATTN_CUDA_HEAD_DIMS) with
 //   v_head_dim == head_dim, or head_dim 128 with v_head_dim a multiple of 16 below 128 (the
-//   q.k product over head_dim, O over v_head_dim; out and v rows are v_head_dim wide); paged (kv_indices, any page size; a slot outside [0, num_slots)
-//   is never read, its key and value count as zero vectors) or ragged (kv_indices == nullptr) K/V;
-//   masks none / causal (bottom-right) / custom (per request [q_len, row_len], row_len >= kv_len,
-//   keys = the last kv_len columns); window_left (bounds causal and custom masks, ignored with
-//   kNone as in the CPU backend: query i sees j >= kv_len - q_len + i - window_left); soft-cap;
-//   optional natural-log LSE. sm_scale and k_scale must be positive; k_scale / v_scale apply to
-//   every KV dtype. Strides are in elements; the last dim of q/k/v/out must be contiguous and every
-//   row 16-byte aligned.
+//   q.k product over head_dim, O over v_head_dim; out and v rows are v_head_dim wide); paged
+//   (kv_indices, any page size; a slot outside [0, num_slots) is never read, its key and value
+//   count as zero vectors) or ragged (kv_indices == nullptr) K/V; masks none / causal
+//   (bottom-right) / custom (per request [q_len, row_len], row_len >= kv_len, keys = the last
+//   kv_len columns); window_left (bounds causal and custom masks, ignored with kNone as in the CPU
+//   backend: query i sees j >= kv_len - q_len + i - window_left); soft-cap; optional natural-log
+//   LSE. sm_scale and k_scale must be positive; k_scale / v_scale apply to every KV dtype. Strides
+//   are in elements; the last dim of q/k/v/out must be contiguous and every row 16-byte aligned.
 #pragma once
 
 #include <cuda_runtime_api.h>
