@@ -4,7 +4,6 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
-#include <queue>
 #include <string>
 
 #include "kvattn/error.h"
@@ -41,8 +40,11 @@ void check_config(const DecodePlanConfig& config) {
 int32_t check_lengths(std::span<const int32_t> kv_len) {
   int32_t max_len = 0;
   for (size_t r = 0; r < kv_len.size(); ++r) {
-    check_arg(kv_len[r] >= 0, "kv_len[" + std::to_string(r) + "]", "got ", kv_len[r],
-              ", expected >= 0");
+    // The argument's name is built only on failure: this runs at every step.
+    if (kv_len[r] < 0) {
+      throw_error(ErrorKind::kInvalidArgument, "kv_len[" + std::to_string(r) + "]", "got ",
+                  kv_len[r], ", expected >= 0");
+    }
     max_len = std::max(max_len, kv_len[r]);
   }
   return max_len;
@@ -66,41 +68,75 @@ int decode_item_capacity(int batch_size, const DecodePlanConfig& config) {
   return int(std::max<int64_t>(1, batch_size + extra));
 }
 
+namespace {
+
+// An unstable sort of these unique keys gives heaviest first and, among equal weights, the
+// lower index first (what a stable sort by weight gives) at a fraction of the cost.
+uint64_t heaviest_first_key(int64_t weight, size_t index) {
+  return (uint64_t(INT32_MAX - weight) << 32) | uint64_t(index);
+}
+size_t key_index(uint64_t key) {
+  return size_t(key & 0xffffffffu);
+}
+
+// Greedy LPT makespan of items whose costs are given heaviest first: each CTA goes to the slot
+// that frees up first (what the block dispatcher does). An item's k = ctas_per_item CTAs take
+// the k least-loaded slots. When the slot count is a multiple of k, the multiset of loads only
+// ever holds each value a multiple of k times (true at the start; taking k copies of the least
+// value and adding the same cost keeps it), so the slots are simulated as groups of k, one heap
+// step per item: k times fewer heap operations, the same makespan. Integer costs keep the sums
+// exact.
+double lpt_makespan(const std::vector<int64_t>& costs, const DecodePlanConfig& config) {
+  if (costs.empty()) return 0;
+  if (config.concurrent_ctas == 0) return double(costs.front());
+  const int64_t total_ctas = int64_t(costs.size()) * config.ctas_per_item;
+  const int64_t slots = std::min<int64_t>(config.concurrent_ctas, total_ctas);
+  const bool grouped = slots % config.ctas_per_item == 0;
+  const size_t lanes = size_t(grouped ? slots / config.ctas_per_item : slots);
+  const int copies = grouped ? 1 : config.ctas_per_item;
+  // One wave: every CTA has its own slot, the heaviest item ends last.
+  if (costs.size() * size_t(copies) <= lanes) return double(costs.front());
+  std::vector<int64_t> loads(lanes, 0);  // a min-heap (all equal: valid)
+  int64_t makespan = 0;
+  for (int64_t cost : costs) {
+    for (int c = 0; c < copies; ++c) {
+      // The least load grows by `cost` and sinks to its place (one sift instead of pop + push).
+      const int64_t value = loads[0] + cost;
+      size_t i = 0;
+      for (size_t child = 1; child < lanes; child = 2 * i + 1) {
+        if (child + 1 < lanes && loads[child + 1] < loads[child]) ++child;
+        if (loads[child] >= value) break;
+        loads[i] = loads[child];
+        i = child;
+      }
+      loads[i] = value;
+      makespan = std::max(makespan, value);
+    }
+  }
+  return double(makespan);
+}
+
+}  // namespace
+
 double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
                                 int chunk) {
   check_config(config);
   check_arg(chunk >= 1, "chunk", "got ", chunk, ", expected >= 1");
   // Item costs (each item stands for ctas_per_item identical CTAs), heaviest first.
-  std::vector<double> costs;
-  costs.reserve(kv_len.size());
+  std::vector<int64_t> costs;
+  costs.reserve(size_t(items_for_chunk(kv_len, chunk)));
   for (int32_t len : kv_len) {
     const int64_t pieces = std::max<int64_t>(1, ceil_div(len, chunk));
-    const double extra =
+    const int64_t extra =
         config.cta_overhead_tokens + (pieces > 1 ? config.merge_overhead_tokens : 0);
     for (int64_t p = 0; p < pieces; ++p) {
       const int64_t begin = p * chunk;
       const int64_t end = std::min<int64_t>(len, begin + chunk);
-      costs.push_back(double(end - begin) + extra);
+      costs.push_back(end - begin + extra);
     }
   }
-  if (costs.empty()) return 0;
   std::sort(costs.begin(), costs.end(), std::greater<>());
-  if (config.concurrent_ctas == 0) return costs.front();
-  // Greedy LPT: each CTA goes to the slot that frees up first (what the block dispatcher does).
-  const int64_t total_ctas = int64_t(costs.size()) * config.ctas_per_item;
-  const int64_t slots = std::min<int64_t>(config.concurrent_ctas, total_ctas);
-  std::priority_queue<double, std::vector<double>, std::greater<>> loads;
-  for (int64_t s = 0; s < slots; ++s) loads.push(0.0);
-  double makespan = 0;
-  for (double cost : costs) {
-    for (int c = 0; c < config.ctas_per_item; ++c) {
-      const double load = loads.top() + cost;
-      loads.pop();
-      loads.push(load);
-      makespan = std::max(makespan, load);
-    }
-  }
-  return makespan;
+  return lpt_makespan(costs, config);
 }
 
 DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
@@ -111,9 +147,18 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
   check_arg(item_capacity >= batch_size, "item_capacity", "got ", item_capacity,
             ", expected >= batch_size ", batch_size);
 
+  // Requests heaviest first, sorted once: the unsplit plan's launch order and the input of its
+  // cost estimate (this runs at every step, so the common unsplit case sorts nothing else).
+  std::vector<uint64_t> order(static_cast<size_t>(batch_size));
+  for (int r = 0; r < batch_size; ++r) order[size_t(r)] = heaviest_first_key(kv_len[r], size_t(r));
+  std::sort(order.begin(), order.end());
+
   // ---- choose the chunk ---------------------------------------------------------------------
+  // Candidates are estimated only when one is feasible: a large batch, which fills the device
+  // unsplit and has no room for more items, skips the estimate altogether.
   int64_t best_chunk = std::max<int32_t>(max_len, 1);
-  double best_cost = estimate_decode_makespan(kv_len, config, int(best_chunk));
+  double best_cost = 0;
+  bool estimated = false;
   if (config.concurrent_ctas > 0 && max_len > config.min_chunk) {
     double total = 0;
     for (int32_t len : kv_len) total += double(len) + config.cta_overhead_tokens;
@@ -121,12 +166,21 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
     int64_t last_chunk = best_chunk;
     for (int k : kSplitCandidates) {
       if (k == 1) continue;
-      if (best_cost <= lower_bound * 1.03) break;  // already within 3% of a perfect spread
       const int64_t chunk = round_up(ceil_div(max_len, k), config.chunk_align);
       if (chunk < config.min_chunk) break;
       if (chunk >= last_chunk) continue;  // rounding made it a repeat
       last_chunk = chunk;
       if (items_for_chunk(kv_len, chunk) > item_capacity) break;  // grows with k
+      if (!estimated) {
+        std::vector<int64_t> costs(static_cast<size_t>(batch_size));
+        for (int i = 0; i < batch_size; ++i) {
+          costs[size_t(i)] =
+              int64_t(kv_len[key_index(order[size_t(i)])]) + config.cta_overhead_tokens;
+        }
+        best_cost = lpt_makespan(costs, config);
+        estimated = true;
+      }
+      if (best_cost <= lower_bound * 1.03) break;  // already within 3% of a perfect spread
       const double cost = estimate_decode_makespan(kv_len, config, int(chunk));
       if (cost < best_cost * kRequiredGain) {
         best_cost = cost;
@@ -136,16 +190,25 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
   }
 
   // ---- emit the items --------------------------------------------------------------------------
+  // Heaviest first; among equals in request order (neighbouring requests' CTAs start together,
+  // which keeps the dispatch order reproducible).
   DecodePlan plan;
   plan.chunk = int(best_chunk);
   plan.estimated_cost = best_cost;
   plan.merge_indptr.assign(size_t(batch_size) + 1, 0);
-  struct Keyed {
-    DecodeWorkItem item;
-    int64_t cost;
-  };
-  std::vector<Keyed> keyed;
-  keyed.reserve(size_t(items_for_chunk(kv_len, best_chunk)));
+  if (best_chunk >= max_len) {
+    plan.items.resize(size_t(batch_size));
+    for (int i = 0; i < batch_size; ++i) {
+      DecodeWorkItem& item = plan.items[size_t(i)];
+      item.request = int32_t(key_index(order[size_t(i)]));
+      item.kv_begin = 0;
+      item.kv_end = kv_len[item.request];
+      item.partial = -1;
+    }
+    return plan;
+  }
+  std::vector<DecodeWorkItem> emitted;
+  emitted.reserve(size_t(items_for_chunk(kv_len, best_chunk)));
   for (int r = 0; r < batch_size; ++r) {
     const int64_t len = kv_len[r];
     const int64_t pieces = std::max<int64_t>(1, ceil_div(len, best_chunk));
@@ -156,16 +219,16 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
       item.kv_begin = int32_t(p * best_chunk);
       item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * best_chunk));
       item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
-      keyed.push_back({item, int64_t(item.kv_end) - item.kv_begin});
+      emitted.push_back(item);
     }
   }
   plan.num_partials = plan.merge_indptr.back();
-  // Heaviest first; stable, so equal items keep request order (neighbouring requests' CTAs
-  // start together, which keeps the dispatch order reproducible).
-  std::stable_sort(keyed.begin(), keyed.end(),
-                   [](const Keyed& a, const Keyed& b) { return a.cost > b.cost; });
-  plan.items.reserve(keyed.size());
-  for (const Keyed& k : keyed) plan.items.push_back(k.item);
+  std::vector<uint64_t> keys(emitted.size());
+  for (size_t i = 0; i < emitted.size(); ++i)
+    keys[i] = heaviest_first_key(int64_t(emitted[i].kv_end) - emitted[i].kv_begin, i);
+  std::sort(keys.begin(), keys.end());
+  plan.items.resize(emitted.size());
+  for (size_t i = 0; i < keys.size(); ++i) plan.items[i] = emitted[key_index(keys[i])];
   return plan;
 }
 
@@ -248,6 +311,54 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
     std::memcpy(static_cast<char*>(host) + out.num_items, &n, sizeof(n));
   }
   return out;
+}
+
+// ---- fixed-size prefill plans ----------------------------------------------------------------
+
+PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len,
+                                          const PrefillTileShape& shape) {
+  check_arg(batch_size >= 0, "batch_size", "got ", batch_size, ", expected >= 0");
+  check_arg(q_len >= 0, "q_len", "got ", q_len, ", expected >= 0");
+  check_arg(shape.num_kv_heads > 0 && shape.num_q_heads > 0 &&
+                shape.num_q_heads % shape.num_kv_heads == 0,
+            "num_q_heads", "got ", shape.num_q_heads, " q heads over ", shape.num_kv_heads,
+            " kv heads");
+  check_arg(shape.tile_rows > 0, "tile_rows", "got ", shape.tile_rows, ", expected > 0");
+  check_arg(shape.concurrent_ctas >= 0, "concurrent_ctas", "got ", shape.concurrent_ctas,
+            ", expected >= 0");
+  const int64_t rows = int64_t(q_len) * (shape.num_q_heads / shape.num_kv_heads);
+  // No-op items start at kNoOpRow: a request must have fewer packed rows.
+  check_arg(rows <= kNoOpRow, "q_len", "got ", q_len, ": ", rows,
+            " packed rows a request, a fixed-size plan holds at most ", kNoOpRow);
+  const int64_t tiles = int64_t(batch_size) * shape.num_kv_heads * ceil_div(rows, shape.tile_rows);
+  const int64_t ctas = shape.concurrent_ctas;
+  const int64_t items = tiles + ctas;
+  const int64_t merges = std::min(tiles, ctas);
+  const int64_t partials = std::min(items, 2 * ctas);
+  check_arg(items <= INT32_MAX, "batch_size", "got ", batch_size, ": ", items,
+            " prefill items, over 2^31");
+  PrefillPlanCapacity capacity;
+  capacity.items = int(items);
+  capacity.merges = int(merges);
+  capacity.partials = int(partials);
+  return capacity;
+}
+
+void pad_prefill_plan(PrefillTilePlan& plan, const PrefillPlanCapacity& capacity) {
+  if (int64_t(plan.items.size()) > capacity.items ||
+      int64_t(plan.merges.size()) > capacity.merges || plan.num_partials > capacity.partials) {
+    throw_error(ErrorKind::kOutOfResources, "prefill plan", "has ", plan.items.size(), " items, ",
+                plan.merges.size(), " merges and ", plan.num_partials,
+                " partials; the fixed-size (CUDA-graph) plan holds ", capacity.items, ", ",
+                capacity.merges, " and ", capacity.partials);
+  }
+  PrefillWorkItem no_op;
+  no_op.q_row_begin = kNoOpRow;
+  plan.items.resize(size_t(capacity.items), no_op);
+  PrefillMergeItem no_merge;
+  no_merge.q_row_begin = kNoOpRow;
+  plan.merges.resize(size_t(capacity.merges), no_merge);
+  plan.num_partials = capacity.partials;
 }
 
 }  // namespace kvattn::core

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/batch_layout.h"
+#include "core/prefill_tiles.h"
 
 namespace kvattn::core {
 
@@ -64,7 +65,9 @@ struct DecodePlan {
                                       ///< an empty range: the request was not split
   int num_partials = 0;
   int chunk = 0;              ///< tokens per chunk chosen (>= the longest request: no split)
-  double estimated_cost = 0;  ///< makespan in token-equivalents per CTA slot (for tests)
+  /// Makespan estimate of the chosen chunk in token-equivalents per CTA slot (for tests); 0
+  /// when no split was feasible, so nothing was compared (the estimate is skipped then).
+  double estimated_cost = 0;
 };
 
 /// Builds the plan for requests of `kv_len` tokens. At most `item_capacity` items.
@@ -72,7 +75,10 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
                        int item_capacity);
 
 /// Estimated makespan (token-equivalents) of running `chunk`-sized items on
-/// config.concurrent_ctas slots with LPT assignment; exposed for tests.
+/// config.concurrent_ctas slots with LPT assignment; exposed for tests. Runs once per candidate
+/// chunk at every step, so it is cheap: when the slots split into groups of ctas_per_item it
+/// simulates the groups (an item's identical CTAs always land on one group of equally loaded
+/// slots, see planner.cpp), else every CTA.
 double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
                                 int chunk);
 
@@ -111,5 +117,33 @@ struct CallMetadataLayout {
 /// (host == nullptr, layout and plan ignored) sizes the buffers once, so the two cannot disagree.
 CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const PagedLayout* layout,
                                        const DecodePlan* plan, void* host, size_t host_capacity);
+
+// ---- fixed-size prefill plans (CUDA-graph capture) -----------------------------------------
+
+/// Upper bounds on a plan_prefill_tiles plan for a batch of batch_size requests of at most q_len
+/// query tokens each, whatever their KV lengths: a graph captured for that batch launches this
+/// many items and merges, and every later plan for the same batch fits. With T = batch_size x
+/// num_kv_heads x ceil(q_len x group / tile_rows) tiles and C = concurrent_ctas (split-KV gives a
+/// tile more than one chunk only when its keys exceed the chunk, itself >= total cost / C):
+///   items <= T + C, merges <= min(T, C), partials <= min(T + C, 2 C).
+/// Worked example (H200 verify at head_dim 128: 32 q / 8 kv heads, tiles of 128 rows, 8 tree
+/// tokens, 132 SMs x 2 CTAs = 264): batch 64 -> T = 64 x 8 x ceil(32 / 128) = 512 tiles; 776
+/// items, 264 merges, 528 partials (about 25 KB of plan and 35 MB of fp32 partial scratch).
+struct PrefillPlanCapacity {
+  int items = 0;
+  int merges = 0;
+  int partials = 0;
+};
+PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len, const PrefillTileShape& shape);
+
+/// The packed row no-op items start at: past the rows of any request a capacity admits.
+constexpr int32_t kNoOpRow = INT32_MAX / 2;
+
+/// Pads `plan` to exactly `capacity` with no-op items and merges (prefill_tiles.h: q_row_begin
+/// kNoOpRow, kv_begin == kv_end == 0, partial -1; merges with num_partials 0) after the real
+/// ones, and raises num_partials to the capacity (the partial buffers are sized for it). The real
+/// items keep their order and slots, so a padded plan computes exactly what the unpadded one
+/// does. Throws kOutOfResources when the plan exceeds the capacity.
+void pad_prefill_plan(PrefillTilePlan& plan, const PrefillPlanCapacity& capacity);
 
 }  // namespace kvattn::core
