@@ -1,0 +1,1416 @@
+#!/usr/bin/env python3
+"""kvattn side by side with FlashInfer and PyTorch on the SPEC section 6 grid, in one process and
+one device call (issue 5). bench/peers/README.md has the device command.
+
+Pass A runs kvattn, torch SDPA (FLASH_ATTENTION, CUDNN_ATTENTION) and flex_attention on every
+row while a subprocess JIT-compiles the FlashInfer modules the grid needs (CPU work only); pass B
+rebuilds the same inputs from the same seeds and runs FlashInfer's wrappers the way SGLang's
+FlashInfer backend calls them. Each implementation's output is checked against a float64
+reference on sampled queries, and FlashInfer's and torch's full outputs against kvattn's.
+Results are rewritten after every row, so a run cut short still leaves its table.
+
+Timing: CUDA events around CUDA-graph replays of many calls (eager loops where a call cannot be
+captured), median of many replays, inputs rotated over enough sets that one round touches four
+times the L2. The ceilings (read and copy bandwidth, cuBLAS bf16 GEMM) are measured in the same
+run.
+
+`--self-test` checks the torch-free parts (grid, arithmetic, JSON / table / plot writers) on any
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers_report as report  # noqa: E402
+from peers_report import GROUP, HEAD_DIM, KV_HEADS, KVATTN, Q_HEADS, Case  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MIB = 1 << 20
+GIB = 1 << 30
+L2_FALLBACK_BYTES = 60 * MIB  # H200 (DEVICE-NOTES.md), used when torch does not report it
+MAX_SETS = 32  # as the kvattn bench: more input sets add memory, not accuracy
+MIN_REPLAY_MS = 1.0  # one timed replay covers at least this much GPU time ...
+MAX_CALLS_PER_REPLAY = 256  # ... with at most this many calls in it
+MIN_REPS, MAX_REPS = 7, 200
+JIT_END_RESERVE_S = 20.0  # pass B stops waiting for a JIT module this long before the budget
+FLASHINFER_WORKSPACE_BYTES = 512 * MIB  # as SGLang's largest FlashInfer workspace
+
+
+# ---- pure helpers (covered by --self-test) ----------------------------------------------------
+
+def choose_sets(bytes_per_set: float, l2_bytes: float, free_bytes: float,
+                resident_bytes_per_set: float) -> int:
+    """Input sets to rotate: one round touches 4x the L2, capped by MAX_SETS and by half the free
+    device memory (resident_bytes_per_set counts every copy a set keeps on the device)."""
+    wanted = max(1, math.ceil(4.0 * l2_bytes / max(bytes_per_set, 1.0)))
+    fit = max(1, int(0.5 * free_bytes // max(resident_bytes_per_set, 1.0)))
+    return int(min(wanted, MAX_SETS, fit))
+
+
+def calls_per_replay(per_call_ms: float, sets: int) -> int:
+    """Calls captured in one replay: whole rounds over the sets, at least MIN_REPLAY_MS of work,
+    at most MAX_CALLS_PER_REPLAY calls (one round when a round alone exceeds that)."""
+    rounds = max(1, math.ceil(MIN_REPLAY_MS / max(per_call_ms * sets, 1e-4)))
+    rounds = min(rounds, max(1, MAX_CALLS_PER_REPLAY // sets))
+    return rounds * sets
+
+
+def replay_count(per_call_ms: float, calls: int, target_s: float) -> int:
+    """Timed replays: about target_s of GPU time, between MIN_REPS and MAX_REPS."""
+    per_replay_s = max(per_call_ms * calls, 1e-4) * 1e-3
+    return int(min(MAX_REPS, max(MIN_REPS, round(target_s / per_replay_s))))
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def sample_queries(case: Case) -> List[Tuple[int, int, int]]:
+    """(request, output row, absolute position) of the queries checked against float64: decode,
+    four requests' single query; prefill/extend, the first, middle and last new token of the
+    first and last request (as the kvattn bench samples)."""
+    samples = []
+    if case.is_decode:
+        for r in (0, case.batch // 3, 2 * case.batch // 3, case.batch - 1):
+            samples.append((r, r, case.kv_len - 1))
+    else:
+        for r in (0, case.batch - 1):
+            for j in (0, case.qo_len // 2 + 1, case.qo_len - 1):
+                samples.append((r, r * case.qo_len + j, case.prefix_len + j))
+    unique = sorted(set(samples), key=lambda s: s[1])
+    return unique
+
+
+def module_name(module: tuple) -> str:
+    kind, kv_dtype, swa = module
+    if kind == "cascade":
+        return "cascade"
+    return f"{kind}-{kv_dtype}" + ("-swa" if swa else "")
+
+
+def modules_of_impl(case: Case, impl: str) -> List[str]:
+    """FlashInfer JIT modules one implementation of one case needs."""
+    swa = case.window >= 0
+    if impl == "flashinfer-decode":
+        mods = [("decode", case.kv_dtype, swa)]
+    elif impl == "flashinfer-decode-tc" or impl.startswith("flashinfer-fa2"):
+        mods = [("fa2", case.kv_dtype, swa)]
+    elif impl.startswith("flashinfer-fa3"):
+        mods = [("fa3", case.kv_dtype, swa)]
+    else:
+        return []
+    if impl.endswith("+merge"):
+        mods.append(("cascade", "", False))
+    return [module_name(m) for m in mods]
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    text = re.sub(r"\s+", " ", text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="the quick subset: decode b<=64 kv<=4096, prefill b1 len<=4096, "
+                             "extend, the fp8 and window rows")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="wall-clock budget of the whole run in seconds (default 480); work "
+                             "that would start past it is recorded as skipped")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or
+                        os.path.join(REPO_ROOT, "bench", "results"),
+                        help="where the JSON, table, plot and JIT log go (default $OUT, else "
+                             "bench/results)")
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--commit", default="", help="commit to record when git is not there")
+    parser.add_argument("--rows", default="", help="regex on row labels to keep")
+    parser.add_argument("--impls", default="",
+                        help="comma list of implementations to run (default: all)")
+    parser.add_argument("--no-flashinfer", action="store_true")
+    parser.add_argument("--flex", choices=("all", "prefill", "none"), default="all",
+                        help="rows to run torch flex_attention on (each new shape compiles)")
+    parser.add_argument("--target-s", type=float, default=0.25,
+                        help="GPU seconds timed per implementation and row")
+    parser.add_argument("--jit-workers", type=int, default=2,
+                        help="FlashInfer modules compiled at once by the prebuild subprocess")
+    parser.add_argument("--jit-jobs", type=int, default=7, help="ninja jobs per module (MAX_JOBS)")
+    parser.add_argument("--jit-cache-in", default="",
+                        help="a tar.gz of a FlashInfer JIT workspace to unpack first")
+    parser.add_argument("--jit-cache-out", default="",
+                        help="write the FlashInfer JIT workspace (no object files) to this tar.gz")
+    parser.add_argument("--self-test", action="store_true",
+                        help="check the torch-free parts and exit")
+    # internal: the JIT prebuild subprocess
+    parser.add_argument("--jit-prebuild", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jit-status", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--modules", default="[]", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error("--budget-s must be positive")
+    return args
+
+
+def select_cases(args: argparse.Namespace) -> List[Case]:
+    cases = report.make_grid(quick=args.quick)
+    if args.rows:
+        pattern = re.compile(args.rows)
+        cases = [c for c in cases if pattern.search(c.label)]
+    return cases
+
+
+def impl_wanted(args: argparse.Namespace, impl: str) -> bool:
+    if args.impls:
+        return impl in [s.strip() for s in args.impls.split(",")]
+    if args.no_flashinfer and impl.startswith("flashinfer"):
+        return False
+    return True
+
+
+def flex_wanted(args: argparse.Namespace, case: Case) -> bool:
+    return args.flex == "all" or (args.flex == "prefill" and not case.is_decode)
+
+
+# ---- FlashInfer JIT prebuild (a subprocess: compiles, never touches the GPU) ------------------
+
+def jit_prebuild_main(args: argparse.Namespace) -> int:
+    """Compiles the FlashInfer modules named in --modules, --jit-workers at a time, in the given
+    order, appending one JSON line per module to --jit-status."""
+    modules = [tuple(m) for m in json.loads(args.modules)]
+    lock = threading.Lock()
+
+    def status(**fields):
+        with lock, open(args.jit_status, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+    start = time.monotonic()
+    try:
+        import importlib
+        import torch
+        importlib.import_module("flashinfer")
+        from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+        from flashinfer.jit.cascade import gen_cascade_module
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which compiles itself
+        status(module="*", status="failed", error="import: " + short_error(e, 2000))
+        return 1
+    status(module="*", status="imported", seconds=round(time.monotonic() - start, 1))
+    dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+    def spec_of(module):
+        kind, kv_dtype, swa = module
+        if kind == "cascade":
+            return gen_cascade_module()
+        kv = dtypes[kv_dtype]
+        if kind == "decode":
+            return gen_batch_decode_module(torch.bfloat16, kv, torch.bfloat16, torch.int32,
+                                           HEAD_DIM, HEAD_DIM, 0, bool(swa), False)
+        return gen_batch_prefill_module(kind, torch.bfloat16, kv, torch.bfloat16, torch.int32,
+                                        HEAD_DIM, HEAD_DIM, 0, bool(swa), False, False)
+
+    def build(module):
+        name = module_name(module)
+        t0 = time.monotonic()
+        status(module=name, status="started", at=round(t0 - start, 1))
+        print(f"jit: building {name}", flush=True)
+        try:
+            spec_of(module).build(verbose=False)
+        except BaseException as e:  # noqa: BLE001
+            text = f"{type(e).__name__}: {e}"
+            print(f"jit: {name} failed after {time.monotonic() - t0:.0f} s:\n{text}", flush=True)
+            status(module=name, status="failed", seconds=round(time.monotonic() - t0, 1),
+                   error=re.sub(r"\s+", " ", text)[-1500:])
+            return
+        print(f"jit: {name} built in {time.monotonic() - t0:.0f} s", flush=True)
+        status(module=name, status="done", seconds=round(time.monotonic() - t0, 1))
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=max(1, args.jit_workers)) as pool:
+        list(pool.map(build, modules))
+    status(module="*", status="finished", seconds=round(time.monotonic() - start, 1))
+    return 0
+
+
+class JitTracker:
+    """The parent's view of the prebuild subprocess: which modules are done or failed."""
+
+    def __init__(self, status_path: str, process: Optional[subprocess.Popen]):
+        self.status_path = status_path
+        self.process = process
+        self.waited_s = 0.0
+
+    def read(self) -> Dict[str, dict]:
+        states: Dict[str, dict] = {}
+        try:
+            with open(self.status_path) as f:
+                for line in f:
+                    line = line.strip()
+                    if line:
+                        entry = json.loads(line)
+                        states[entry["module"]] = entry
+        except (OSError, ValueError):
+            pass
+        return states
+
+    def wait(self, names: List[str], deadline: float) -> Optional[str]:
+        """None when every module is built (or the prebuild is gone and the caller should build
+        in-process), else why the implementation cannot run."""
+        start = time.monotonic()
+        try:
+            while True:
+                states = self.read()
+                failed = [n for n in names if states.get(n, {}).get("status") == "failed"]
+                if failed:
+                    return f"FlashInfer JIT of {failed[0]} failed: " + \
+                        states[failed[0]].get("error", "?")
+                if all(states.get(n, {}).get("status") == "done" for n in names):
+                    return None
+                if self.process is None or self.process.poll() is not None:
+                    return None  # no prebuild running: build in-process (time-checked by caller)
+                if states.get("*", {}).get("status") == "failed":
+                    return None
+                if time.monotonic() > deadline:
+                    return "skipped: FlashInfer JIT not finished within the budget"
+                time.sleep(0.5)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def summary(self) -> dict:
+        return {name: {k: v for k, v in entry.items() if k != "module"}
+                for name, entry in self.read().items()}
+
+
+def start_prebuild(args: argparse.Namespace, modules: List[tuple], log_path: str,
+                   status_path: str) -> Optional[subprocess.Popen]:
+    env = dict(os.environ)
+    env["MAX_JOBS"] = str(args.jit_jobs)
+    cmd = [sys.executable, os.path.abspath(__file__), "--jit-prebuild", "--jit-status",
+           status_path, "--modules", json.dumps(modules), "--jit-workers", str(args.jit_workers)]
+    log = open(log_path, "w")
+    try:
+        # Lowest CPU priority: the parent's launches and torch.compile come first.
+        return subprocess.Popen(["nice", "-n", "19"] + cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO_ROOT)
+    except OSError:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+
+
+def flashinfer_workspace_base() -> str:
+    return os.environ.get("FLASHINFER_WORKSPACE_BASE", os.path.expanduser("~"))
+
+
+def unpack_jit_cache(path: str) -> str:
+    """Unpacks a saved JIT workspace and marks every file as new, so that ninja (which compares
+    times against the freshly installed headers) treats the modules as up to date."""
+    import tarfile
+    base = flashinfer_workspace_base()
+    with tarfile.open(path) as tar:
+        tar.extractall(base)
+    now = time.time()
+    for root, _, files in os.walk(os.path.join(base, ".cache", "flashinfer")):
+        for name in files:
+            os.utime(os.path.join(root, name), (now, now))
+    return base
+
+
+def pack_jit_cache(path: str) -> int:
+    import tarfile
+    base = flashinfer_workspace_base()
+    root = os.path.join(base, ".cache", "flashinfer")
+
+    def keep(info):
+        return None if info.name.endswith((".o", ".lock")) else info
+
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(root, arcname=os.path.relpath(root, base), filter=keep)
+    return os.path.getsize(path)
+
+
+# ---- the device run ----------------------------------------------------------------------------
+
+class Mode:
+    """SGLang's ForwardMode, the predicates KvattnAttnBackend asks."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def is_idle(self):
+        return False
+
+    def is_decode(self):
+        return self.name == "DECODE"
+
+    def is_target_verify(self):
+        return False
+
+    def is_draft_extend(self):
+        return False
+
+    def is_mixed(self):
+        return False
+
+    def is_extend(self):
+        return self.name == "EXTEND"
+
+
+class Data:
+    """The logical inputs of one data group, per input set: q [tokens, 32, 128] bf16, K and V
+    [batch, kv_len, 8, 128] (bf16, or float8_e4m3fn), and the new tokens' k/v [tokens, 8, 128]
+    (prefill/extend)."""
+
+    def __init__(self):
+        self.q, self.k, self.v, self.k_new, self.v_new = [], [], [], [], []
+        self.checksum = 0.0
+
+
+class Layout:
+    """Where one case's KV pool puts the tokens: shuffled pages (page 0 reserved, as SGLang
+    reserves slot 0), NaN in every slot nobody owns."""
+
+    def __init__(self):
+        self.slots = None  # [batch, kv_len] int64, device
+        self.pages = None  # [batch, pages_per_request] int64, device
+        self.k_pool, self.v_pool = [], []  # per set [num_slots, 8, 128] bf16 or uint8 (fp8)
+        self.num_pages = 0
+
+
+class Runner:
+    """Everything that needs torch and the GPU."""
+
+    def __init__(self, args: argparse.Namespace, cases: List[Case], start: float):
+        import torch
+        self.torch = torch
+        self.args = args
+        self.cases = cases
+        self.start = start
+        self.deadline = start + args.budget_s
+        self.device = torch.device("cuda")
+        self.stream = torch.cuda.Stream()
+        props = torch.cuda.get_device_properties(0)
+        self.l2_bytes = float(getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES)
+        self.device_name = torch.cuda.get_device_name(0)
+        self.scale = HEAD_DIM ** -0.5
+        self.ceilings: Dict[str, float] = {}
+        self.rows: Dict[tuple, dict] = {}  # (case label, impl) -> row
+        self.kvattn_out: Dict[str, object] = {}  # case label -> set-0 output [tokens, 32, 128], host
+        self.references: Dict[tuple, tuple] = {}  # data key -> (samples, float64 [n, 32, 128])
+        self.checksums: Dict[tuple, float] = {}
+        self.versions: Dict[str, str] = {"torch": torch.__version__,
+                                         "cuda": str(torch.version.cuda)}
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        if cudnn:
+            self.versions["cudnn"] = str(cudnn)
+        self.kvattn = None
+        self.kvattn_error = ""
+        self.flashinfer = None
+        self.flashinfer_error = ""
+        self.flex = None
+        self.flex_error = ""
+        self.jit: Optional[JitTracker] = None
+        self.fi_workspace = None
+        self.notes: List[str] = []
+
+    # ---- time ----
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
+
+    # ---- imports ----
+
+    def import_peers(self) -> None:
+        try:
+            import kvattn
+            from kvattn.torch_backend import KvattnAttnBackend
+            if not kvattn.cuda_compiled():
+                raise RuntimeError("kvattn was built without CUDA")
+            self.kvattn = (kvattn, KvattnAttnBackend)
+            self.versions["kvattn"] = getattr(kvattn, "__version__", "?")
+        except BaseException as e:  # noqa: BLE001
+            self.kvattn_error = "import kvattn: " + short_error(e)
+        if not self.args.no_flashinfer:
+            try:
+                import flashinfer
+                self.flashinfer = flashinfer
+                self.versions["flashinfer"] = getattr(flashinfer, "__version__", "?")
+                try:
+                    import tvm_ffi
+                    self.versions["tvm_ffi"] = getattr(tvm_ffi, "__version__", "?")
+                except ImportError:
+                    pass
+            except BaseException as e:  # noqa: BLE001
+                self.flashinfer_error = "import flashinfer: " + short_error(e)
+        try:
+            import triton
+            self.versions["triton"] = triton.__version__
+        except ImportError:
+            pass
+
+    # ---- ceilings ----
+
+    def measure_ceilings(self) -> None:
+        torch = self.torch
+        read = self._measure_read_gbps()
+        if read:
+            self.ceilings["read_gbps"] = read
+        try:
+            src = torch.empty(4 * GIB, dtype=torch.uint8, device=self.device)
+            dst = torch.empty_like(src)
+            src.fill_(1)
+            ms = self._event_median(lambda: dst.copy_(src), reps=20, warmup=3)
+            self.ceilings["copy_gbps"] = 2 * 4 * GIB / (ms * 1e-3) / 1e9
+            src = dst = None
+        except BaseException as e:  # noqa: BLE001
+            self.notes.append("copy ceiling failed: " + short_error(e))
+        self.ceilings["gemm_bf16_tflops"] = self._measure_gemm_tflops() or 0.0
+        torch.cuda.empty_cache()
+        self.log("ceilings: " + ", ".join(f"{k} {v:.0f}" for k, v in self.ceilings.items()))
+
+    def _event_median(self, fn: Callable[[], object], reps: int, warmup: int) -> float:
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup):
+                fn()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(reps)]
+            for a, b in events:
+                a.record(self.stream)
+                fn()
+                b.record(self.stream)
+        self.stream.synchronize()
+        return median([a.elapsed_time(b) for a, b in events])
+
+    def _measure_read_gbps(self) -> Optional[float]:
+        """Read-only streaming over 4 GiB: a Triton kernel in which each program sums one 32 KiB
+        block (enough blocks in flight to saturate HBM); torch's sum if Triton fails."""
+        torch = self.torch
+        n = GIB  # int32 elements: 4 GiB
+        x = torch.ones(n, dtype=torch.int32, device=self.device)
+        try:
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def read_blocks(x_ptr, out_ptr, BLOCK: tl.constexpr):
+                pid = tl.program_id(0)
+                offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                tl.store(out_ptr + pid, tl.sum(tl.load(x_ptr + offsets), axis=0))
+
+            block = 8192
+            out = torch.empty(n // block, dtype=torch.int32, device=self.device)
+            grid = (n // block,)
+            ms = self._event_median(lambda: read_blocks[grid](x, out, BLOCK=block, num_warps=8),
+                                    reps=20, warmup=3)
+            if int(out[:4].sum().item()) != 4 * block:
+                raise RuntimeError("read kernel summed wrong")
+            self.ceilings_method = "triton block sums"
+        except BaseException as e:  # noqa: BLE001
+            self.notes.append("Triton read ceiling failed, torch.sum used: " + short_error(e))
+            ms = self._event_median(lambda: x.sum(), reps=20, warmup=3)
+            self.ceilings_method = "torch.sum"
+        x = None
+        return 4 * GIB / (ms * 1e-3) / 1e9
+
+    def _measure_gemm_tflops(self) -> Optional[float]:
+        torch = self.torch
+        size = 8192
+        try:
+            a = torch.randn(size, size, dtype=torch.bfloat16, device=self.device)
+            b = torch.randn(size, size, dtype=torch.bfloat16, device=self.device)
+            c = torch.empty(size, size, dtype=torch.bfloat16, device=self.device)
+            ms = self._event_median(lambda: torch.matmul(a, b, out=c), reps=20, warmup=3)
+            a = b = c = None
+            return 2.0 * size ** 3 / (ms * 1e-3) / 1e12
+        except BaseException as e:  # noqa: BLE001
+            self.notes.append("GEMM ceiling failed: " + short_error(e))
+            return None
+
+    # ---- inputs ----
+
+    def sets_for(self, case: Case) -> int:
+        kv = case.batch * case.kv_len * KV_HEADS * HEAD_DIM * 2.0 * case.kv_elem_bytes
+        q = case.tokens * Q_HEADS * HEAD_DIM * 2.0
+        per_call = (case.kv_bytes() if case.is_decode else kv) + 2 * q
+        resident = 2 * kv + 4 * q + 2 * case.tokens * KV_HEADS * HEAD_DIM * 2.0
+        free, _ = self.torch.cuda.mem_get_info()
+        return choose_sets(per_call, self.l2_bytes, free, resident)
+
+    def build_data(self, case: Case, sets: int) -> Data:
+        """Same case.data_key, same seed: same tensors in pass A and pass B."""
+        torch = self.torch
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(case.seed())
+        data = Data()
+        shape = (case.batch, case.kv_len, KV_HEADS, HEAD_DIM)
+        for _ in range(sets):
+            k = torch.randn(shape, dtype=torch.bfloat16, device=self.device, generator=gen)
+            v = torch.randn(shape, dtype=torch.bfloat16, device=self.device, generator=gen)
+            q = torch.randn((case.tokens, Q_HEADS, HEAD_DIM), dtype=torch.bfloat16,
+                            device=self.device, generator=gen)
+            if case.kv_dtype == "fp8_e4m3":
+                k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            data.k.append(k)
+            data.v.append(v)
+            data.q.append(q)
+            if not case.is_decode:
+                data.k_new.append(k[:, case.prefix_len:].reshape(-1, KV_HEADS, HEAD_DIM)
+                                  .contiguous())
+                data.v_new.append(v[:, case.prefix_len:].reshape(-1, KV_HEADS, HEAD_DIM)
+                                  .contiguous())
+        data.checksum = float(data.q[0][:64].float().sum() + data.k[0][:, :64].float().sum())
+        return data
+
+    def build_layout(self, case: Case, data: Data, sets: int) -> Layout:
+        torch = self.torch
+        ps = case.page_size
+        per_request = -(-case.kv_len // ps)
+        layout = Layout()
+        layout.num_pages = 1 + case.batch * per_request
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(case.seed() ^ (ps * 7919))
+        pages = (torch.randperm(layout.num_pages - 1, generator=gen) + 1).view(case.batch,
+                                                                               per_request)
+        position = torch.arange(case.kv_len)
+        slots = pages[:, position // ps] * ps + position % ps
+        layout.pages = pages.to(self.device)
+        layout.slots = slots.to(self.device)
+        num_slots = layout.num_pages * ps
+        flat = layout.slots.reshape(-1)
+        for s in range(sets):
+            for source, pool in ((data.k[s], layout.k_pool), (data.v[s], layout.v_pool)):
+                if case.kv_dtype == "fp8_e4m3":
+                    buffer = torch.full((num_slots, KV_HEADS, HEAD_DIM), 0x7F, dtype=torch.uint8,
+                                        device=self.device)  # 0x7F: NaN in e4m3
+                    buffer[flat] = source.view(torch.uint8).reshape(-1, KV_HEADS, HEAD_DIM)
+                else:
+                    buffer = torch.full((num_slots, KV_HEADS, HEAD_DIM), float("nan"),
+                                        dtype=torch.bfloat16, device=self.device)
+                    buffer[flat] = source.reshape(-1, KV_HEADS, HEAD_DIM)
+                pool.append(buffer)
+        return layout
+
+    def kv_torch_dtype(self, case: Case):
+        return self.torch.float8_e4m3fn if case.kv_dtype == "fp8_e4m3" else self.torch.bfloat16
+
+    # ---- correctness ----
+
+    def reference(self, case: Case, data: Data) -> tuple:
+        """float64 attention of the sampled queries of set 0: [n, 32, 128]."""
+        torch = self.torch
+        samples = sample_queries(case)
+        outs = []
+        for request, row, position in samples:
+            low = max(0, position - case.window) if case.window >= 0 else 0
+            k = data.k[0][request, low:position + 1].double()  # [n, 8, 128]
+            v = data.v[0][request, low:position + 1].double()
+            q = data.q[0][row].double().view(KV_HEADS, GROUP, HEAD_DIM)
+            scores = torch.einsum("gqd,ngd->gqn", q, k) * self.scale
+            out = torch.einsum("gqn,ngd->gqd", torch.softmax(scores, dim=-1), v)
+            outs.append(out.reshape(Q_HEADS, HEAD_DIM))
+        return samples, torch.stack(outs)
+
+    def sampled_error(self, out, case: Case) -> float:
+        """Max over sampled queries and heads of max |out - ref| / max |ref|."""
+        torch = self.torch
+        samples, ref = self.references[case.data_key]
+        rows = torch.tensor([s[1] for s in samples], device=out.device)
+        got = out.reshape(-1, Q_HEADS, HEAD_DIM)[rows].double()
+        if not torch.isfinite(got).all():
+            return float("inf")
+        diff = (got - ref).abs().amax(-1)
+        scale = ref.abs().amax(-1)
+        return float(torch.where(scale > 0, diff / scale, diff).max())
+
+    def full_rel_diff(self, a, b) -> float:
+        """Max over rows and heads of max |a - b| / max |b| (b: kvattn's output)."""
+        torch = self.torch
+        a = a.reshape(-1, Q_HEADS, HEAD_DIM)
+        b = b.reshape(-1, Q_HEADS, HEAD_DIM).to(a.device)
+        worst = 0.0
+        for lo in range(0, a.shape[0], 4096):
+            x, y = a[lo:lo + 4096].float(), b[lo:lo + 4096].float()
+            if not torch.isfinite(x).all():
+                return float("inf")
+            diff = (x - y).abs().amax(-1)
+            scale = y.abs().amax(-1)
+            worst = max(worst, float(torch.where(scale > 0, diff / scale, diff).max()))
+        return worst
+
+    # ---- timing ----
+
+    def time_calls(self, call: Callable[[int], object], sets: int,
+                   allow_graph: bool = True) -> dict:
+        """Median µs per call. call(i) runs one forward on input set i on the current stream.
+        Captures whole rounds over the sets in a CUDA graph and times its replays; where capture
+        fails, times eager loops (which can be host-bound for short calls: 'timing' says)."""
+        torch = self.torch
+        stream = self.stream
+        with torch.cuda.stream(stream):
+            for i in range(sets):
+                call(i)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            for i in range(sets):
+                call(i)
+            b.record(stream)
+        b.synchronize()
+        per_call_ms = a.elapsed_time(b) / sets
+        calls = calls_per_replay(per_call_ms, sets)
+        graph = None
+        graph_error = ""
+        if allow_graph:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    for i in range(calls):
+                        call(i % sets)
+                with torch.cuda.stream(stream):
+                    graph.replay()
+                stream.synchronize()
+            except BaseException as e:  # noqa: BLE001
+                graph = None
+                graph_error = short_error(e, 160)
+                torch.cuda.synchronize()
+        reps = replay_count(per_call_ms, calls, self.args.target_s)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        with torch.cuda.stream(stream):
+            for start, end in events:
+                start.record(stream)
+                if graph is not None:
+                    graph.replay()
+                else:
+                    for i in range(calls):
+                        call(i % sets)
+                end.record(stream)
+        stream.synchronize()
+        times = [start.elapsed_time(end) * 1e3 / calls for start, end in events]
+        del graph
+        result = {"time_us": median(times), "timing": "graph" if allow_graph and not graph_error
+                  else "eager", "sets": sets, "calls_per_replay": calls, "reps": reps,
+                  "spread": (max(times) - min(times)) / median(times) if times else None}
+        if graph_error:
+            result["graph_error"] = graph_error
+        return result
+
+    def output_of(self, call: Callable[[int], object]):
+        """Set 0's output from one eager call."""
+        with self.torch.cuda.stream(self.stream):
+            out = call(0)
+        self.stream.synchronize()
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return out
+
+    def run_impl(self, case: Case, impl: str, setup: Callable[[], tuple], *,
+                 allow_graph: bool = True) -> dict:
+        """setup() -> (call, finish): call(i) runs input set i, finish(out) maps an output to
+        [tokens, 32, 128]. Any failure becomes the row's error; the run goes on."""
+        t0 = time.monotonic()
+        try:
+            call, finish = setup()
+            timing = self.time_calls(call, self._sets, allow_graph=allow_graph)
+            out = finish(self.output_of(call))
+            err = self.sampled_error(out, case)
+            extra = {k: v for k, v in timing.items() if k != "time_us"}
+            row = report.make_row(case, impl, timing["time_us"], self.ceilings,
+                                  max_rel_err=err, **extra)
+            row["_out"] = out
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self.log(f"  {impl}: FAILED {short_error(e, 500)}")
+            traceback.print_exc(limit=3)
+            row = report.make_row(case, impl, None, self.ceilings, error=short_error(e))
+            self.torch.cuda.synchronize()
+        row["wall_s"] = round(time.monotonic() - t0, 2)
+        if row.get("time_us") is not None:
+            rate = f"{row['gbps']:.0f} GB/s" if case.is_decode else f"{row['tflops']:.0f} TFLOP/s"
+            self.log(f"  {impl}: {row['time_us']:.1f} us ({rate}, {row['timing']}), err "
+                     f"{row['max_rel_err']}")
+        return row
+
+    def record(self, case: Case, row: dict) -> None:
+        row.pop("_out", None)
+        self.rows[(case.label, row["impl"])] = row
+
+    def skip(self, case: Case, impl: str, why: str) -> None:
+        self.record(case, report.make_row(case, impl, None, self.ceilings, error=why))
+
+    # ---- kvattn ----
+
+    def kvattn_setup(self, case: Case, data: Data, layout: Layout, sets: int):
+        torch = self.torch
+        _, KvattnAttnBackend = self.kvattn
+        fp8 = case.kv_dtype == "fp8_e4m3"
+        pool = types.SimpleNamespace(
+            k_buffer=layout.k_pool, v_buffer=layout.v_pool, page_size=case.page_size,
+            dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, start_layer=0, layer_num=sets)
+        req_to_token = layout.slots.to(torch.int32).contiguous()
+        req_pool = types.SimpleNamespace(req_to_token=req_to_token)
+        window = case.window if case.window >= 0 else None
+        with torch.cuda.stream(self.stream):
+            backend = KvattnAttnBackend(pool, req_pool, num_q_heads=Q_HEADS,
+                                        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                        q_dtype=torch.bfloat16, sliding_window_size=window)
+        if fp8 and hasattr(backend.kv_cache, "set_scales"):
+            for s in range(sets):
+                backend.kv_cache.set_scales(s, 1.0, 1.0)
+        b = case.batch
+        seq = torch.full((b,), case.kv_len, dtype=torch.int64)
+        fields = dict(
+            forward_mode=Mode("DECODE" if case.is_decode else "EXTEND"), batch_size=b,
+            req_pool_indices=torch.arange(b, dtype=torch.int64, device=self.device),
+            seq_lens=seq.to(self.device), seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()),
+            extend_prefix_lens=None, extend_prefix_lens_cpu=None, extend_seq_lens=None,
+            extend_seq_lens_cpu=None, encoder_lens=None, spec_info=None,
+            token_to_kv_pool=pool, req_to_token_pool=req_pool)
+        if case.is_decode:
+            fields["out_cache_loc"] = layout.slots[:, -1].contiguous()
+            fields["positions"] = torch.full((b,), case.kv_len - 1, dtype=torch.int64,
+                                             device=self.device)
+        else:
+            fields["out_cache_loc"] = layout.slots[:, case.prefix_len:].reshape(-1).contiguous()
+            fields["positions"] = (torch.arange(case.prefix_len, case.kv_len, device=self.device)
+                                   .repeat(b))
+            fields["extend_prefix_lens"] = torch.full((b,), case.prefix_len, dtype=torch.int32,
+                                                      device=self.device)
+            fields["extend_prefix_lens_cpu"] = [case.prefix_len] * b
+            fields["extend_seq_lens"] = torch.full((b,), case.qo_len, dtype=torch.int32,
+                                                   device=self.device)
+            fields["extend_seq_lens_cpu"] = [case.qo_len] * b
+            fields["extend_num_tokens"] = case.tokens
+        batch = types.SimpleNamespace(**fields)
+        layers = [types.SimpleNamespace(
+            layer_id=s, tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
+            head_dim=HEAD_DIM, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=self.scale,
+            logit_cap=0.0, sliding_window_size=-1 if window is None else window,
+            is_cross_attention=False, k_scale=None, v_scale=None) for s in range(sets)]
+        with torch.cuda.stream(self.stream):
+            backend.init_forward_metadata(batch)
+        self.stream.synchronize()
+        keep = (backend, batch, layers, req_to_token)  # alive as long as the closure
+
+        if case.is_decode:
+            def call(i, keep=keep):
+                return keep[0].forward(data.q[i], None, None, keep[2][i], keep[1],
+                                       save_kv_cache=False)
+        else:
+            def call(i, keep=keep):
+                return keep[0].forward(data.q[i], data.k_new[i], data.v_new[i], keep[2][i],
+                                       keep[1], save_kv_cache=False)
+        return call, lambda out: out.view(-1, Q_HEADS, HEAD_DIM)
+
+    # ---- torch peers ----
+
+    def sdpa_setup(self, case: Case, data: Data, backend_name: str):
+        torch = self.torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"torch-sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                   "torch-sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+        b = case.batch
+        keys = [self._contiguous_kv(case, k) for k in data.k]
+        values = [self._contiguous_kv(case, v) for v in data.v]
+        if case.is_decode:
+            # GQA folded into the query length: the 4 q heads of a KV head are 4 queries of it
+            # (exact for decode, and needs no enable_gqa support).
+            queries = [q.view(b, KV_HEADS, GROUP, HEAD_DIM) for q in data.q]
+
+            def call(i):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(queries[i], keys[i], values[i],
+                                                          scale=self.scale)
+            return call, lambda out: out.reshape(b, Q_HEADS, HEAD_DIM)
+        queries = [q.view(b, case.qo_len, Q_HEADS, HEAD_DIM).transpose(1, 2) for q in data.q]
+        mask = None
+        if case.prefix_len:
+            from torch.nn.attention.bias import causal_lower_right
+            mask = causal_lower_right(case.qo_len, case.kv_len)
+        note = {}
+
+        def attend(i, k, v, gqa):
+            with sdpa_kernel([backend]):
+                if mask is None:
+                    return F.scaled_dot_product_attention(queries[i], k, v, is_causal=True,
+                                                          scale=self.scale, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(queries[i], k, v, attn_mask=mask,
+                                                      scale=self.scale, enable_gqa=gqa)
+        try:
+            attend(0, keys[0], values[0], True)
+            torch.cuda.synchronize()
+
+            def call(i):
+                return attend(i, keys[i], values[i], True)
+        except RuntimeError as e:
+            # enable_gqa refused: repeat the KV heads outside the timed call (reads 4x the KV).
+            note["note"] = "enable_gqa refused (" + short_error(e, 120) + "): KV heads repeated"
+            keys = [k.repeat_interleave(GROUP, dim=1) for k in keys]
+            values = [v.repeat_interleave(GROUP, dim=1) for v in values]
+
+            def call(i):
+                return attend(i, keys[i], values[i], False)
+        self._sdpa_note = note.get("note", "")
+        return call, lambda out: out.transpose(1, 2).reshape(-1, Q_HEADS, HEAD_DIM)
+
+    def _contiguous_kv(self, case: Case, kv):
+        """[batch, kv_len, 8, 128] -> [batch, 8, kv_len, 128] view; the window's last
+        window + 1 tokens for a sliding-window decode."""
+        view = kv.transpose(1, 2)
+        if case.window >= 0:
+            view = view[:, :, -case.attended_kv_len:]
+        return view
+
+    def flex_setup(self, case: Case, data: Data):
+        torch = self.torch
+        if self.flex is None:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                         "accumulated_recompile_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, 512)
+            self.flex = (torch.compile(flex_attention, dynamic=False), create_block_mask)
+        flex, create_block_mask = self.flex
+        b = case.batch
+        keys = [self._contiguous_kv(case, k) for k in data.k]
+        values = [self._contiguous_kv(case, v) for v in data.v]
+        if case.is_decode:
+            queries = [q.view(b, Q_HEADS, 1, HEAD_DIM) for q in data.q]
+            block_mask = None
+        else:
+            queries = [q.view(b, case.qo_len, Q_HEADS, HEAD_DIM).transpose(1, 2) for q in data.q]
+            prefix = case.prefix_len
+
+            def causal(batch, head, q_idx, kv_idx):
+                return q_idx + prefix >= kv_idx
+            block_mask = create_block_mask(causal, None, None, case.qo_len, case.kv_len,
+                                           device=self.device)
+
+        def call(i):
+            return flex(queries[i], keys[i], values[i], block_mask=block_mask, scale=self.scale,
+                        enable_gqa=True)
+        return call, lambda out: out.transpose(1, 2).reshape(-1, Q_HEADS, HEAD_DIM)
+
+    # ---- FlashInfer ----
+
+    def flashinfer_setup(self, case: Case, data: Data, layout: Layout, impl: str, sets: int):
+        torch = self.torch
+        fi = self.flashinfer
+        if self.fi_workspace is None:
+            self.fi_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
+                                            device=self.device)
+        ws = self.fi_workspace
+        b, ps = case.batch, case.page_size
+        kv_dtype = self.kv_torch_dtype(case)
+        pages_4d = lambda pool: pool.view(kv_dtype).view(layout.num_pages, ps, KV_HEADS,
+                                                         HEAD_DIM)
+        kv_caches = [(pages_4d(layout.k_pool[s]), pages_4d(layout.v_pool[s]))
+                     for s in range(sets)]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        per_request = layout.pages.shape[1]
+        kv_indptr = torch.arange(b + 1, **i32) * per_request
+        kv_indices = layout.pages.reshape(-1).to(torch.int32)
+        last_page_len = torch.full((b,), case.kv_len - (per_request - 1) * ps, **i32)
+        window = case.window
+        outs = [torch.empty((case.tokens, Q_HEADS, HEAD_DIM), dtype=torch.bfloat16,
+                            device=self.device) for _ in range(sets)]
+        finish = lambda out: out
+        keep = []
+
+        with torch.cuda.stream(self.stream):
+            if impl in ("flashinfer-decode", "flashinfer-decode-tc"):
+                tc = impl.endswith("-tc")
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=tc, backend="fa2" if tc else "auto")
+                wrapper.plan(kv_indptr, kv_indices, last_page_len, Q_HEADS, KV_HEADS, HEAD_DIM,
+                             ps, window_left=window, q_data_type=torch.bfloat16,
+                             kv_data_type=kv_dtype, sm_scale=self.scale)
+                keep.append(wrapper)
+
+                def call(i):
+                    return wrapper.run(data.q[i], kv_caches[i], out=outs[i])
+                return call, finish
+
+            backend = "fa3" if "fa3" in impl else "fa2"
+            qo_indptr = torch.arange(b + 1, **i32) * case.qo_len
+            if impl in ("flashinfer-fa2", "flashinfer-fa3"):
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, Q_HEADS, KV_HEADS,
+                             HEAD_DIM, ps, causal=True, sm_scale=self.scale, window_left=window,
+                             q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+
+                def call(i):
+                    return wrapper.run(data.q[i], kv_caches[i], out=outs[i])
+                return call, finish
+
+            ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            ragged.plan(qo_indptr, qo_indptr, Q_HEADS, KV_HEADS, HEAD_DIM, causal=True,
+                        sm_scale=self.scale, q_data_type=torch.bfloat16,
+                        kv_data_type=torch.bfloat16)
+            if impl.endswith("-ragged"):
+                def call(i):
+                    return ragged.run(data.q[i], data.k_new[i], data.v_new[i], out=outs[i])
+                return call, finish
+
+            # "+merge": the reference backend's extend (ragged new tokens, paged prefix,
+            # merge_state).
+            prefix_pages = -(-case.prefix_len // ps)
+            prefix_indptr = torch.arange(b + 1, **i32) * prefix_pages
+            prefix_indices = layout.pages[:, :prefix_pages].reshape(-1).to(torch.int32)
+            prefix_last = torch.full((b,), case.prefix_len - (prefix_pages - 1) * ps, **i32)
+            paged = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            paged.plan(qo_indptr, prefix_indptr, prefix_indices, prefix_last, Q_HEADS, KV_HEADS,
+                       HEAD_DIM, ps, causal=False, sm_scale=self.scale,
+                       q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+            merge_state = fi.merge_state
+
+            def call(i):
+                o1, s1 = ragged.run(data.q[i], data.k_new[i], data.v_new[i], return_lse=True)
+                o2, s2 = paged.run(data.q[i], kv_caches[i], return_lse=True)
+                return merge_state(o1, s1, o2, s2)[0]
+            return call, finish
+
+    # ---- passes ----
+
+    def pass_a(self, groups: List[List[Case]]) -> None:
+        """kvattn and torch on every row, while FlashInfer compiles elsewhere."""
+        torch_deadline = self.start + 0.62 * self.args.budget_s
+        flex_deadline = self.start + 0.45 * self.args.budget_s
+        for group in groups:
+            if self.left() < 30:
+                for case in group:
+                    for impl in [KVATTN] + [p for p in case.peers() if p.startswith("torch")]:
+                        self.skip(case, impl, "skipped: budget")
+                continue
+            first = group[0]
+            sets = self.sets_for(first)
+            self._sets = sets
+            self.log(f"pass A: {first.label} ({len(group)} layout(s), {sets} input set(s))")
+            data = self.build_data(first, sets)
+            self.checksums[first.data_key] = data.checksum
+            self.references[first.data_key] = self.reference(first, data)
+            torch_rows: Dict[str, dict] = {}
+            for case in group:
+                layout = self.build_layout(case, data, sets)
+                if not impl_wanted(self.args, KVATTN):
+                    pass
+                elif self.kvattn is None:
+                    self.skip(case, KVATTN, self.kvattn_error)
+                else:
+                    row = self.run_impl(case, KVATTN, lambda: self.kvattn_setup(
+                        case, data, layout, sets), allow_graph=case.is_decode)
+                    out = row.get("_out")
+                    if out is not None:
+                        self.kvattn_out[case.label] = out.to("cpu")
+                    self.record(case, row)
+                layout = None
+                for impl in [p for p in case.peers() if p.startswith("torch")]:
+                    if not impl_wanted(self.args, impl):
+                        continue
+                    if impl in torch_rows:
+                        self.record(case, self._reuse_torch_row(case, torch_rows[impl]))
+                        continue
+                    row = self._run_torch_peer(case, data, impl, torch_deadline, flex_deadline)
+                    torch_rows[impl] = row
+                    self.record(case, dict(row))
+                self.torch.cuda.empty_cache()
+                self.write_outputs(final=False)
+            data = None
+            self.torch.cuda.empty_cache()
+
+    def _run_torch_peer(self, case: Case, data: Data, impl: str, torch_deadline: float,
+                        flex_deadline: float) -> dict:
+        if case.kv_dtype != "bf16":
+            return report.make_row(case, impl, None, self.ceilings,
+                                   error="not run: torch SDPA / flex take no fp8 KV")
+        if impl == "torch-flex":
+            if not flex_wanted(self.args, case):
+                return report.make_row(case, impl, None, self.ceilings,
+                                       error="not run: --flex " + self.args.flex)
+            if time.monotonic() > flex_deadline:
+                return report.make_row(case, impl, None, self.ceilings,
+                                       error="skipped: budget (flex compiles per shape)")
+            row = self.run_impl(case, impl, lambda: self.flex_setup(case, data))
+            row["note"] = "torch.compile(flex_attention), contiguous KV"
+        else:
+            if time.monotonic() > torch_deadline:
+                return report.make_row(case, impl, None, self.ceilings, error="skipped: budget")
+            self._sdpa_note = ""
+            row = self.run_impl(case, impl, lambda: self.sdpa_setup(case, data, impl))
+            row["note"] = "contiguous KV" + (
+                ", GQA folded into q_len" if case.is_decode else "") + (
+                "; " + self._sdpa_note if self._sdpa_note else "")
+        out = row.get("_out")
+        ref = self.kvattn_out.get(case.label)
+        if out is not None and ref is not None:
+            row["rel_diff_vs_kvattn"] = self.full_rel_diff(out, ref)
+        if out is not None:
+            row["_out_host"] = out.to("cpu")
+        row.pop("_out", None)
+        return row
+
+    def _reuse_torch_row(self, case: Case, measured: dict) -> dict:
+        """The torch peers read a contiguous KV copy, the same for every page layout: the first
+        layout's measurement stands for the others (compared against this layout's kvattn)."""
+        row = {k: v for k, v in measured.items() if k != "_out_host"}
+        row.update(page_size=case.page_size, variant=case.variant)
+        row["note"] = (row.get("note", "") + "; measured once for all page layouts").lstrip("; ")
+        out = measured.get("_out_host")
+        ref = self.kvattn_out.get(case.label)
+        if out is not None and ref is not None:
+            row["rel_diff_vs_kvattn"] = self.full_rel_diff(out.to(self.device), ref)
+        return row
+
+    def pass_b(self, groups: List[List[Case]]) -> None:
+        """FlashInfer on every row, on inputs rebuilt from the same seeds."""
+        if self.flashinfer is None and not self.args.no_flashinfer:
+            for group in groups:
+                for case in group:
+                    for impl in case.peers():
+                        if impl.startswith("flashinfer") and impl_wanted(self.args, impl):
+                            self.skip(case, impl, self.flashinfer_error or "not run")
+            return
+        for group in groups:
+            first = group[0]
+            impls = [p for p in first.peers() if p.startswith("flashinfer") and
+                     impl_wanted(self.args, p)]
+            if not impls:
+                continue
+            if self.left() < JIT_END_RESERVE_S:
+                for case in group:
+                    for impl in impls:
+                        self.skip(case, impl, "skipped: budget")
+                continue
+            sets = self.sets_for(first)
+            self._sets = sets
+            self.log(f"pass B: {first.label} ({len(group)} layout(s), {sets} input set(s))")
+            data = self.build_data(first, sets)
+            if first.data_key not in self.references:
+                self.references[first.data_key] = self.reference(first, data)
+            elif abs(self.checksums.get(first.data_key, data.checksum) - data.checksum) > 1e-3:
+                self.notes.append(f"{first.label}: pass B inputs differ from pass A's")
+            for case in group:
+                layout = self.build_layout(case, data, sets)
+                for impl in impls:
+                    why = None
+                    if self.left() < JIT_END_RESERVE_S:
+                        why = "skipped: budget"
+                    elif self.jit is not None:
+                        why = self.jit.wait(modules_of_impl(case, impl),
+                                            self.deadline - JIT_END_RESERVE_S)
+                    if why:
+                        self.skip(case, impl, why)
+                        continue
+                    row = self.run_impl(case, impl, lambda: self.flashinfer_setup(
+                        case, data, layout, impl, sets))
+                    out = row.get("_out")
+                    ref = self.kvattn_out.get(case.label)
+                    if out is not None and ref is not None:
+                        diff = self.full_rel_diff(out, ref)
+                        row["rel_diff_vs_kvattn"] = diff
+                        mine = self.rows.get((case.label, KVATTN))
+                        if mine is not None:
+                            previous = mine.get("max_rel_diff_vs_flashinfer")
+                            mine["max_rel_diff_vs_flashinfer"] = diff if previous is None \
+                                else max(previous, diff)
+                    self.record(case, row)
+                layout = None
+                self.torch.cuda.empty_cache()
+                self.write_outputs(final=False)
+            data = None
+            self.torch.cuda.empty_cache()
+
+    # ---- outputs ----
+
+    def ordered_rows(self) -> List[dict]:
+        order = {name: i for i, name in enumerate((KVATTN,) + report.PEER_ORDER)}
+        rows = []
+        for case in self.cases:
+            mine = [r for (label, _), r in self.rows.items() if label == case.label]
+            rows.extend(sorted(mine, key=lambda r: order.get(r["impl"], 99)))
+        return rows
+
+    def header(self) -> dict:
+        commit, dirty = git_commit(self.args.commit)
+        return {
+            "device": self.device_name, "commit": commit, "dirty": dirty,
+            "date": self.args.date, "ceilings": {k: round(v, 2) for k, v in
+                                                 self.ceilings.items()},
+            "versions": self.versions,
+            "run": {"budget_s": self.args.budget_s, "elapsed_s": round(self.elapsed(), 1),
+                    "quick": self.args.quick, "target_s": self.args.target_s,
+                    "read_ceiling": getattr(self, "ceilings_method", "?"),
+                    "jit": self.jit.summary() if self.jit else None,
+                    "jit_waited_s": round(self.jit.waited_s, 1) if self.jit else None,
+                    "notes": self.notes},
+        }
+
+    def paths(self) -> Dict[str, str]:
+        stamp = self.args.date.replace("-", "")
+        out = self.args.out_dir
+        return {"json": os.path.join(out, f"peers-{stamp}.json"),
+                "md": os.path.join(out, f"peers-{stamp}.md"),
+                "png": os.path.join(out, f"peers-{stamp}.png")}
+
+    def write_outputs(self, final: bool) -> None:
+        paths = self.paths()
+        header = self.header()
+        rows = self.ordered_rows()
+        report.write_json(paths["json"], header, rows)
+        with open(paths["md"], "w") as f:
+            f.write(report.markdown_table(header, rows))
+        if final:
+            why = report.write_plot(paths["png"], header, rows)
+            if why:
+                self.log(f"no plot: {why}")
+
+
+def git_commit(fallback: str) -> Tuple[str, bool]:
+    try:
+        sha = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain", "-uno"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        if sha:
+            return sha, dirty
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return fallback or "unknown", False
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    os.makedirs(args.out_dir, exist_ok=True)
+    cases = select_cases(args)
+    if not cases:
+        print("no rows selected")
+        return 2
+    groups = report.group_by_data(cases)
+    fi_wanted = not args.no_flashinfer and any(
+        impl_wanted(args, p) for c in cases for p in c.peers() if p.startswith("flashinfer"))
+    process = None
+    status_path = os.path.join(tempfile.mkdtemp(prefix="peers-jit-"), "status.jsonl")
+    jit_log = os.path.join(args.out_dir, f"peers-jit-{args.date.replace('-', '')}.log")
+    if fi_wanted:
+        if args.jit_cache_in:
+            try:
+                print(f"jit cache unpacked into {unpack_jit_cache(args.jit_cache_in)}", flush=True)
+            except BaseException as e:  # noqa: BLE001
+                print(f"jit cache not used: {short_error(e)}", flush=True)
+        modules = report.needed_flashinfer_modules(cases)
+        process = start_prebuild(args, modules, jit_log, status_path)
+        print(f"FlashInfer JIT prebuild started: {[module_name(m) for m in modules]} "
+              f"(log {jit_log})", flush=True)
+
+    import torch
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to run (use --self-test here)")
+        return 2
+    runner = Runner(args, cases, start)
+    runner.jit = JitTracker(status_path, process) if fi_wanted else None
+    runner.import_peers()
+    runner.log(f"{runner.device_name}; versions {runner.versions}; "
+               f"{len(cases)} rows in {len(groups)} input groups")
+    if runner.kvattn_error:
+        runner.log(runner.kvattn_error)
+    if runner.flashinfer_error:
+        runner.log(runner.flashinfer_error)
+    try:
+        runner.measure_ceilings()
+        runner.pass_a(groups)
+        runner.log(f"pass A done; JIT: {runner.jit.summary() if runner.jit else None}")
+        runner.pass_b(groups)
+        if runner.left() > 5:
+            end_gemm = runner._measure_gemm_tflops()
+            if end_gemm:
+                runner.ceilings["gemm_bf16_tflops_end"] = end_gemm
+    finally:
+        if process is not None and process.poll() is None:
+            process.terminate()
+        runner.write_outputs(final=True)
+        if args.jit_cache_out and fi_wanted:
+            try:
+                size = pack_jit_cache(args.jit_cache_out)
+                runner.log(f"JIT cache: {args.jit_cache_out}, {size / MIB:.1f} MiB" +
+                           (" (over the 16 MiB a device call returns)" if size > 16 * MIB
+                            else ""))
+            except BaseException as e:  # noqa: BLE001
+                runner.log(f"JIT cache not written: {short_error(e)}")
+        paths = runner.paths()
+        print("\n" + open(paths["md"]).read(), flush=True)
+        runner.log(f"wrote {paths['json']}, {paths['md']}, {paths['png']}")
+    return 0
+
+
+# ---- self-test (no torch, no GPU) --------------------------------------------------------------
+
+def self_test() -> int:
+    passed, failed = [], []
+
+    def check(name: str, condition: bool, detail: str = "") -> None:
+        (passed if condition else failed).append(name)
+        if not condition:
+            print(f"FAIL {name} {detail}")
+
+    args = parse_args(["--quick", "--budget-s", "100", "--out-dir", "/tmp/x", "--rows", "decode",
+                       "--impls", "kvattn,torch-flex", "--flex", "prefill"])
+    check("args", args.quick and args.budget_s == 100 and args.flex == "prefill" and
+          impl_wanted(args, "torch-flex") and not impl_wanted(args, "flashinfer-fa2"))
+    check("args no-flashinfer", not impl_wanted(parse_args(["--no-flashinfer"]),
+                                                "flashinfer-decode"))
+    import contextlib
+    import io
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse_args(["--budget-s", "0"])
+        check("args reject zero budget", False)
+    except SystemExit:
+        check("args reject zero budget", True)
+
+    full = report.make_grid()
+    decode = [c for c in full if c.is_decode and c.kv_dtype == "bf16" and c.window < 0]
+    check("grid decode rows", len(decode) == 28, str(len(decode)))
+    check("grid 32768 only b<=16", all(c.batch <= 16 for c in decode if c.kv_len == 32768))
+    check("grid prefill", sorted((c.batch, c.qo_len) for c in full if c.workload == "prefill")
+          == [(1, 1024), (1, 4096), (1, 16384), (8, 2048)])
+    ext = [c for c in full if c.workload == "extend"]
+    check("grid extend", len(ext) == 1 and ext[0].prefix_len == 4096 and ext[0].qo_len == 512 and
+          ext[0].batch == 8 and ext[0].kv_len == 4608)
+    check("grid fp8 + window", sum(c.kv_dtype == "fp8_e4m3" for c in full) == 1 and
+          sum(c.window >= 0 for c in full) == 1)
+    check("grid labels unique", len({c.label for c in full}) == len(full))
+    quick = report.make_grid(quick=True)
+    check("grid quick subset", 0 < len(quick) < len(full) and all(c.in_quick for c in quick))
+    groups = report.group_by_data(full)
+    check("groups pair page layouts", sum(len(g) == 2 for g in groups) == 14 and
+          all(len({c.data_key for c in g}) == 1 for g in groups))
+    check("seed depends on data only", decode[0].seed() == decode[1].seed() and
+          decode[0].seed() != decode[2].seed())
+    mods = [module_name(m) for m in report.needed_flashinfer_modules(full)]
+    check("modules", mods[:3] == ["decode-bf16", "fa2-bf16", "fa3-bf16"] and
+          "cascade" in mods and "fa3-fp8_e4m3" not in mods and "decode-bf16-swa" in mods, str(mods))
+    check("modules of impl", modules_of_impl(ext[0], "flashinfer-fa3-ragged+merge") ==
+          ["fa3-bf16", "cascade"] and modules_of_impl(decode[0], "torch-flex") == [])
+    fp8 = [c for c in full if c.kv_dtype == "fp8_e4m3"][0]
+    check("fp8 has no fa3", not any("fa3" in p for p in fp8.peers()))
+    win = [c for c in full if c.window >= 0][0]
+    check("window bytes", win.kv_bytes() == 64 * 4097 * 8 * 2 * 128 * 2)
+    check("decode bytes", decode[0].kv_bytes() == 1024 * 8 * 2 * 128 * 2)
+    pre = [c for c in full if c.workload == "prefill" and c.qo_len == 16384][0]
+    check("prefill flops", pre.flops() == 4 * 32 * 128 * 16384 * 8192)
+    check("extend flops", ext[0].flops() == 4 * 8 * 32 * 128 * 512 * (4096 + 256))
+
+    check("sets: L2 rotation", choose_sets(4 * MIB, 60 * MIB, 100 * GIB, 12 * MIB) == 60 // 1 or
+          choose_sets(4 * MIB, 60 * MIB, 100 * GIB, 12 * MIB) == MAX_SETS)
+    check("sets: big inputs", choose_sets(17 * GIB, 60 * MIB, 100 * GIB, 40 * GIB) == 1)
+    check("sets: memory cap", choose_sets(1 * MIB, 60 * MIB, 1 * GIB, 100 * MIB) == 5)
+    check("calls: short", calls_per_replay(0.02, 4) == 52)  # 13 rounds of 4 >= 1 ms
+    check("calls: long", calls_per_replay(5.0, 1) == 1)
+    check("calls: cap", calls_per_replay(0.001, 32) == 256)
+    check("reps", replay_count(0.02, 52, 0.25) == 200 and replay_count(5.0, 1, 0.25) == 50 and
+          replay_count(100.0, 1, 0.25) == MIN_REPS)
+    check("median", median([3, 1, 2]) == 2 and median([4, 1, 2, 3]) == 2.5)
+    samples = sample_queries(decode[0])
+    check("samples decode b1", samples == [(0, 0, 1023)], str(samples))
+    samples = sample_queries(ext[0])
+    check("samples extend", len(samples) == 6 and samples[-1] == (7, 7 * 512 + 511, 4607) and
+          samples[0] == (0, 0, 4096), str(samples))
+    check("short_error", short_error(ValueError("a\n  b")) == "ValueError: a b")
+
+    # Writers, from made-up timings: one failed peer, one skipped row.
+    rng = random.Random(5)
+    ceilings = {"read_gbps": 4400.0, "copy_gbps": 4250.0, "gemm_bf16_tflops": 780.0}
+    rows = []
+    for case in full:
+        base = rng.uniform(20, 5000)
+        rows.append(report.make_row(case, KVATTN, base, ceilings, max_rel_err=3e-3,
+                                    timing="graph", max_rel_diff_vs_flashinfer=2e-3))
+        for peer in case.peers():
+            if peer == "torch-flex" and case.is_decode and case.batch == 256:
+                rows.append(report.make_row(case, peer, None, ceilings,
+                                            error="skipped: budget"))
+            else:
+                rows.append(report.make_row(case, peer, base * rng.uniform(0.6, 2.0), ceilings,
+                                            max_rel_err=4e-3, rel_diff_vs_kvattn=1e-3,
+                                            timing="graph"))
+    rows.append(report.make_row(full[0], "flashinfer-decode", None, ceilings,
+                                max_rel_err=float("inf")))
+    header = {"device": "NVIDIA H200 (fake)", "commit": "0" * 40, "dirty": False,
+              "date": "2026-12-01", "ceilings": ceilings, "versions": {"torch": "2.11.0"},
+              "run": {"budget_s": 480}}
+    spec_keys = {"workload", "impl", "batch", "kv_len", "qo_len", "prefix_len", "page_size",
+                 "head_dim", "q_heads", "kv_heads", "kv_dtype", "variant", "time_us", "gbps",
+                 "tflops", "fraction", "max_rel_err"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "peers-20261201.json")
+        report.write_json(path, header, rows)
+        loaded = json.load(open(path))
+        check("json rows", len(loaded["rows"]) == len(rows))
+        check("json spec keys", all(spec_keys <= set(r) for r in loaded["rows"]))
+        check("json header", loaded["ceilings"]["read_gbps"] == 4400.0 and
+              loaded["device"].startswith("NVIDIA"))
+        k_row = loaded["rows"][0]
+        check("json fraction decode", abs(k_row["fraction"] - k_row["gbps"] / 4400.0) < 1e-9)
+        pre_row = [r for r in loaded["rows"] if r["workload"] == "prefill"][0]
+        check("json tflops", pre_row["gbps"] is None and pre_row["tflops"] > 0)
+        check("json inf is null", any(r["max_rel_err"] is None and r.get("note")
+                                      for r in loaded["rows"]))
+        table = report.markdown_table(header, rows)
+        check("table has every row", all(c.label in table for c in full))
+        check("table sections", "## decode" in table and "## prefill" in table and
+              "## extend" in table and "slower than the best peer" in table)
+        check("table failures listed", "skipped: budget" in table)
+        line = [ln for ln in table.splitlines() if ln.startswith("| " + full[0].label)][0]
+        check("table columns", line.count("|") ==
+              table.splitlines()[[i for i, ln in enumerate(table.splitlines())
+                                  if ln.startswith("| row")][0]].count("|"))
+        png = os.path.join(tmp, "peers.png")
+        why = report.write_plot(png, header, rows)
+        if why and why.startswith("no matplotlib"):
+            print(f"plot not checked: {why}")
+        else:
+            check("plot written", why is None and os.path.getsize(png) > 10000, str(why))
+        # A partial run: only kvattn rows written so far must still give a table.
+        partial = [r for r in rows if r["impl"] == KVATTN][:3]
+        check("table partial", "—" in report.markdown_table(header, partial))
+    check("speed ratio", report.speed_ratio(100.0, 150.0) == 1.5 and
+          report.speed_ratio(None, 1.0) is None)
+    print(f"self-test: {len(passed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.self_test:
+        return self_test()
+    if args.jit_prebuild:
+        return jit_prebuild_main(args)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
