@@ -125,7 +125,15 @@ class MultiStepDraftBackend {
   int topk() const { return topk_; }
   int num_steps() const { return num_steps_; }
   /// `batch`: mode kDecode, batch_size requests, seq_lens = committed prefix lengths.
+  /// = init_forward_metadata_out_graph + init_forward_metadata_in_graph.
   void init_forward_metadata(const ForwardBatch& batch);
+  /// Host planning of every step (outside CUDA-graph capture; in_capture as in
+  /// AttentionBackend). After init_cuda_graph_state, batches of up to max_bs requests use
+  /// fixed buffers, so a graph captured for a batch size replays later batches of that size.
+  void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture);
+  /// The device work (one launch builds the index sets of all steps); may be recorded in a
+  /// CUDA graph together with the forward_step calls.
+  void init_forward_metadata_in_graph(const ForwardBatch& batch);
   /// One draft step: q/k/v/out have batch_size * topk rows; k/v are saved at
   /// `out_cache_loc` (batch_size * topk slots) when given.
   void forward_step(int step, const TensorView& q, const TensorView& k, const TensorView& v,

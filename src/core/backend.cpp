@@ -151,6 +151,17 @@ void MultiStepDraftBackend::init_forward_metadata(const ForwardBatch& batch) {
   impl_->runner->init_forward_metadata(batch);
 }
 
+void MultiStepDraftBackend::init_forward_metadata_out_graph(const ForwardBatch& batch,
+                                                            bool in_capture) {
+  check_arg(batch.mode == ForwardMode::kDecode, "mode", "got ", forward_mode_name(batch.mode),
+            ", the multi-step draft backend runs DECODE batches");
+  impl_->runner->init_forward_metadata_out_graph(batch, in_capture);
+}
+
+void MultiStepDraftBackend::init_forward_metadata_in_graph(const ForwardBatch& batch) {
+  impl_->runner->init_forward_metadata_in_graph(batch);
+}
+
 void MultiStepDraftBackend::forward_step(int step, const TensorView& q, const TensorView& k,
                                          const TensorView& v, const TensorView& out,
                                          const AttentionLayer& layer,

@@ -15,6 +15,13 @@ class DraftRunner {
   virtual ~DraftRunner() = default;
   /// Builds the index sets of all num_steps steps for `batch` in one go.
   virtual void init_forward_metadata(const ForwardBatch& batch) = 0;
+  /// The split of init_forward_metadata for CUDA graphs (host half, device half). A runner
+  /// without device work keeps these defaults: everything happens in the host half.
+  virtual void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) {
+    (void)in_capture;
+    init_forward_metadata(batch);
+  }
+  virtual void init_forward_metadata_in_graph(const ForwardBatch& batch) { (void)batch; }
   virtual void forward_step(int step, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& out,
                             const AttentionLayer& layer, const TensorView& out_cache_loc) = 0;
