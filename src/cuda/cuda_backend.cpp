@@ -2,6 +2,7 @@
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -27,18 +28,7 @@ cudaStream_t as_stream(void* stream) {
   return static_cast<cudaStream_t>(stream);
 }
 
-// Grows `buffer` to at least `bytes` (by half again, so a slowly growing batch reallocates
-// rarely). A frozen buffer may not move: graphs captured earlier hold its address.
-void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what) {
-  if (buffer.bytes() >= bytes && buffer.data() != nullptr) return;
-  if (frozen) {
-    throw_error(ErrorKind::kOutOfResources, what, "needs ", bytes, " bytes, the CUDA-graph buffer ",
-                "sized by init_cuda_graph_state holds ", buffer.bytes());
-  }
-  const size_t grown = std::max<size_t>(bytes + bytes / 2, 256);
-  buffer = Buffer();  // free first: the old contents are not needed
-  buffer = Buffer::allocate(device, grown);
-}
+std::atomic<uint64_t> allocations{0};
 
 bool is_fp8(DType d) {
   return d == DType::kFloat8E4M3 || d == DType::kFloat8E5M2;
@@ -58,6 +48,23 @@ TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
 }  // namespace
 
 // ---- setup, buffers, params ------------------------------------------------------------------
+
+namespace debug {
+uint64_t allocation_count() { return allocations.load(std::memory_order_relaxed); }
+}  // namespace debug
+
+// Grows by half again, so a slowly growing batch reallocates rarely.
+void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what) {
+  if (buffer.bytes() >= bytes && buffer.data() != nullptr) return;
+  if (frozen) {
+    throw_error(ErrorKind::kOutOfResources, what, "needs ", bytes, " bytes, the CUDA-graph buffer ",
+                "sized by init_cuda_graph_state holds ", buffer.bytes());
+  }
+  const size_t grown = std::max<size_t>(bytes + bytes / 2, 256);
+  buffer = Buffer();  // free first: the old contents are not needed
+  buffer = Buffer::allocate(device, grown);
+  allocations.fetch_add(1, std::memory_order_relaxed);
+}
 
 DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   DecodeSetup setup;
@@ -124,7 +131,16 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
                  size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t), call.frozen,
                  device, "kv_indices");
   }
-  call.staging.reserve(copy_bytes);
+  if (call.staging.bytes() < copy_bytes) {
+    // Frozen calls had their staging reserved for the largest plan: growing it now would be a
+    // pinned allocation (and a device sync) in a graph replay's out_graph.
+    if (call.frozen) {
+      throw_error(ErrorKind::kOutOfResources, "call metadata", "needs ", copy_bytes,
+                  " staging bytes, init_cuda_graph_state reserved ", call.staging.bytes());
+    }
+    call.staging.reserve(copy_bytes);
+    allocations.fetch_add(1, std::memory_order_relaxed);
+  }
   core::write_call_metadata(capacity, &call.layout, call.prefill ? nullptr : &call.decode_plan,
                             call.staging.data(), call.staging.bytes());
   if (call.prefill) {
@@ -140,17 +156,25 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 }
 
 void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
-                         int64_t kv_indices_capacity, size_t prefill_region_bytes, Device device) {
+                         int64_t kv_indices_capacity, const core::PrefillBufferLayout& prefill_region,
+                         Device device) {
   call.frozen = false;
   const core::CallMetadataLayout offsets =
       core::write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
-  ensure_bytes(call.metadata, align_region(offsets.metadata_bytes) + prefill_region_bytes, false,
-               device, "call metadata");
+  const size_t prefill_offset = align_region(offsets.metadata_bytes);
+  ensure_bytes(call.metadata, prefill_offset + prefill_region.total_bytes, false, device,
+               "call metadata");
   if (offsets.scratch_bytes > 0) {
     ensure_bytes(call.scratch, offsets.scratch_bytes, false, device, "decode partials");
   }
   ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
                false, device, "kv_indices");
+  const size_t staging_bytes = prefill_offset + prefill_region.metadata_bytes;
+  if (call.staging.bytes() < staging_bytes) {
+    call.staging.reserve(staging_bytes);
+    allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!call.fence) call.fence = std::make_unique<CopyFence>();
   call.frozen = true;
 }
 
@@ -227,14 +251,22 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
               cudaStream_t stream) {
   const bool capturing = stream_is_capturing(stream);
   if (call.prefill) {
-    // The prefill plan's item count follows the lengths, so a captured grid would not cover a
-    // later replay's plan: refuse rather than replay wrong results.
-    if (capturing) {
+    // Only a padded plan (the graph pool) has an item count that covers every later plan of the
+    // same batch size; an unpadded one captured now would replay wrong results later.
+    if (capturing && !call.padded) {
       throw_error(ErrorKind::kNotSupported, "cuda graph",
-                  "capturing the tensor-core path (TARGET_VERIFY, tensor-core decode) is not "
-                  "supported yet; capture DECODE with KVATTN_DECODE_TENSOR_CORES=0");
+                  "capturing the tensor-core path (TARGET_VERIFY, tensor-core decode) needs the "
+                  "CUDA-graph buffers: call init_cuda_graph_state with max_bs >= this batch size "
+                  "before init_forward_metadata_out_graph");
     }
-    launch_batch_prefill(params, call.prefill_tiles, stream);
+    // A captured grid covers the padded capacity (no-op items after the real ones); an eager
+    // launch runs the real items only: the same blocks compute the same bits either way.
+    core::PrefillTiles tiles = call.prefill_tiles;
+    if (!capturing) {
+      tiles.num_items = call.prefill_items;
+      tiles.num_merges = call.prefill_merges;
+    }
+    launch_batch_prefill(params, tiles, stream);
     return;
   }
   DecodeLaunch launch;
@@ -364,6 +396,9 @@ class CudaBackend final : public AttentionBackend {
                        : verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num
                                 : new_tokens;
 
+    // On the graph pool a prefill plan is padded to the capacity of its batch size and query
+    // tokens per request (1 for DECODE, draft_token_num for TARGET_VERIFY).
+    const int graph_q_len = !step_.graph_pool ? 0 : verify ? batch.spec.draft_token_num : 1;
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       CallState& call = pool[s];
       call.layout = core::make_paged_layout(batch.mode, model_sets_[s], config_.sliding_window_size,
@@ -371,8 +406,9 @@ class CudaBackend final : public AttentionBackend {
                                             /*prefix_only=*/step_.ragged);
       call.paged = true;
       call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
-      if (verify && model_sets_[s] == core::IndexSet::kWindow) fold_window(call, batch, lens);
-      plan_call(call, decode && !setup_.tensor_cores);
+      call.fold_window = verify && model_sets_[s] == core::IndexSet::kWindow;
+      if (call.fold_window) prepare_window_fold(call, batch);
+      plan_call(call, decode && !setup_.tensor_cores, graph_q_len);
     }
     if (step_.ragged) {
       step_.any_prefix = std::any_of(lens.prefix_lens.begin(), lens.prefix_lens.end(),
@@ -381,7 +417,7 @@ class CudaBackend final : public AttentionBackend {
       ragged.layout = core::make_ragged_layout(lens);
       ragged.paged = false;
       ragged.custom_mask = nullptr;
-      plan_call(ragged, false);
+      plan_call(ragged, false, 0);
       const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
       const size_t out_bytes =
           rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
@@ -400,7 +436,14 @@ class CudaBackend final : public AttentionBackend {
                                   ? align_region(n * config_.num_kv_heads *
                                                  (config_.head_dim + config_.v_head_dim) * elem)
                                   : 0;
-      ensure_bytes(io_scratch_, q_bytes + out_bytes + kv_bytes, false, device_, "fp32 io copies");
+      // The graph pool's copies sit in their own frozen buffer: an eager EXTEND that grows the
+      // eager one must not move what a captured graph reads.
+      if (step_.graph_pool) {
+        ensure_bytes(graph_io_scratch_, q_bytes + out_bytes + kv_bytes, true, device_,
+                     "fp32 io copies");
+      } else {
+        ensure_bytes(io_scratch_, q_bytes + out_bytes + kv_bytes, false, device_, "fp32 io copies");
+      }
     }
     const int num_calls = int(model_sets_.size()) + (step_.ragged ? 1 : 0);
     for (int c = 0; c < num_calls; ++c) {
@@ -428,8 +471,23 @@ class CudaBackend final : public AttentionBackend {
     const cudaStream_t stream = as_stream(config_.cuda_stream);
     const bool capturing = stream_is_capturing(stream);
     auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
+    const int max_context = config_.req_to_token_pool->max_context_len();
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       const CallState& call = pool[s];
+      if (call.fold_window) {
+        WindowMaskFold fold;
+        fold.tree_mask = call.tree_mask;
+        fold.folded = static_cast<uint8_t*>(call.folded_mask.data());
+        fold.mask_indptr = call.meta<int64_t>(call.offsets.mask_indptr);
+        fold.kv_len = call.meta<int32_t>(call.offsets.kv_len);
+        fold.positions = batch.positions.data();
+        fold.positions_int64 = batch.positions.dtype() == DType::kInt64;
+        fold.batch_size = call.layout.batch_size;
+        fold.draft_token_num = batch.spec.draft_token_num;
+        fold.window = config_.sliding_window_size;
+        fold.max_kv_len = capturing ? max_context : call.max_kv_len;
+        launch_fold_window_mask(fold, stream);
+      }
       KvIndexBuild build;
       build.source = req_to_token_source(*config_.req_to_token_pool, batch.req_pool_indices);
       build.kv_start = call.meta<int32_t>(call.offsets.kv_start);
@@ -440,7 +498,7 @@ class CudaBackend final : public AttentionBackend {
       build.num_slots = config_.kv_cache->num_slots();
       build.error_word = errors_.device_ptr();
       // A captured launch must cover any later replay's lengths.
-      build.max_kv_len = capturing ? config_.req_to_token_pool->max_context_len() : call.max_kv_len;
+      build.max_kv_len = capturing ? max_context : call.max_kv_len;
       launch_build_kv_indices(build, stream);
     }
     step_.indices_built = true;
@@ -465,23 +523,22 @@ class CudaBackend final : public AttentionBackend {
               ", expected >= max_bs ", max_bs);
     const int max_context = config_.req_to_token_pool->max_context_len();
     graph_kv_capacity_ = int64_t(max_bs) * max_context;
-    // The prefill region (TARGET_VERIFY, tensor-core decode) depends on the plan: reserve what a
-    // batch of max_bs requests with max_num_tokens queries over max_context keys would need,
-    // twice over for split partials.
-    size_t prefill_bytes = 0;
+    // The prefill region (TARGET_VERIFY, tensor-core decode): the padded plan of max_bs requests
+    // of max_num_tokens / max_bs query tokens each covers every bucket's plan (the capacity grows
+    // with both), decode's one token per request included.
+    core::PrefillBufferLayout prefill_region;
+    const int64_t per_request = (max_num_tokens + max_bs - 1) / max_bs;
+    check_arg(per_request <= INT32_MAX, "max_num_tokens", "got ", max_num_tokens,
+              ", over 2^31 tokens a request");
     if (setup_.prefill_supported) {
-      std::vector<int32_t> qo(size_t(max_bs) + 1, 0);
-      std::vector<int64_t> kv(size_t(max_bs) + 1, 0);
-      const int64_t per_request = std::max<int64_t>(1, max_num_tokens / max_bs);
-      for (int r = 0; r < max_bs; ++r) {
-        qo[r + 1] = qo[r] + int32_t(per_request);
-        kv[r + 1] = kv[r] + max_context;
-      }
-      core::PrefillTileShape shape = prefill_shape(core::MaskMode::kNone, -1);
-      const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo, kv, shape);
-      prefill_bytes =
-          2 * core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr, nullptr)
-                  .total_bytes;
+      core::PrefillTilePlan plan;
+      plan.tile_rows = setup_.prefill_tile_rows;
+      plan.group_size = config_.num_q_heads / config_.num_kv_heads;
+      core::pad_prefill_plan(plan, core::prefill_plan_capacity(
+                                       max_bs, int(per_request),
+                                       prefill_shape(core::MaskMode::kCustom, -1)));
+      prefill_region = core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr,
+                                                  nullptr);
     }
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       core::CallCapacity cap;
@@ -490,7 +547,23 @@ class CudaBackend final : public AttentionBackend {
       cap.custom_mask = true;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      reserve_frozen_call(graph_calls_[s], cap, graph_kv_capacity_, prefill_bytes, device_);
+      CallState& call = graph_calls_[s];
+      reserve_frozen_call(call, cap, graph_kv_capacity_, prefill_region, device_);
+      // TARGET_VERIFY on a window layer folds the tree mask into this buffer: max_num_tokens
+      // rows of at most max_context_len columns.
+      if (model_sets_[s] == core::IndexSet::kWindow && setup_.prefill_supported) {
+        ensure_bytes(call.folded_mask, size_t(max_num_tokens) * size_t(max_context), false,
+                     device_, "folded tree mask");
+      }
+    }
+    // fp32 io: the tensor-core path runs on 16-bit copies of q and out.
+    if (config_.q_dtype != setup_.compute_dtype && setup_.prefill_supported) {
+      const size_t elem = size_t(dtype_size(setup_.compute_dtype));
+      const size_t n = size_t(max_num_tokens);
+      ensure_bytes(graph_io_scratch_,
+                   align_region(n * config_.num_q_heads * config_.head_dim * elem) +
+                       align_region(n * config_.num_q_heads * config_.v_head_dim * elem),
+                   false, device_, "fp32 io copies");
     }
     graph_max_bs_ = max_bs;
   }
@@ -526,47 +599,41 @@ class CudaBackend final : public AttentionBackend {
     return shape;
   }
 
-  void plan_call(CallState& call, bool cuda_core_decode) {
+  // graph_q_len > 0 (the graph pool): a prefill plan is padded to the capacity of its batch
+  // size with graph_q_len query tokens per request, so captured grids cover every later plan.
+  void plan_call(CallState& call, bool cuda_core_decode, int graph_q_len) {
     call.max_kv_len = 0;
     for (int32_t len : call.layout.kv_len) call.max_kv_len = std::max(call.max_kv_len, len);
     call.prefill = !cuda_core_decode;
+    call.padded = false;
     if (cuda_core_decode) {
       call.item_limit = core::decode_item_capacity(call.layout.batch_size, setup_.plan_config);
       call.decode_plan = core::plan_decode(call.layout.kv_len, setup_.plan_config, call.item_limit);
-    } else {
-      call.item_limit = 0;
-      call.prefill_plan =
-          core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr,
-                                   prefill_shape(call.layout.mask, call.layout.window_left));
+      return;
+    }
+    call.item_limit = 0;
+    const core::PrefillTileShape shape = prefill_shape(call.layout.mask, call.layout.window_left);
+    call.prefill_plan = core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape);
+    call.prefill_items = int(call.prefill_plan.items.size());
+    call.prefill_merges = int(call.prefill_plan.merges.size());
+    if (graph_q_len > 0) {
+      core::pad_prefill_plan(call.prefill_plan, core::prefill_plan_capacity(
+                                                    call.layout.batch_size, graph_q_len, shape));
+      call.padded = true;
     }
   }
 
-  // TARGET_VERIFY on a window layer: the window becomes part of the tree mask (host work: the
-  // mask and positions come back to the host once per step, and the folded mask goes up).
-  void fold_window(CallState& call, const ForwardBatch& batch, const core::HostLengths& lens) {
-    const TensorView& mask = batch.spec.custom_mask;
+  // TARGET_VERIFY on a window layer: the window becomes part of the tree mask (tree tokens do
+  // not sit at consecutive positions). in_graph folds it on the device into call.folded_mask,
+  // which the kernel then reads; here the host checks the inputs and sizes the buffer.
+  void prepare_window_fold(CallState& call, const ForwardBatch& batch) {
     check_arg(batch.positions.defined(), "positions",
               "missing: TARGET_VERIFY on a sliding-window model needs the tree positions");
     const int64_t num_tree = int64_t(batch.batch_size) * batch.spec.draft_token_num;
-    core::check_index_tensor(batch.positions, "positions", num_tree, batch.positions.device());
-    std::vector<uint8_t> host_mask(static_cast<size_t>(mask.numel()));
-    copy_bytes(host_mask.data(), Device::cpu(), mask.data(), mask.device(), host_mask.size());
-    std::vector<int64_t> positions(static_cast<size_t>(num_tree));
-    if (batch.positions.dtype() == DType::kInt64) {
-      copy_bytes(positions.data(), Device::cpu(), batch.positions.data(), batch.positions.device(),
-                 positions.size() * sizeof(int64_t));
-    } else {
-      std::vector<int32_t> narrow(static_cast<size_t>(num_tree));
-      copy_bytes(narrow.data(), Device::cpu(), batch.positions.data(), batch.positions.device(),
-                 narrow.size() * sizeof(int32_t));
-      std::copy(narrow.begin(), narrow.end(), positions.begin());
-    }
-    const std::vector<uint8_t> folded = core::fold_window_into_tree_mask(
-        lens, batch.spec.draft_token_num, config_.sliding_window_size, host_mask.data(),
-        positions.data());
-    ensure_bytes(call.folded_mask, std::max<size_t>(folded.size(), 1), false, device_,
-                 "folded tree mask");
-    copy_bytes(call.folded_mask.data(), device_, folded.data(), Device::cpu(), folded.size());
+    core::check_index_tensor(batch.positions, "positions", num_tree, device_);
+    const size_t bytes = size_t(std::max<int64_t>(batch.spec.custom_mask.numel(), 1));
+    ensure_bytes(call.folded_mask, bytes, step_.graph_pool, device_, "folded tree mask");
+    call.tree_mask = batch.spec.custom_mask.data_as<const uint8_t>();
     call.custom_mask = static_cast<const uint8_t*>(call.folded_mask.data());
   }
 
@@ -604,7 +671,7 @@ class CudaBackend final : public AttentionBackend {
     compute.q_dtype = setup_.compute_dtype;
     const int64_t n = step_.num_tokens;
     const size_t elem = size_t(dtype_size(compute.q_dtype));
-    char* base = static_cast<char*>(io_scratch_.data());
+    char* base = static_cast<char*>((step_.graph_pool ? graph_io_scratch_ : io_scratch_).data());
     const size_t q_bytes = align_region(size_t(n) * config_.num_q_heads * config_.head_dim * elem);
     const size_t out_bytes =
         align_region(size_t(n) * config_.num_q_heads * config_.v_head_dim * elem);
@@ -712,6 +779,7 @@ class CudaBackend final : public AttentionBackend {
   CallState graph_calls_[3];
   Buffer ragged_scratch_;
   Buffer io_scratch_;
+  Buffer graph_io_scratch_;  ///< the graph pool's fp32-io copies (frozen once allocated)
   int graph_max_bs_ = 0;
   int64_t graph_kv_capacity_ = 0;
 };

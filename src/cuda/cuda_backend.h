@@ -7,8 +7,22 @@
 //     it (core::plan_decode or core::plan_prefill_tiles), write the call metadata into pinned
 //     staging and copy it to the device with one cudaMemcpyAsync per call. May allocate (buffers
 //     grow geometrically; after init_cuda_graph_state the graph buffers are fixed).
-//   in_graph (device): build kv_indices from req_to_token with one kernel per paged call.
+//   in_graph (device): build kv_indices from req_to_token with one kernel per paged call (and,
+//     TARGET_VERIFY on a window layer, fold the window into the tree mask on the device).
 //   forward_*: save K/V, launch the decode / prefill kernels. Neither syncs nor allocates.
+//
+// CUDA graphs (SPEC §4): init_cuda_graph_state(max_bs, max_num_tokens) allocates every buffer a
+// captured DECODE / TARGET_VERIFY step of up to max_bs requests touches (the "graph pool": call
+// metadata and plans, split-KV scratch, kv_indices, the folded tree mask, the fp32-io copies,
+// pinned staging) and freezes it. A batch of a captured bucket runs on the graph pool, with
+// launch sizes that depend on the batch size alone: the CUDA-core decode grid covers
+// core::decode_item_capacity items (the kernel reads the plan's item count from the device), the
+// prefill plan is padded to core::prefill_plan_capacity with no-op items, the index kernels
+// cover max_context_len keys. So out_graph at replay only rewrites buffer contents (one async
+// copy per call), and a graph captured once for a batch size replays any later batch of that
+// size. The engine pads a bucket's unused entries (seq_len = cuda_graph_seq_len_fill_value(), a
+// req_to_token row whose slots are valid, out_cache_loc 0) and keeps the batch tensors (q, k, v,
+// out, req_pool_indices, seq_lens, out_cache_loc, tree mask, positions) at fixed addresses.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -48,10 +62,17 @@ struct CallState {
   bool prefill = false;  ///< runs the prefill kernel (else the CUDA-core decode kernel)
   core::DecodePlan decode_plan;
   int item_limit = 0;  ///< core::decode_item_capacity(batch_size): a captured grid covers this
-  core::PrefillTilePlan prefill_plan;
-  core::PrefillTiles prefill_tiles;  ///< device view, filled by upload
+  core::PrefillTilePlan prefill_plan;  ///< padded to a fixed capacity on the graph pool
+  bool padded = false;                 ///< prefill_plan was padded: a captured grid covers it
+  int prefill_items = 0;               ///< the plan's real items and merges (before padding)
+  int prefill_merges = 0;
+  core::PrefillTiles prefill_tiles;  ///< device view, filled by upload (padded counts)
   int max_kv_len = 0;
-  const uint8_t* custom_mask = nullptr;  ///< device tree mask (TARGET_VERIFY)
+  const uint8_t* custom_mask = nullptr;  ///< device tree mask the kernel reads (TARGET_VERIFY)
+  /// TARGET_VERIFY on a window layer: in_graph folds the window into `folded_mask` from the
+  /// engine's mask (tree_mask) and positions.
+  bool fold_window = false;
+  const uint8_t* tree_mask = nullptr;
 
   core::CallCapacity capacity;  ///< what the buffers hold now
   core::CallMetadataLayout offsets;
@@ -75,9 +96,15 @@ struct CallState {
 void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv_indices_capacity,
                  int v_head_dim, Device device, cudaStream_t stream);
 
-/// Preallocates `call` for graph replays of up to `capacity` and freezes its buffers.
+/// Preallocates `call` for graph replays of up to `capacity` (and a prefill plan region of
+/// `prefill_region`'s size: zero for none) and freezes its buffers, pinned staging included.
 void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
-                         int64_t kv_indices_capacity, size_t prefill_region_bytes, Device device);
+                         int64_t kv_indices_capacity, const core::PrefillBufferLayout& prefill_region,
+                         Device device);
+
+/// Grows `buffer` to at least `bytes` (by half again); a frozen buffer that is too small throws
+/// kOutOfResources naming `what` instead (captured graphs hold its address).
+void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what);
 
 /// q/out (and the per-head strides of a [tokens, heads, dim] or [tokens, heads * dim] view).
 struct HeadStrides {
@@ -100,5 +127,11 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
 /// Saves k/v at `loc` in the layer's cache (device kernel; bad slots are flagged, not written).
 void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
              const TensorView& v, const TensorView& loc, uint32_t* error_word, cudaStream_t stream);
+
+namespace debug {
+/// Device and pinned-host allocations the CUDA backend and the draft runner have made in this
+/// process (tests: nothing may allocate during a graph replay).
+uint64_t allocation_count();
+}  // namespace debug
 
 }  // namespace kvattn::cuda

@@ -30,9 +30,15 @@ class CudaDraftRunner final : public core::DraftRunner {
   }
 
   void init_forward_metadata(const ForwardBatch& batch) override {
+    init_forward_metadata_out_graph(batch, /*in_capture=*/false);
+    init_forward_metadata_in_graph(batch);
+  }
+
+  void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) override {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
     errors_->check_and_clear("MultiStepDraftBackend::init_forward_metadata");
     ready_ = false;
+    indices_built_ = false;
     core::validate_batch(batch, config_, device_);
     const core::HostLengths lens = core::read_host_lengths(batch, false);
     const int bs = batch.batch_size;
@@ -40,11 +46,16 @@ class CudaDraftRunner final : public core::DraftRunner {
     const ReqToTokenPool& pool = *config_.req_to_token_pool;
     for (int r = 0; r < bs; ++r) {
       const int64_t last = int64_t(lens.seq_lens[r]) + int64_t(num_steps_) * topk_;
-      check_arg(last <= pool.max_context_len(), "seq_lens[" + std::to_string(r) + "]",
-                "the draft tokens need req_to_token positions up to ", last,
-                ", the pool has max_context_len ", pool.max_context_len());
+      if (last > pool.max_context_len()) {  // the name is built only on failure (every step)
+        throw_error(ErrorKind::kInvalidArgument, "seq_lens[" + std::to_string(r) + "]",
+                    "the draft tokens need req_to_token positions up to ", last,
+                    ", the pool has max_context_len ", pool.max_context_len());
+      }
     }
     graph_pool_ = graph_max_bs_ > 0 && bs <= graph_max_bs_;
+    check_arg(!in_capture || graph_pool_, "in_capture",
+              "capturing the draft steps needs init_cuda_graph_state with max_bs >= ", bs);
+    batch_size_ = bs;
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
     entries_ = entries;
     max_kv_len_ = 0;
@@ -81,7 +92,17 @@ class CudaDraftRunner final : public core::DraftRunner {
       const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
       upload_call(call, cap, keys, config_.v_head_dim, device_, stream);
     }
-    // The index sets of all steps: one launch per kMaxDraftStepsPerLaunch steps.
+    ready_ = true;
+  }
+
+  void init_forward_metadata_in_graph(const ForwardBatch& batch) override {
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    check_arg(ready_ && batch.batch_size == batch_size_, "init_forward_metadata_in_graph",
+              "call init_forward_metadata_out_graph for this batch first");
+    const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
+    const int bs = batch_size_;
+    // The index sets of all steps: one launch per kMaxDraftStepsPerLaunch steps. A captured
+    // launch covers max_context_len keys an entry, whatever the replayed lengths.
     for (int first = 0; first < num_steps_; first += kMaxDraftStepsPerLaunch) {
       DraftIndexBuild build;
       const ReqToTokenPool& p = *config_.req_to_token_pool;
@@ -106,7 +127,7 @@ class CudaDraftRunner final : public core::DraftRunner {
       build.max_kv_len = stream_is_capturing(stream) ? p.max_context_len() : max_kv_len_;
       launch_build_draft_kv_indices(build, stream);
     }
-    ready_ = true;
+    indices_built_ = true;
   }
 
   void forward_step(int step, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -114,7 +135,8 @@ class CudaDraftRunner final : public core::DraftRunner {
                     const TensorView& out_cache_loc) override {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
     errors_->check_and_clear("MultiStepDraftBackend::forward_step");
-    check_arg(ready_, "forward_step", "call init_forward_metadata first");
+    check_arg(ready_ && indices_built_, "forward_step",
+              "call init_forward_metadata (out_graph and in_graph) first");
     check_arg(!layer.is_cross_attention, "layer.is_cross_attention",
               "draft steps run self-attention layers only");
     ForwardBatch view;  // what validate_forward_tensors reads: the step's slots
@@ -143,7 +165,7 @@ class CudaDraftRunner final : public core::DraftRunner {
       cap.decode_items = core::decode_item_capacity(entries, setup_.plan_config);
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      reserve_frozen_call(call, cap, graph_kv_capacity_, 0, device_);
+      reserve_frozen_call(call, cap, graph_kv_capacity_, core::PrefillBufferLayout{}, device_);
     }
     graph_max_bs_ = max_bs;
   }
@@ -156,7 +178,9 @@ class CudaDraftRunner final : public core::DraftRunner {
   DecodeSetup setup_;
   std::unique_ptr<ErrorWord> errors_;
   std::vector<CallState> steps_;
-  bool ready_ = false;
+  bool ready_ = false;          ///< out_graph planned the current batch
+  bool indices_built_ = false;  ///< in_graph built its index sets
+  int batch_size_ = 0;
   bool graph_pool_ = false;
   int graph_max_bs_ = 0;
   int64_t graph_kv_capacity_ = 0;

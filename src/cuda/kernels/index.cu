@@ -84,12 +84,46 @@ __global__ void __launch_bounds__(kIndexThreads)
   }
 }
 
+__device__ __forceinline__ int64_t position_at(const WindowMaskFold& f, int64_t index) {
+  return f.positions_int64 ? static_cast<const int64_t*>(f.positions)[index]
+                           : static_cast<const int32_t*>(f.positions)[index];
+}
+
+__global__ void __launch_bounds__(kIndexThreads) fold_window_mask_kernel(const WindowMaskFold f) {
+  const int request = int(blockIdx.y);
+  const int64_t kv_len = f.kv_len[request];
+  const int64_t seq = kv_len - f.draft_token_num;
+  const int64_t base = f.mask_indptr[request];
+  const int64_t count = kv_len * f.draft_token_num;
+  const int64_t tree = int64_t(request) * f.draft_token_num;
+  for (int64_t e = int64_t(blockIdx.x) * kIndexThreads + threadIdx.x; e < count;
+       e += int64_t(gridDim.x) * kIndexThreads) {
+    const int64_t i = e / kv_len;
+    const int64_t j = e - i * kv_len;
+    const int64_t lowest = position_at(f, tree + i) - f.window;
+    const int64_t pos_j = j < seq ? j : position_at(f, tree + (j - seq));
+    f.folded[base + e] = f.tree_mask[base + e] != 0 && pos_j >= lowest ? 1 : 0;
+  }
+}
+
 uint32_t ctas_per_entry(int max_kv_len) {
   const int wanted = (std::max(max_kv_len, 1) + kKeysPerIndexCta - 1) / kKeysPerIndexCta;
   return uint32_t(std::min(wanted, kMaxIndexCtasPerEntry));
 }
 
 }  // namespace
+
+void launch_fold_window_mask(const WindowMaskFold& f, cudaStream_t stream) {
+  if (f.batch_size == 0 || f.draft_token_num == 0) return;
+  check_arg(f.batch_size < 65536, "batch_size", "got ", f.batch_size, ", expected < 65536");
+  // A request's mask holds draft x kv_len bytes: size the grid as for that many keys.
+  const int64_t elements = int64_t(std::max(f.max_kv_len, 1)) * f.draft_token_num;
+  const int ctas = int(std::min<int64_t>((elements + kKeysPerIndexCta - 1) / kKeysPerIndexCta,
+                                         kMaxIndexCtasPerEntry));
+  const dim3 grid(uint32_t(ctas), uint32_t(f.batch_size));
+  fold_window_mask_kernel<<<grid, kIndexThreads, 0, stream>>>(f);
+  check_launch("fold_window_mask_kernel");
+}
 
 void launch_build_kv_indices(const KvIndexBuild& b, cudaStream_t stream) {
   if (b.batch_size == 0) return;

@@ -62,4 +62,23 @@ struct DraftIndexBuild {
 };
 void launch_build_draft_kv_indices(const DraftIndexBuild& build, cudaStream_t stream);
 
+/// TARGET_VERIFY on a sliding-window layer, on the device (core::fold_window_into_tree_mask is
+/// the host definition this follows): tree token i of request r keeps kv column j only when the
+/// engine's mask allows it and column j's position (j for the prefix, positions[r * draft + t]
+/// for tree token t = j - seq_r) is >= positions[r * draft + i] - window. Launch sizes depend on
+/// batch_size and max_kv_len alone, so it records into a CUDA graph.
+struct WindowMaskFold {
+  const uint8_t* tree_mask = nullptr;    ///< [sum_r draft * kv_len_r] device (SpecInfo layout)
+  uint8_t* folded = nullptr;             ///< [sum_r draft * kv_len_r] device
+  const int64_t* mask_indptr = nullptr;  ///< [batch_size + 1] device (call metadata)
+  const int32_t* kv_len = nullptr;       ///< [batch_size] seq_r + draft (call metadata)
+  const void* positions = nullptr;       ///< [batch_size * draft] int32 or int64 device
+  bool positions_int64 = false;
+  int batch_size = 0;
+  int draft_token_num = 0;
+  int window = 0;
+  int max_kv_len = 0;  ///< grid sizing: the step's longest kv_len (graph capture: max_context_len)
+};
+void launch_fold_window_mask(const WindowMaskFold& fold, cudaStream_t stream);
+
 }  // namespace kvattn::cuda
