@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_graphs.h"
 #include "cli_args.h"
 #include "commands.h"
 #include "cpu_ceilings.h"
@@ -47,6 +48,10 @@ const std::vector<OptionSpec>& bench_options() {
        "CPU: skip rows whose one call is estimated above S s (default 15; --quick 1)"},
       {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
       {"--seed", "N", "seed of the random data (default 1)"},
+      {"--graphs", "",
+       "instead of the grid: a 32-layer decode step, eager vs CUDA-graph replay vs its kernels' "
+       "GPU time, and the host planning per step (CUDA)"},
+      {"--planner", "", "instead of the grid: the host planning per decode step (no GPU needed)"},
   };
   return specs;
 }
@@ -512,6 +517,7 @@ std::string bench_usage() {
 
 int run_bench(const std::vector<std::string>& args) {
   const ParsedArgs parsed(args, bench_options());
+  if (parsed.has("--graphs") || parsed.has("--planner")) return run_graph_bench(parsed);
   const ToolDevice device = select_device(parsed.get("--device", ""));
   const bool cpu = device.device.is_cpu();
   const bool quick = parsed.has("--quick");

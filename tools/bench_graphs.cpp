@@ -1,0 +1,565 @@
+// `kvattn bench --graphs` and `kvattn bench --planner` (see bench_graphs.h).
+//
+// The decode step of the SPEC §6 model shape (32 q / 8 kv heads, head_dim 128, bf16 KV, page 1
+// with shuffled slots) over 32 layers, each layer with its own K/V pool and q/k/v/out:
+//   eager    init_forward_metadata + 32 x forward on a backend without graph state, back to
+//            back: wall time per step (what an engine without graphs pays, host included).
+//   graph    out_graph + one cudaGraphLaunch of [in_graph, 32 x forward], captured once: wall
+//            time per step (host planning included; it overlaps the previous step's kernels).
+//   kernels  the step's kernels' own GPU time: in_graph in a graph of many repetitions, plus 32 x
+//            one layer's kernels (K/V save, decode, split-KV merge) in a graph of many repetitions
+//            (the repetitions rotate over the 32 layers, so a layer's K/V is not in L2 from its
+//            previous repetition, as in a real step).
+// Issue 6 asks for graph within 1.5x of kernels at batch 1 x 1024, and replay equal to eager bit
+// for bit (checked on every layer's output of every row).
+// Host planning per step (batch 1, 64, 256): --graphs times the CUDA backend's out_graph on the
+// host (stream idle, so it never waits for an earlier copy); --planner times the host planning
+// functions it runs (validation, lengths, layout, plan, metadata) without a GPU.
+#include "bench_graphs.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/batch_layout.h"
+#include "core/planner.h"
+#include "core/validate.h"
+#include "kvattn/kvattn.h"
+#include "step_batch.h"
+#include "tool_support.h"
+
+#if defined(KVATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "cuda/bench_support.h"
+#endif
+
+namespace kvattn::tools {
+namespace {
+
+constexpr int kQHeads = 32;
+constexpr int kKvHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr int kLayers = 32;
+constexpr DType kDType = DType::kBFloat16;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr int kPlanningSteps = 400;
+
+struct Row {
+  std::string variant;  ///< eager-32-layers, graph-32-layers, kernels-32-layers, planner
+  int batch = 0;
+  int kv_len = 0;
+  double time_us = kNaN;
+  double gbps = kNaN;
+  double fraction = kNaN;
+};
+
+struct Ceilings {
+  double read_gbps = kNaN;
+  double copy_gbps = kNaN;
+  double gemm_bf16_tflops = kNaN;
+};
+
+/// Bytes of K and V one 32-layer decode step reads.
+double step_kv_bytes(int batch, int kv_len) {
+  return double(batch) * kv_len * kKvHeads * 2.0 * kHeadDim * dtype_size(kDType) * kLayers;
+}
+
+std::string json_number(double value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.6g", value);
+  return text;
+}
+
+std::string json_string(const std::string& value) {
+  std::string out = "\"";
+  for (char c : value) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+void write_json(const std::string& path, const std::string& device_name,
+                const std::string& commit, bool dirty, const std::string& date,
+                const Ceilings& ceilings, const std::vector<Row>& rows) {
+  const std::filesystem::path file(path);
+  if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
+  std::ofstream out(path);
+  if (!out) throw_error(ErrorKind::kInvalidArgument, "--json", "cannot write '", path, "'");
+  out << "{\"device\": " << json_string(device_name) << ", \"commit\": " << json_string(commit)
+      << ", \"dirty\": " << (dirty ? "true" : "false") << ", \"date\": " << json_string(date)
+      << ",\n \"ceilings\": {\"copy_gbps\": " << json_number(ceilings.copy_gbps)
+      << ", \"read_gbps\": " << json_number(ceilings.read_gbps)
+      << ", \"gemm_bf16_tflops\": " << json_number(ceilings.gemm_bf16_tflops) << "},\n \"rows\": [";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    out << (i == 0 ? "\n  " : ",\n  ") << "{\"workload\": \"decode\", \"impl\": \"kvattn\""
+        << ", \"batch\": " << r.batch << ", \"kv_len\": " << r.kv_len
+        << ", \"qo_len\": 1, \"prefix_len\": 0, \"page_size\": 1, \"head_dim\": " << kHeadDim
+        << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
+        << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
+        << ", \"variant\": " << json_string(r.variant) << ", \"time_us\": " << json_number(r.time_us)
+        << ", \"gbps\": " << json_number(r.gbps) << ", \"tflops\": null"
+        << ", \"fraction\": " << json_number(r.fraction) << ", \"max_rel_err\": null}";
+  }
+  out << "\n ]}\n";
+}
+
+// ---- host planning without a GPU --------------------------------------------------------------
+
+/// Median host time of the planning a CUDA decode step's out_graph does (validate_batch, the
+/// host lengths, the paged layout, plan_decode, write_call_metadata into staging), for `batch`
+/// requests of kv_len / 2 .. kv_len tokens that grow by one each step. The decode setup is the
+/// H200's (planner.h): 8 kv heads x 1 head pass a work item, 132 SMs x 4 CTAs, 32-token tiles.
+/// The batch's index tensors are host tensors here, which adds a bounds loop the CUDA backend's
+/// device req_pool_indices skip: a slight overestimate.
+double host_planning_us(int batch, int kv_len, uint64_t seed) {
+  KvCacheConfig kc;
+  kc.num_layers = 1;
+  kc.num_slots = 64;
+  kc.num_kv_heads = kKvHeads;
+  kc.head_dim = kHeadDim;
+  kc.dtype = kDType;
+  kc.device = Device::cpu();
+  KvCache cache = KvCache::allocate(kc);
+  ReqToTokenPool pool = ReqToTokenPool::allocate(batch, kv_len + kPlanningSteps, Device::cpu());
+  BackendConfig config;
+  config.kv_cache = &cache;
+  config.req_to_token_pool = &pool;
+  config.num_q_heads = kQHeads;
+  config.num_kv_heads = kKvHeads;
+  config.head_dim = kHeadDim;
+  config.q_dtype = kDType;
+
+  Rng rng(seed);
+  std::vector<int32_t> base(static_cast<size_t>(batch)), rows(static_cast<size_t>(batch)),
+      seq(static_cast<size_t>(batch));
+  std::vector<int32_t> loc(static_cast<size_t>(batch), 0);
+  for (int r = 0; r < batch; ++r) {
+    base[size_t(r)] = int32_t(rng.uniform_int(kv_len / 2, kv_len));
+    rows[size_t(r)] = r;
+  }
+  ForwardBatch b;
+  b.mode = ForwardMode::kDecode;
+  b.batch_size = batch;
+  b.req_pool_indices = TensorView(rows.data(), DType::kInt32, Device::cpu(), {batch});
+  b.seq_lens = TensorView(seq.data(), DType::kInt32, Device::cpu(), {batch});
+  b.seq_lens_cpu = b.seq_lens;
+  b.out_cache_loc = TensorView(loc.data(), DType::kInt32, Device::cpu(), {batch});
+
+  core::DecodePlanConfig plan_config;
+  plan_config.ctas_per_item = kKvHeads;
+  plan_config.concurrent_ctas = 132 * 4;
+  plan_config.chunk_align = 32;
+  plan_config.min_chunk = 256;
+  core::CallCapacity capacity;
+  capacity.batch_size = batch;
+  capacity.decode_items = core::decode_item_capacity(batch, plan_config);
+  capacity.num_q_heads = kQHeads;
+  capacity.v_head_dim = kHeadDim;
+  const core::CallMetadataLayout dry =
+      core::write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
+  std::vector<unsigned char> staging(dry.metadata_bytes);
+
+  std::vector<double> samples;
+  for (int step = 0; step < kPlanningSteps; ++step) {
+    for (int r = 0; r < batch; ++r) seq[size_t(r)] = base[size_t(r)] + step;
+    const auto start = std::chrono::steady_clock::now();
+    core::validate_batch(b, config, Device::cpu());
+    const core::HostLengths lens = core::read_host_lengths(b, false);
+    const core::PagedLayout layout =
+        core::make_paged_layout(b.mode, core::IndexSet::kFull, -1, lens, 0);
+    const core::DecodePlan plan =
+        core::plan_decode(layout.kv_len, plan_config, capacity.decode_items);
+    core::write_call_metadata(capacity, &layout, &plan, staging.data(), staging.size());
+    samples.push_back(seconds_since(start) * 1e6);
+  }
+  return median(samples);
+}
+
+#if defined(KVATTN_WITH_CUDA)
+
+void cuda_ok(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw_error(ErrorKind::kDeviceError, what, cudaGetErrorString(status));
+}
+
+/// Median host time of the CUDA backend's out_graph for a DECODE batch on its graph buffers
+/// (lengths as in host_planning_us), the stream idle before each call.
+double out_graph_us(int batch, int kv_len, uint64_t seed, cudaStream_t stream) {
+  const Device gpu = Device::cuda(0);
+  KvCacheConfig kc;
+  kc.num_layers = 1;
+  kc.num_slots = 64;  // out_graph never touches slots
+  kc.num_kv_heads = kKvHeads;
+  kc.head_dim = kHeadDim;
+  kc.dtype = kDType;
+  kc.device = gpu;
+  KvCache cache = KvCache::allocate(kc);
+  ReqToTokenPool pool = ReqToTokenPool::allocate(batch, kv_len + kPlanningSteps, gpu);
+  Rng rng(seed);
+  std::vector<int32_t> base(static_cast<size_t>(batch)), rows(static_cast<size_t>(batch)),
+      seq(static_cast<size_t>(batch));
+  for (int r = 0; r < batch; ++r) {
+    base[size_t(r)] = int32_t(rng.uniform_int(kv_len / 2, kv_len));
+    rows[size_t(r)] = r;
+  }
+  const MirroredIndex device_rows(rows, gpu);
+  const MirroredIndex device_seq(base, gpu);  // contents unused: planning reads the host copy
+  const MirroredIndex device_loc(std::vector<int32_t>(size_t(batch), 0), gpu);
+  ForwardBatch b;
+  b.mode = ForwardMode::kDecode;
+  b.batch_size = batch;
+  b.req_pool_indices = device_rows.device_view();
+  b.seq_lens = device_seq.device_view();
+  b.seq_lens_cpu = TensorView(seq.data(), DType::kInt32, Device::cpu(), {batch});
+  b.out_cache_loc = device_loc.device_view();
+
+  BackendConfig config;
+  config.kv_cache = &cache;
+  config.req_to_token_pool = &pool;
+  config.num_q_heads = kQHeads;
+  config.num_kv_heads = kKvHeads;
+  config.head_dim = kHeadDim;
+  config.q_dtype = kDType;
+  config.cuda_stream = stream;
+  auto backend = make_backend(BackendKind::kCuda, config);
+  backend->init_cuda_graph_state(batch, batch);
+  std::vector<double> samples;
+  for (int step = 0; step < kPlanningSteps; ++step) {
+    for (int r = 0; r < batch; ++r) seq[size_t(r)] = base[size_t(r)] + step;
+    cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    const auto start = std::chrono::steady_clock::now();
+    backend->init_forward_metadata_out_graph(b, /*in_capture=*/false);
+    samples.push_back(seconds_since(start) * 1e6);
+  }
+  cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return median(samples);
+}
+
+/// A captured graph that destroys itself.
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  template <typename Body>
+  void capture(cudaStream_t stream, Body body) {
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+    try {
+      body();
+    } catch (...) {
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(stream, &partial);
+      if (partial != nullptr) cudaGraphDestroy(partial);
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    const cudaError_t status = cudaGraphInstantiate(&exec_, graph, 0);
+    cudaGraphDestroy(graph);
+    cuda_ok(status, "cudaGraphInstantiate");
+  }
+  void launch(cudaStream_t stream) const { cuda_ok(cudaGraphLaunch(exec_, stream), "launch"); }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+/// One decode step of 32 layers: the pool (page 1, shuffled slots), one batch of `batch`
+/// requests of kv_len tokens, per-layer inputs and outputs, a backend with graph state and one
+/// without.
+class StepWorld {
+ public:
+  StepWorld(int batch, int kv_len, uint64_t seed, cudaStream_t stream)
+      : batch_(batch),
+        stream_(stream),
+        cache_(KvCache::allocate(cache_config(batch, kv_len))),
+        pool_(ReqToTokenPool::allocate(batch, kv_len, Device::cuda(0))) {
+    const Device gpu = Device::cuda(0);
+    Rng rng(seed);
+    std::vector<int32_t> slots(size_t(batch) * kv_len);
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = int32_t(i + 1);  // slot 0 is padding
+    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.next() % i]);
+    StepSpec spec;
+    spec.mode = ForwardMode::kDecode;
+    for (int r = 0; r < batch; ++r) {
+      const int32_t* row = slots.data() + size_t(r) * kv_len;
+      pool_.write(r, 0, std::span<const int32_t>(row, size_t(kv_len)));
+      spec.req_pool_indices.push_back(r);
+      spec.seq_lens.push_back(kv_len);
+      spec.out_cache_loc.push_back(row[kv_len - 1]);
+    }
+    step_ = std::make_unique<StepBatch>(spec, gpu, &cache_, &pool_);
+    uint64_t fill = seed * 7919;
+    for (int l = 0; l < kLayers; ++l) {
+      cuda::bench::fill_random(cache_.k_buffer(l), fill++, 1.f, stream);
+      cuda::bench::fill_random(cache_.v_buffer(l), fill++, 1.f, stream);
+      q_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
+      k_.push_back(OwnedTensor::make(gpu, kDType, {batch, kKvHeads, kHeadDim}));
+      v_.push_back(OwnedTensor::make(gpu, kDType, {batch, kKvHeads, kHeadDim}));
+      out_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
+      out_eager_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
+      for (const OwnedTensor* t : {&q_.back(), &k_.back(), &v_.back()}) {
+        cuda::bench::fill_random(t->view, fill++, 1.f, stream);
+      }
+    }
+    cuda_ok(cudaDeviceSynchronize(), "world");
+    BackendConfig config;
+    config.kv_cache = &cache_;
+    config.req_to_token_pool = &pool_;
+    config.num_q_heads = kQHeads;
+    config.num_kv_heads = kKvHeads;
+    config.head_dim = kHeadDim;
+    config.q_dtype = kDType;
+    config.cuda_stream = stream;
+    eager_ = make_backend(BackendKind::kCuda, config);
+    graphed_ = make_backend(BackendKind::kCuda, config);
+    graphed_->init_cuda_graph_state(batch, batch);
+  }
+
+  /// Device bytes a world of this size holds (the pool dominates).
+  static double world_bytes(int batch, int kv_len) {
+    const double slots = 1.0 + double(batch) * kv_len;
+    return slots * kKvHeads * 2.0 * kHeadDim * dtype_size(kDType) * kLayers;
+  }
+
+  const ForwardBatch& batch() const { return step_->batch(); }
+
+  void eager_step() {
+    eager_->init_forward_metadata(batch());
+    for (int l = 0; l < kLayers; ++l) forward(*eager_, l, out_eager_[size_t(l)].view);
+  }
+
+  void capture_step(Graph& graph) {
+    graphed_->init_forward_metadata_out_graph(batch(), /*in_capture=*/true);
+    graph.capture(stream_, [&] {
+      graphed_->init_forward_metadata_in_graph(batch());
+      for (int l = 0; l < kLayers; ++l) forward(*graphed_, l, out_[size_t(l)].view);
+    });
+  }
+
+  void replay_step(const Graph& graph) {
+    graphed_->init_forward_metadata_out_graph(batch(), /*in_capture=*/false);
+    graph.launch(stream_);
+  }
+
+  /// Kernels' own time of one step: in_graph plus 32 x one layer's kernels, each timed in a
+  /// graph of many repetitions (on the graph-state backend, so the launch sizes are the
+  /// replay's). Needs a planned step (out_graph) first.
+  double kernels_us() {
+    graphed_->init_forward_metadata_out_graph(batch(), false);
+    cuda::bench::TimingOptions options;
+    options.calls_per_rep = 4 * kLayers;
+    options.max_seconds = 0.5;
+    const cuda::bench::Timing index = cuda::bench::time_on_stream(
+        [&](int) { graphed_->init_forward_metadata_in_graph(batch()); }, stream_, options);
+    const cuda::bench::Timing layer = cuda::bench::time_on_stream(
+        [&](int call) { forward(*graphed_, call % kLayers, out_[size_t(call % kLayers)].view); },
+        stream_, options);
+    if (!index.graph || !layer.graph) {
+      throw_error(ErrorKind::kDeviceError, "kernels", "the repetitions could not be captured");
+    }
+    return index.median_us + kLayers * layer.median_us;
+  }
+
+  /// Whether every layer's graph output equals its eager output bit for bit.
+  bool replay_equals_eager(const Graph& graph) {
+    replay_step(graph);
+    eager_step();
+    cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    const size_t bytes = size_t(batch_) * kQHeads * kHeadDim * dtype_size(kDType);
+    std::vector<unsigned char> a(bytes), b(bytes);
+    for (int l = 0; l < kLayers; ++l) {
+      copy_bytes(a.data(), Device::cpu(), out_[size_t(l)].view.data(), Device::cuda(0), bytes);
+      copy_bytes(b.data(), Device::cpu(), out_eager_[size_t(l)].view.data(), Device::cuda(0),
+                 bytes);
+      if (a != b) return false;
+    }
+    return true;
+  }
+
+ private:
+  static KvCacheConfig cache_config(int batch, int kv_len) {
+    KvCacheConfig c;
+    c.num_layers = kLayers;
+    c.num_slots = 1 + int64_t(batch) * kv_len;
+    c.num_kv_heads = kKvHeads;
+    c.head_dim = kHeadDim;
+    c.dtype = kDType;
+    c.device = Device::cuda(0);
+    return c;
+  }
+
+  void forward(AttentionBackend& backend, int l, const TensorView& out) {
+    AttentionLayer layer;
+    layer.layer_id = l;
+    layer.num_q_heads = kQHeads;
+    layer.num_kv_heads = kKvHeads;
+    layer.head_dim = kHeadDim;
+    layer.scaling = float(1.0 / std::sqrt(double(kHeadDim)));
+    backend.forward(q_[size_t(l)].view, k_[size_t(l)].view, v_[size_t(l)].view, out, layer,
+                    batch(), /*save_kv_cache=*/true);
+  }
+
+  int batch_;
+  cudaStream_t stream_;
+  KvCache cache_;
+  ReqToTokenPool pool_;
+  std::unique_ptr<StepBatch> step_;
+  std::vector<OwnedTensor> q_, k_, v_, out_, out_eager_;
+  std::unique_ptr<AttentionBackend> eager_;
+  std::unique_ptr<AttentionBackend> graphed_;
+};
+
+/// Wall time per step of `step()` run back to back (the host may run ahead of the device by
+/// whatever the backend allows), after a warm-up, until ~0.5 s or 400 steps.
+template <typename StepFn>
+double wall_us_per_step(StepFn step, cudaStream_t stream) {
+  for (int i = 0; i < 5; ++i) step();
+  cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  const auto start = std::chrono::steady_clock::now();
+  int steps = 0;
+  while (steps < 400) {
+    for (int i = 0; i < 10; ++i) step();
+    steps += 10;
+    if (seconds_since(start) > 0.5) break;
+  }
+  cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return seconds_since(start) * 1e6 / steps;
+}
+
+#endif  // KVATTN_WITH_CUDA
+
+}  // namespace
+
+int run_graph_bench(const ParsedArgs& args) {
+  const bool graphs = args.has("--graphs");
+  const uint64_t seed = uint64_t(args.get_int("--seed", 1, 0, INT64_MAX));
+  const std::string json_path = args.get("--json", "");
+  const std::string commit = git_commit();
+  const bool dirty = git_dirty();
+  const std::string date = today_iso();
+  std::vector<Row> rows;
+  Ceilings ceilings;
+  std::string device_name;
+  int failures = 0;
+
+  if (!graphs) {
+    // --planner: the host planning functions alone, on this machine's CPU.
+    ToolDevice host;
+    device_name = device_description(host);
+    std::printf("kvattn bench --planner: %s, commit %s%s, %s\n", device_name.c_str(),
+                commit.c_str(), dirty ? " (tree modified)" : "", date.c_str());
+    std::printf("host planning of one decode step (validate, lengths, layout, plan_decode,\n"
+                "metadata), H200 decode setup, kv_len 2048..4096 growing each step, median of "
+                "%d steps\n\n",
+                kPlanningSteps);
+    std::printf("%6s %12s\n", "batch", "host us");
+    for (int batch : {1, 64, 256}) {
+      Row row;
+      row.variant = "planner";
+      row.batch = batch;
+      row.kv_len = 4096;
+      row.time_us = host_planning_us(batch, 4096, seed + uint64_t(batch));
+      std::printf("%6d %12.2f\n", batch, row.time_us);
+      rows.push_back(row);
+    }
+  } else {
+#if defined(KVATTN_WITH_CUDA)
+    const ToolDevice device = select_device(args.get("--device", "cuda"));
+    if (!device.device.is_cuda()) throw UsageError("--graphs needs --device cuda");
+    device_name = device_description(device);
+    const cuda::bench::DeviceProperties props = cuda::bench::device_properties(0);
+    std::fprintf(stderr, "kvattn bench --graphs on %s: measuring ceilings...\n",
+                 device_name.c_str());
+    ceilings.read_gbps = cuda::bench::measure_read_gbps(0, int64_t(4) << 30, 10);
+    ceilings.copy_gbps = cuda::bench::measure_copy_gbps(0, int64_t(4) << 30, 10);
+    ceilings.gemm_bf16_tflops = cuda::bench::measure_gemm_bf16_tflops(0, 8192, 10);
+    const cuda::bench::Stream stream_owner(0);
+    const auto stream = static_cast<cudaStream_t>(stream_owner.handle());
+    std::printf("kvattn bench --graphs: %s, commit %s%s, %s\n", device_name.c_str(),
+                commit.c_str(), dirty ? " (tree modified)" : "", date.c_str());
+    std::printf("ceilings (this run): read %.0f GB/s, copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n",
+                ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
+    std::printf("decode step over %d layers (32 q / 8 kv heads, d128, bf16, page 1 shuffled); "
+                "us per step\n\n",
+                kLayers);
+    std::printf("%5s %6s %12s %12s %12s %13s %13s %8s\n", "batch", "kv_len", "eager", "graph",
+                "kernels", "graph/kernel", "eager/graph", "bitwise");
+    for (int kv_len : {1024, 4096}) {
+      for (int batch : {1, 8, 32, 64, 128}) {
+        const double need = StepWorld::world_bytes(batch, kv_len);
+        if (need > 0.85 * double(props.global_bytes)) {
+          std::printf("%5d %6d  skipped: needs %.1f GiB\n", batch, kv_len, need / (1 << 30));
+          continue;
+        }
+        try {
+          StepWorld world(batch, kv_len, seed + uint64_t(batch) * 131 + uint64_t(kv_len), stream);
+          const double eager = wall_us_per_step([&] { world.eager_step(); }, stream);
+          Graph graph;
+          world.capture_step(graph);
+          const double replay = wall_us_per_step([&] { world.replay_step(graph); }, stream);
+          const double kernels = world.kernels_us();
+          const bool same = world.replay_equals_eager(graph);
+          if (!same) ++failures;
+          std::printf("%5d %6d %12.1f %12.1f %12.1f %13.2f %13.2f %8s\n", batch, kv_len, eager,
+                      replay, kernels, replay / kernels, eager / replay, same ? "equal" : "DIFFER");
+          std::fflush(stdout);
+          const double bytes = step_kv_bytes(batch, kv_len);
+          for (auto [variant, us] : {std::pair{"eager-32-layers", eager},
+                                     std::pair{"graph-32-layers", replay},
+                                     std::pair{"kernels-32-layers", kernels}}) {
+            Row row;
+            row.variant = variant;
+            row.batch = batch;
+            row.kv_len = kv_len;
+            row.time_us = us;
+            row.gbps = bytes / (us * 1e3);
+            row.fraction = row.gbps / ceilings.read_gbps;
+            rows.push_back(row);
+          }
+        } catch (const std::exception& e) {
+          ++failures;
+          std::printf("%5d %6d  FAIL: %s\n", batch, kv_len, e.what());
+        }
+      }
+    }
+    std::printf("\nhost planning per step: the CUDA backend's out_graph on its graph buffers "
+                "(DECODE,\nkv_len 2048..4096 growing each step, stream idle), and the planning "
+                "functions alone\n");
+    std::printf("%6s %14s %14s\n", "batch", "out_graph us", "functions us");
+    for (int batch : {1, 64, 256}) {
+      Row row;
+      row.variant = "planner";
+      row.batch = batch;
+      row.kv_len = 4096;
+      row.time_us = out_graph_us(batch, 4096, seed + uint64_t(batch), stream);
+      const double functions = host_planning_us(batch, 4096, seed + uint64_t(batch));
+      std::printf("%6d %14.2f %14.2f\n", batch, row.time_us, functions);
+      rows.push_back(row);
+    }
+#else
+    throw UsageError("--graphs needs a build with the CUDA backend");
+#endif
+  }
+  if (!json_path.empty()) {
+    write_json(json_path, device_name, commit, dirty, date, ceilings, rows);
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace kvattn::tools
