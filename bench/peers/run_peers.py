@@ -21,6 +21,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -161,6 +162,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="write the FlashInfer JIT workspace (no object files) to this tar.gz")
     parser.add_argument("--self-test", action="store_true",
                         help="check the torch-free parts and exit")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run tiny rows on the CPU (kvattn CPU backend, torch on CPU, no "
+                             "FlashInfer, no ceilings): checks the pipeline without a GPU")
     # internal: the JIT prebuild subprocess
     parser.add_argument("--jit-prebuild", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jit-status", default="", help=argparse.SUPPRESS)
@@ -173,6 +177,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def select_cases(args: argparse.Namespace) -> List[Case]:
     cases = report.make_grid(quick=args.quick)
+    if args.cpu_dry_run:
+        cases = [report.tiny_case(c) for c in cases]
     if args.rows:
         pattern = re.compile(args.rows)
         cases = [c for c in cases if pattern.search(c.label)]
@@ -393,8 +399,24 @@ class Layout:
         self.num_pages = 0
 
 
+class _HostEvent:
+    """A wall-clock stand-in for torch.cuda.Event in the CPU dry run."""
+
+    def __init__(self):
+        self.at = 0.0
+
+    def record(self, stream=None) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.at - self.at) * 1e3
+
+
 class Runner:
-    """Everything that needs torch and the GPU."""
+    """Everything that needs torch (and, but for the CPU dry run, the GPU)."""
 
     def __init__(self, args: argparse.Namespace, cases: List[Case], start: float):
         import torch
@@ -403,11 +425,18 @@ class Runner:
         self.cases = cases
         self.start = start
         self.deadline = start + args.budget_s
-        self.device = torch.device("cuda")
-        self.stream = torch.cuda.Stream()
-        props = torch.cuda.get_device_properties(0)
-        self.l2_bytes = float(getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES)
-        self.device_name = torch.cuda.get_device_name(0)
+        # A CPU dry run (--cpu-dry-run, tiny rows) exercises everything but CUDA streams,
+        # graphs and FlashInfer on a machine without a GPU.
+        self.cuda = torch.cuda.is_available() and not args.cpu_dry_run
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        if self.cuda:
+            props = torch.cuda.get_device_properties(0)
+            self.l2_bytes = float(getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES)
+            self.device_name = torch.cuda.get_device_name(0)
+        else:
+            self.l2_bytes = 1.0 * MIB
+            self.device_name = "cpu (dry run)"
         self.scale = HEAD_DIM ** -0.5
         self.ceilings: Dict[str, float] = {}
         self.rows: Dict[tuple, dict] = {}  # (case label, impl) -> row
@@ -439,6 +468,39 @@ class Runner:
 
     def log(self, text: str) -> None:
         print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
+
+    # ---- device helpers (CUDA, or the CPU dry run) ----
+
+    def on_stream(self):
+        """Context: work goes to the benchmark stream."""
+        if self.cuda:
+            return self.torch.cuda.stream(self.stream)
+        return contextlib.nullcontext()
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def event(self):
+        if self.cuda:
+            return self.torch.cuda.Event(enable_timing=True)
+        return _HostEvent()
+
+    def mark(self, event) -> None:
+        """Records a timing event on the benchmark stream."""
+        if self.cuda:
+            event.record(self.stream)
+        else:
+            event.record()
+
+    def empty_cache(self) -> None:
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def free_bytes(self) -> float:
+        if self.cuda:
+            return float(self.torch.cuda.mem_get_info()[0])
+        return 4.0 * GIB
 
     # ---- imports ----
 
@@ -474,6 +536,9 @@ class Runner:
 
     def measure_ceilings(self) -> None:
         torch = self.torch
+        if not self.cuda:
+            self.notes.append("CPU dry run: no ceilings")
+            return
         read = self._measure_read_gbps()
         if read:
             self.ceilings["read_gbps"] = read
@@ -487,21 +552,19 @@ class Runner:
         except BaseException as e:  # noqa: BLE001
             self.notes.append("copy ceiling failed: " + short_error(e))
         self.ceilings["gemm_bf16_tflops"] = self._measure_gemm_tflops() or 0.0
-        torch.cuda.empty_cache()
+        self.empty_cache()
         self.log("ceilings: " + ", ".join(f"{k} {v:.0f}" for k, v in self.ceilings.items()))
 
     def _event_median(self, fn: Callable[[], object], reps: int, warmup: int) -> float:
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
+        with self.on_stream():
             for _ in range(warmup):
                 fn()
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(reps)]
+            events = [(self.event(), self.event()) for _ in range(reps)]
             for a, b in events:
-                a.record(self.stream)
+                self.mark(a)
                 fn()
-                b.record(self.stream)
-        self.stream.synchronize()
+                self.mark(b)
+        self.sync()
         return median([a.elapsed_time(b) for a, b in events])
 
     def _measure_read_gbps(self) -> Optional[float]:
@@ -556,8 +619,7 @@ class Runner:
         q = case.tokens * Q_HEADS * HEAD_DIM * 2.0
         per_call = (case.kv_bytes() if case.is_decode else kv) + 2 * q
         resident = 2 * kv + 4 * q + 2 * case.tokens * KV_HEADS * HEAD_DIM * 2.0
-        free, _ = self.torch.cuda.mem_get_info()
-        return choose_sets(per_call, self.l2_bytes, free, resident)
+        return choose_sets(per_call, self.l2_bytes, self.free_bytes(), resident)
 
     def build_data(self, case: Case, sets: int) -> Data:
         """Same case.data_key, same seed: same tensors in pass A and pass B."""
@@ -669,19 +731,20 @@ class Runner:
         fails, times eager loops (which can be host-bound for short calls: 'timing' says)."""
         torch = self.torch
         stream = self.stream
-        with torch.cuda.stream(stream):
+        with self.on_stream():
             for i in range(sets):
                 call(i)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(stream)
+            a, b = self.event(), self.event()
+            self.mark(a)
             for i in range(sets):
                 call(i)
-            b.record(stream)
+            self.mark(b)
         b.synchronize()
         per_call_ms = a.elapsed_time(b) / sets
         calls = calls_per_replay(per_call_ms, sets)
         graph = None
         graph_error = ""
+        allow_graph = allow_graph and self.cuda
         if allow_graph:
             try:
                 graph = torch.cuda.CUDAGraph()
@@ -696,18 +759,17 @@ class Runner:
                 graph_error = short_error(e, 160)
                 torch.cuda.synchronize()
         reps = replay_count(per_call_ms, calls, self.args.target_s)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(reps)]
-        with torch.cuda.stream(stream):
+        events = [(self.event(), self.event()) for _ in range(reps)]
+        with self.on_stream():
             for start, end in events:
-                start.record(stream)
+                self.mark(start)
                 if graph is not None:
                     graph.replay()
                 else:
                     for i in range(calls):
                         call(i % sets)
-                end.record(stream)
-        stream.synchronize()
+                self.mark(end)
+        self.sync()
         times = [start.elapsed_time(end) * 1e3 / calls for start, end in events]
         del graph
         result = {"time_us": median(times), "timing": "graph" if allow_graph and not graph_error
@@ -719,9 +781,9 @@ class Runner:
 
     def output_of(self, call: Callable[[int], object]):
         """Set 0's output from one eager call."""
-        with self.torch.cuda.stream(self.stream):
+        with self.on_stream():
             out = call(0)
-        self.stream.synchronize()
+        self.sync()
         if isinstance(out, (tuple, list)):
             out = out[0]
         return out
@@ -746,7 +808,7 @@ class Runner:
             self.log(f"  {impl}: FAILED {short_error(e, 500)}")
             traceback.print_exc(limit=3)
             row = report.make_row(case, impl, None, self.ceilings, error=short_error(e))
-            self.torch.cuda.synchronize()
+            self.sync()
         row["wall_s"] = round(time.monotonic() - t0, 2)
         if row.get("time_us") is not None:
             rate = f"{row['gbps']:.0f} GB/s" if case.is_decode else f"{row['tflops']:.0f} TFLOP/s"
@@ -755,8 +817,9 @@ class Runner:
         return row
 
     def record(self, case: Case, row: dict) -> None:
-        row.pop("_out", None)
-        self.rows[(case.label, row["impl"])] = row
+        """Keeps a result row (without the tensors riding along under '_' keys)."""
+        self.rows[(case.label, row["impl"])] = {k: v for k, v in row.items()
+                                                if not k.startswith("_")}
 
     def skip(self, case: Case, impl: str, why: str) -> None:
         self.record(case, report.make_row(case, impl, None, self.ceilings, error=why))
@@ -773,7 +836,7 @@ class Runner:
         req_to_token = layout.slots.to(torch.int32).contiguous()
         req_pool = types.SimpleNamespace(req_to_token=req_to_token)
         window = case.window if case.window >= 0 else None
-        with torch.cuda.stream(self.stream):
+        with self.on_stream():
             backend = KvattnAttnBackend(pool, req_pool, num_q_heads=Q_HEADS,
                                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                         q_dtype=torch.bfloat16, sliding_window_size=window)
@@ -810,9 +873,9 @@ class Runner:
             head_dim=HEAD_DIM, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=self.scale,
             logit_cap=0.0, sliding_window_size=-1 if window is None else window,
             is_cross_attention=False, k_scale=None, v_scale=None) for s in range(sets)]
-        with torch.cuda.stream(self.stream):
+        with self.on_stream():
             backend.init_forward_metadata(batch)
-        self.stream.synchronize()
+        self.sync()
         keep = (backend, batch, layers, req_to_token)  # alive as long as the closure
 
         if case.is_decode:
@@ -828,7 +891,6 @@ class Runner:
     # ---- torch peers ----
 
     def sdpa_setup(self, case: Case, data: Data, backend_name: str):
-        torch = self.torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = {"torch-sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -862,7 +924,7 @@ class Runner:
                                                       scale=self.scale, enable_gqa=gqa)
         try:
             attend(0, keys[0], values[0], True)
-            torch.cuda.synchronize()
+            self.sync()
 
             def call(i):
                 return attend(i, keys[i], values[i], True)
@@ -920,6 +982,8 @@ class Runner:
     def flashinfer_setup(self, case: Case, data: Data, layout: Layout, impl: str, sets: int):
         torch = self.torch
         fi = self.flashinfer
+        if not self.cuda:
+            raise RuntimeError("FlashInfer needs CUDA (CPU dry run)")
         if self.fi_workspace is None:
             self.fi_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
                                             device=self.device)
@@ -941,7 +1005,7 @@ class Runner:
         finish = lambda out: out
         keep = []
 
-        with torch.cuda.stream(self.stream):
+        with self.on_stream():
             if impl in ("flashinfer-decode", "flashinfer-decode-tc"):
                 tc = impl.endswith("-tc")
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -1037,10 +1101,10 @@ class Runner:
                     row = self._run_torch_peer(case, data, impl, torch_deadline, flex_deadline)
                     torch_rows[impl] = row
                     self.record(case, dict(row))
-                self.torch.cuda.empty_cache()
+                self.empty_cache()
                 self.write_outputs(final=False)
             data = None
-            self.torch.cuda.empty_cache()
+            self.empty_cache()
 
     def _run_torch_peer(self, case: Case, data: Data, impl: str, torch_deadline: float,
                         flex_deadline: float) -> dict:
@@ -1139,10 +1203,10 @@ class Runner:
                                 else max(previous, diff)
                     self.record(case, row)
                 layout = None
-                self.torch.cuda.empty_cache()
+                self.empty_cache()
                 self.write_outputs(final=False)
             data = None
-            self.torch.cuda.empty_cache()
+            self.empty_cache()
 
     # ---- outputs ----
 
@@ -1215,7 +1279,7 @@ def run(args: argparse.Namespace) -> int:
     process = None
     status_path = os.path.join(tempfile.mkdtemp(prefix="peers-jit-"), "status.jsonl")
     jit_log = os.path.join(args.out_dir, f"peers-jit-{args.date.replace('-', '')}.log")
-    if fi_wanted:
+    if fi_wanted and not args.cpu_dry_run:
         if args.jit_cache_in:
             try:
                 print(f"jit cache unpacked into {unpack_jit_cache(args.jit_cache_in)}", flush=True)
@@ -1227,11 +1291,11 @@ def run(args: argparse.Namespace) -> int:
               f"(log {jit_log})", flush=True)
 
     import torch
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to run (use --self-test here)")
+    if not torch.cuda.is_available() and not args.cpu_dry_run:
+        print("no CUDA device: nothing to run (--self-test and --cpu-dry-run run without one)")
         return 2
     runner = Runner(args, cases, start)
-    runner.jit = JitTracker(status_path, process) if fi_wanted else None
+    runner.jit = JitTracker(status_path, process) if process is not None else None
     runner.import_peers()
     runner.log(f"{runner.device_name}; versions {runner.versions}; "
                f"{len(cases)} rows in {len(groups)} input groups")
@@ -1397,6 +1461,21 @@ def self_test() -> int:
         # A partial run: only kvattn rows written so far must still give a table.
         partial = [r for r in rows if r["impl"] == KVATTN][:3]
         check("table partial", "—" in report.markdown_table(header, partial))
+    with tempfile.TemporaryDirectory() as tmp:
+        status = os.path.join(tmp, "status.jsonl")
+        tracker = JitTracker(status, None)
+        check("jit: no prebuild -> build in-process", tracker.wait(["fa2-bf16"], 0) is None)
+        with open(status, "w") as f:
+            f.write(json.dumps({"module": "fa2-bf16", "status": "done"}) + "\n")
+            f.write(json.dumps({"module": "fa3-bf16", "status": "failed", "error": "nvcc"}) +
+                    "\n")
+        tracker.process = types.SimpleNamespace(poll=lambda: None)  # still running
+        check("jit: done", tracker.wait(["fa2-bf16"], time.monotonic() + 5) is None)
+        check("jit: failed", "failed: nvcc" in (tracker.wait(["fa3-bf16", "fa2-bf16"],
+                                                             time.monotonic() + 5) or ""))
+        check("jit: deadline", (tracker.wait(["cascade"], time.monotonic() - 1) or "")
+              .startswith("skipped"))
+        check("jit: summary", tracker.summary()["fa3-bf16"]["status"] == "failed")
     check("speed ratio", report.speed_ratio(100.0, 150.0) == 1.5 and
           report.speed_ratio(None, 1.0) is None)
     print(f"self-test: {len(passed)} passed, {len(failed)} failed")
