@@ -22,7 +22,9 @@
 // copy per call), and a graph captured once for a batch size replays any later batch of that
 // size. The engine pads a bucket's unused entries (seq_len = cuda_graph_seq_len_fill_value(), a
 // req_to_token row whose slots are valid, out_cache_loc 0) and keeps the batch tensors (q, k, v,
-// out, req_pool_indices, seq_lens, out_cache_loc, tree mask, positions) at fixed addresses.
+// out, req_pool_indices, seq_lens, out_cache_loc, tree mask, positions) at fixed addresses. The
+// buckets share the graph buffers, so a graph is replayed right after an out_graph for a batch
+// of its own size and mode (as the reference's replay does).
 #pragma once
 
 #include <cuda_runtime_api.h>
