@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import json
 import math
@@ -42,6 +43,7 @@ import peers_report as report  # noqa: E402
 from peers_report import GROUP, HEAD_DIM, KV_HEADS, KVATTN, Q_HEADS, Case  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_AOT_DIR = os.path.join(REPO_ROOT, ".whl", "peers", "aot")
 MIB = 1 << 20
 GIB = 1 << 30
 L2_FALLBACK_BYTES = 60 * MIB  # H200 (DEVICE-NOTES.md), used when torch does not report it
@@ -156,6 +158,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--jit-workers", type=int, default=2,
                         help="FlashInfer modules compiled at once by the prebuild subprocess")
     parser.add_argument("--jit-jobs", type=int, default=7, help="ninja jobs per module (MAX_JOBS)")
+    parser.add_argument("--aot-dir", default=DEFAULT_AOT_DIR if os.path.isdir(DEFAULT_AOT_DIR)
+                        else "",
+                        help="prebuilt FlashInfer modules (<name>/<name>.so, built for sm_90a by "
+                             "build_flashinfer_aot.sh) copied into FlashInfer's AOT folder so "
+                             "that nothing is compiled on the device (default: .whl/peers/aot "
+                             "when present; '' to compile everything on the device)")
     parser.add_argument("--jit-cache-in", default="",
                         help="a tar.gz of a FlashInfer JIT workspace to unpack first")
     parser.add_argument("--jit-cache-out", default="",
@@ -168,7 +176,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # internal: the JIT prebuild subprocess
     parser.add_argument("--jit-prebuild", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jit-status", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--modules", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--modules", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--aot-out", default="",
+                        help="with --jit-prebuild: copy each built module to "
+                             "DIR/<name>/<name>.so (what --aot-dir takes)")
     args = parser.parse_args(argv)
     if args.budget_s <= 0:
         parser.error("--budget-s must be positive")
@@ -202,8 +213,13 @@ def flex_wanted(args: argparse.Namespace, case: Case) -> bool:
 def jit_prebuild_main(args: argparse.Namespace) -> int:
     """Compiles the FlashInfer modules named in --modules, --jit-workers at a time, in the given
     order, appending one JSON line per module to --jit-status."""
-    modules = [tuple(m) for m in json.loads(args.modules)]
+    if args.modules:
+        modules = [tuple(m) for m in json.loads(args.modules)]
+    else:
+        modules = report.needed_flashinfer_modules(report.make_grid())
     lock = threading.Lock()
+    if not args.jit_status:
+        args.jit_status = os.path.join(tempfile.mkdtemp(prefix="peers-jit-"), "status.jsonl")
 
     def status(**fields):
         with lock, open(args.jit_status, "a") as f:
@@ -233,13 +249,32 @@ def jit_prebuild_main(args: argparse.Namespace) -> int:
         return gen_batch_prefill_module(kind, torch.bfloat16, kv, torch.bfloat16, torch.int32,
                                         HEAD_DIM, HEAD_DIM, 0, bool(swa), False, False)
 
+    def usable_aot(spec) -> bool:
+        """A carried prebuilt module is used when every symbol resolves now (RTLD_NOW), so a
+        bad one fails here, not as a lazy-binding abort mid-run; else it is removed and the
+        module is compiled."""
+        if not spec.is_aot:
+            return False
+        try:
+            ctypes.CDLL(str(spec.aot_path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            return True
+        except OSError as e:
+            print(f"jit: prebuilt {spec.aot_path} unusable ({e}): compiling instead", flush=True)
+            os.remove(spec.aot_path)
+            return False
+
     def build(module):
         name = module_name(module)
         t0 = time.monotonic()
         status(module=name, status="started", at=round(t0 - start, 1))
-        print(f"jit: building {name}", flush=True)
         try:
-            spec_of(module).build(verbose=False)
+            spec = spec_of(module)
+            if usable_aot(spec):
+                print(f"jit: {name}: prebuilt {spec.aot_path}", flush=True)
+                status(module=name, status="done", aot=True, seconds=0.0)
+                return
+            print(f"jit: building {name}", flush=True)
+            spec.build(verbose=False)
         except BaseException as e:  # noqa: BLE001
             text = f"{type(e).__name__}: {e}"
             print(f"jit: {name} failed after {time.monotonic() - t0:.0f} s:\n{text}", flush=True)
@@ -248,6 +283,12 @@ def jit_prebuild_main(args: argparse.Namespace) -> int:
             return
         print(f"jit: {name} built in {time.monotonic() - t0:.0f} s", flush=True)
         status(module=name, status="done", seconds=round(time.monotonic() - t0, 1))
+        if args.aot_out:
+            import shutil
+            target = os.path.join(args.aot_out, spec.name)
+            os.makedirs(target, exist_ok=True)
+            shutil.copy2(spec.get_library_path(), os.path.join(target, f"{spec.name}.so"))
+            print(f"jit: {name} -> {target}", flush=True)
 
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=max(1, args.jit_workers)) as pool:
@@ -318,6 +359,26 @@ def start_prebuild(args: argparse.Namespace, modules: List[tuple], log_path: str
                                 env=env, cwd=REPO_ROOT)
     except OSError:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+
+
+def install_aot(aot_dir: str) -> List[str]:
+    """Copies prebuilt modules into the installed FlashInfer's data/aot, where JitSpec looks
+    before compiling (found without importing flashinfer, which the prebuild does in parallel)."""
+    import importlib.util
+    import shutil
+    try:
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return ["not installed: flashinfer not found"]
+    target = os.path.join(list(spec.submodule_search_locations)[0], "data", "aot")
+    names = sorted(n for n in os.listdir(aot_dir) if os.path.isdir(os.path.join(aot_dir, n)))
+    try:
+        shutil.copytree(aot_dir, target, dirs_exist_ok=True)
+    except OSError as e:
+        return [f"not installed: {short_error(e)}"]
+    return names
 
 
 def flashinfer_workspace_base() -> str:
@@ -1285,6 +1346,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"jit cache unpacked into {unpack_jit_cache(args.jit_cache_in)}", flush=True)
             except BaseException as e:  # noqa: BLE001
                 print(f"jit cache not used: {short_error(e)}", flush=True)
+        if args.aot_dir:
+            print(f"FlashInfer prebuilt modules: {install_aot(args.aot_dir)}", flush=True)
         modules = report.needed_flashinfer_modules(cases)
         process = start_prebuild(args, modules, jit_log, status_path)
         print(f"FlashInfer JIT prebuild started: {[module_name(m) for m in modules]} "
