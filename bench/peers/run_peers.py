@@ -809,16 +809,23 @@ class Runner:
         if allow_graph:
             try:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
+                # Thread-local capture, as the kvattn bench captures (cudaStreamCaptureMode-
+                # ThreadLocal): work other threads start cannot invalidate it.
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     for i in range(calls):
                         call(i % sets)
                 with torch.cuda.stream(stream):
                     graph.replay()
                 stream.synchronize()
             except BaseException as e:  # noqa: BLE001
+                if isinstance(e, KeyboardInterrupt):
+                    raise
                 graph = None
                 graph_error = short_error(e, 160)
-                torch.cuda.synchronize()
+                try:
+                    torch.cuda.synchronize()
+                except RuntimeError:
+                    pass  # a failed capture's error surfaces here once; the eager loop decides
         reps = replay_count(per_call_ms, calls, self.args.target_s)
         events = [(self.event(), self.event()) for _ in range(reps)]
         with self.on_stream():
