@@ -89,9 +89,9 @@ std::string json_string(const std::string& value) {
   return out + "\"";
 }
 
-void write_json(const std::string& path, const std::string& device_name,
-                const std::string& commit, bool dirty, const std::string& date,
-                const Ceilings& ceilings, const std::vector<Row>& rows) {
+void write_json(const std::string& path, const std::string& device_name, const std::string& commit,
+                bool dirty, const std::string& date, const Ceilings& ceilings,
+                const std::vector<Row>& rows) {
   const std::filesystem::path file(path);
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
   std::ofstream out(path);
@@ -108,8 +108,9 @@ void write_json(const std::string& path, const std::string& device_name,
         << ", \"qo_len\": 1, \"prefix_len\": 0, \"page_size\": 1, \"head_dim\": " << kHeadDim
         << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
         << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
-        << ", \"variant\": " << json_string(r.variant) << ", \"time_us\": " << json_number(r.time_us)
-        << ", \"gbps\": " << json_number(r.gbps) << ", \"tflops\": null"
+        << ", \"variant\": " << json_string(r.variant)
+        << ", \"time_us\": " << json_number(r.time_us) << ", \"gbps\": " << json_number(r.gbps)
+        << ", \"tflops\": null"
         << ", \"fraction\": " << json_number(r.fraction) << ", \"max_rel_err\": null}";
   }
   out << "\n ]}\n";
@@ -410,8 +411,8 @@ class StepWorld {
     layer.num_kv_heads = kKvHeads;
     layer.head_dim = kHeadDim;
     layer.scaling = float(1.0 / std::sqrt(double(kHeadDim)));
-    backend.forward(q_[size_t(l)].view, k_[size_t(l)].view, v_[size_t(l)].view, out, layer,
-                    batch(), /*save_kv_cache=*/true);
+    backend.forward(q_[size_t(l)].view, k_[size_t(l)].view, v_[size_t(l)].view, out, layer, batch(),
+                    /*save_kv_cache=*/true);
   }
 
   int batch_;
@@ -463,10 +464,11 @@ int run_graph_bench(const ParsedArgs& args) {
     device_name = device_description(host);
     std::printf("kvattn bench --planner: %s, commit %s%s, %s\n", device_name.c_str(),
                 commit.c_str(), dirty ? " (tree modified)" : "", date.c_str());
-    std::printf("host planning of one decode step (validate, lengths, layout, plan_decode,\n"
-                "metadata), H200 decode setup, kv_len 2048..4096 growing each step, median of "
-                "%d steps\n\n",
-                kPlanningSteps);
+    std::printf(
+        "host planning of one decode step (validate, lengths, layout, plan_decode,\n"
+        "metadata), H200 decode setup, kv_len 2048..4096 growing each step, median of "
+        "%d steps\n\n",
+        kPlanningSteps);
     std::printf("%6s %12s\n", "batch", "host us");
     for (int batch : {1, 64, 256}) {
       Row row;
@@ -490,13 +492,14 @@ int run_graph_bench(const ParsedArgs& args) {
     ceilings.gemm_bf16_tflops = cuda::bench::measure_gemm_bf16_tflops(0, 8192, 10);
     const cuda::bench::Stream stream_owner(0);
     const auto stream = static_cast<cudaStream_t>(stream_owner.handle());
-    std::printf("kvattn bench --graphs: %s, commit %s%s, %s\n", device_name.c_str(),
-                commit.c_str(), dirty ? " (tree modified)" : "", date.c_str());
+    std::printf("kvattn bench --graphs: %s, commit %s%s, %s\n", device_name.c_str(), commit.c_str(),
+                dirty ? " (tree modified)" : "", date.c_str());
     std::printf("ceilings (this run): read %.0f GB/s, copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n",
                 ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
-    std::printf("decode step over %d layers (32 q / 8 kv heads, d128, bf16, page 1 shuffled); "
-                "us per step\n\n",
-                kLayers);
+    std::printf(
+        "decode step over %d layers (32 q / 8 kv heads, d128, bf16, page 1 shuffled); "
+        "us per step\n\n",
+        kLayers);
     std::printf("%5s %6s %12s %12s %12s %13s %13s %8s\n", "batch", "kv_len", "eager", "graph",
                 "kernels", "graph/kernel", "eager/graph", "bitwise");
     for (int kv_len : {1024, 4096}) {
@@ -519,9 +522,9 @@ int run_graph_bench(const ParsedArgs& args) {
                       replay, kernels, replay / kernels, eager / replay, same ? "equal" : "DIFFER");
           std::fflush(stdout);
           const double bytes = step_kv_bytes(batch, kv_len);
-          for (auto [variant, us] : {std::pair{"eager-32-layers", eager},
-                                     std::pair{"graph-32-layers", replay},
-                                     std::pair{"kernels-32-layers", kernels}}) {
+          for (auto [variant, us] :
+               {std::pair{"eager-32-layers", eager}, std::pair{"graph-32-layers", replay},
+                std::pair{"kernels-32-layers", kernels}}) {
             Row row;
             row.variant = variant;
             row.batch = batch;
@@ -537,9 +540,10 @@ int run_graph_bench(const ParsedArgs& args) {
         }
       }
     }
-    std::printf("\nhost planning per step: the CUDA backend's out_graph on its graph buffers "
-                "(DECODE,\nkv_len 2048..4096 growing each step, stream idle), and the planning "
-                "functions alone\n");
+    std::printf(
+        "\nhost planning per step: the CUDA backend's out_graph on its graph buffers "
+        "(DECODE,\nkv_len 2048..4096 growing each step, stream idle), and the planning "
+        "functions alone\n");
     std::printf("%6s %14s %14s\n", "batch", "out_graph us", "functions us");
     for (int batch : {1, 64, 256}) {
       Row row;

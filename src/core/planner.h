@@ -64,7 +64,7 @@ struct DecodePlan {
   std::vector<int32_t> merge_indptr;  ///< [batch_size + 1] partial rows of each request;
                                       ///< an empty range: the request was not split
   int num_partials = 0;
-  int chunk = 0;              ///< tokens per chunk chosen (>= the longest request: no split)
+  int chunk = 0;  ///< tokens per chunk chosen (>= the longest request: no split)
   /// Makespan estimate of the chosen chunk in token-equivalents per CTA slot (for tests); 0
   /// when no split was feasible, so nothing was compared (the estimate is skipped then).
   double estimated_cost = 0;

@@ -50,7 +50,9 @@ TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
 // ---- setup, buffers, params ------------------------------------------------------------------
 
 namespace debug {
-uint64_t allocation_count() { return allocations.load(std::memory_order_relaxed); }
+uint64_t allocation_count() {
+  return allocations.load(std::memory_order_relaxed);
+}
 }  // namespace debug
 
 // Grows by half again, so a slowly growing batch reallocates rarely.
@@ -156,8 +158,8 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 }
 
 void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
-                         int64_t kv_indices_capacity, const core::PrefillBufferLayout& prefill_region,
-                         Device device) {
+                         int64_t kv_indices_capacity,
+                         const core::PrefillBufferLayout& prefill_region, Device device) {
   call.frozen = false;
   const core::CallMetadataLayout offsets =
       core::write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
@@ -534,11 +536,11 @@ class CudaBackend final : public AttentionBackend {
       core::PrefillTilePlan plan;
       plan.tile_rows = setup_.prefill_tile_rows;
       plan.group_size = config_.num_q_heads / config_.num_kv_heads;
-      core::pad_prefill_plan(plan, core::prefill_plan_capacity(
-                                       max_bs, int(per_request),
-                                       prefill_shape(core::MaskMode::kCustom, -1)));
-      prefill_region = core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr,
-                                                  nullptr);
+      core::pad_prefill_plan(
+          plan, core::prefill_plan_capacity(max_bs, int(per_request),
+                                            prefill_shape(core::MaskMode::kCustom, -1)));
+      prefill_region =
+          core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr, nullptr);
     }
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       core::CallCapacity cap;
@@ -552,8 +554,8 @@ class CudaBackend final : public AttentionBackend {
       // TARGET_VERIFY on a window layer folds the tree mask into this buffer: max_num_tokens
       // rows of at most max_context_len columns.
       if (model_sets_[s] == core::IndexSet::kWindow && setup_.prefill_supported) {
-        ensure_bytes(call.folded_mask, size_t(max_num_tokens) * size_t(max_context), false,
-                     device_, "folded tree mask");
+        ensure_bytes(call.folded_mask, size_t(max_num_tokens) * size_t(max_context), false, device_,
+                     "folded tree mask");
       }
     }
     // fp32 io: the tensor-core path runs on 16-bit copies of q and out.
@@ -613,12 +615,13 @@ class CudaBackend final : public AttentionBackend {
     }
     call.item_limit = 0;
     const core::PrefillTileShape shape = prefill_shape(call.layout.mask, call.layout.window_left);
-    call.prefill_plan = core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape);
+    call.prefill_plan =
+        core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape);
     call.prefill_items = int(call.prefill_plan.items.size());
     call.prefill_merges = int(call.prefill_plan.merges.size());
     if (graph_q_len > 0) {
-      core::pad_prefill_plan(call.prefill_plan, core::prefill_plan_capacity(
-                                                    call.layout.batch_size, graph_q_len, shape));
+      core::pad_prefill_plan(call.prefill_plan, core::prefill_plan_capacity(call.layout.batch_size,
+                                                                            graph_q_len, shape));
       call.padded = true;
     }
   }

@@ -101,8 +101,8 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 /// Preallocates `call` for graph replays of up to `capacity` (and a prefill plan region of
 /// `prefill_region`'s size: zero for none) and freezes its buffers, pinned staging included.
 void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
-                         int64_t kv_indices_capacity, const core::PrefillBufferLayout& prefill_region,
-                         Device device);
+                         int64_t kv_indices_capacity,
+                         const core::PrefillBufferLayout& prefill_region, Device device);
 
 /// Grows `buffer` to at least `bytes` (by half again); a frozen buffer that is too small throws
 /// kOutOfResources naming `what` instead (captured graphs hold its address).

@@ -208,7 +208,6 @@ TEST(CallMetadata, DryRunAndFillAgree) {
   EXPECT_THROW(write_call_metadata(small, &layout, &plan, host.data(), host.size()), Error);
 }
 
-
 // ---- the LPT estimate ---------------------------------------------------------------------------
 
 // The estimate from first principles: every CTA of every item (heaviest first) on the least
@@ -330,8 +329,8 @@ TEST(PrefillCapacity, WorkedExampleOfPlannerH) {
   EXPECT_EQ(c.items, 776);
   EXPECT_EQ(c.merges, 264);
   EXPECT_EQ(c.partials, 528);
-  const PrefillPlanCapacity none = prefill_plan_capacity(3, 1, graph_shape(32, 8, 128, 0,
-                                                                           MaskMode::kCausal, -1));
+  const PrefillPlanCapacity none =
+      prefill_plan_capacity(3, 1, graph_shape(32, 8, 128, 0, MaskMode::kCausal, -1));
   EXPECT_EQ(none.items, 24);
   EXPECT_EQ(none.merges, 0);
   EXPECT_EQ(none.partials, 0);
@@ -422,8 +421,8 @@ TEST(PrefillCapacity, PaddingAppendsNoOpsAndKeepsTheRealItems) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfResources);
   }
   // The buffer layout of a padded plan depends on the capacity alone.
-  PrefillTilePlan other = plan_prefill_tiles(std::vector<int32_t>{0, 4, 8, 12},
-                                             std::vector<int64_t>{0, 5, 10, 15}, s);
+  PrefillTilePlan other =
+      plan_prefill_tiles(std::vector<int32_t>{0, 4, 8, 12}, std::vector<int64_t>{0, 5, 10, 15}, s);
   pad_prefill_plan(other, cap);
   const PrefillBufferLayout a = write_prefill_buffer(padded, 128, nullptr, 0, nullptr, nullptr);
   const PrefillBufferLayout b = write_prefill_buffer(other, 128, nullptr, 0, nullptr, nullptr);

@@ -86,9 +86,9 @@ struct WorldSpec {
   DType io = DType::kBFloat16;
   DType kv = DType::kBFloat16;
   int page_size = 1;
-  int window = -1;           ///< the model's window: layer 0 is a window layer, layer 1 full
-  int draft_token_num = 0;   ///< TARGET_VERIFY worlds
-  int topk = 0;              ///< multi-step draft worlds
+  int window = -1;          ///< the model's window: layer 0 is a window layer, layer 1 full
+  int draft_token_num = 0;  ///< TARGET_VERIFY worlds
+  int topk = 0;             ///< multi-step draft worlds
   int num_steps = 0;
   const char* tensor_cores = nullptr;  ///< KVATTN_DECODE_TENSOR_CORES for this world's backends
   uint64_t seed = 1;
@@ -102,12 +102,12 @@ struct Step {
   ForwardMode mode = ForwardMode::kDecode;
   int batch_size = 0;
   int real = 0;
-  std::vector<int32_t> rows;  ///< [batch_size] req_to_token rows
-  std::vector<int32_t> seq;   ///< [batch_size] seq_lens
-  std::vector<uint8_t> mask;  ///< TARGET_VERIFY tree mask (SpecInfo layout)
+  std::vector<int32_t> rows;       ///< [batch_size] req_to_token rows
+  std::vector<int32_t> seq;        ///< [batch_size] seq_lens
+  std::vector<uint8_t> mask;       ///< TARGET_VERIFY tree mask (SpecInfo layout)
   std::vector<int64_t> positions;  ///< TARGET_VERIFY [batch_size * draft] tree positions
-  int64_t num_tokens = 0;     ///< query rows of one layer (draft: of one draft step)
-  int64_t real_tokens = 0;    ///< the first real_tokens rows belong to real requests
+  int64_t num_tokens = 0;          ///< query rows of one layer (draft: of one draft step)
+  int64_t real_tokens = 0;         ///< the first real_tokens rows belong to real requests
 };
 
 /// Fixed engine buffers over a shuffled paged pool (the addresses a captured graph holds).
@@ -237,9 +237,9 @@ class GraphWorld {
       if (r < real) {
         s.rows.push_back(rows[size_t(r)]);
         int len = uniform(min_len, longest);
-        if (r == 0) len = std::max(min_len, 1);  // kv_len 1 (verify/draft: a one-token prefix)
-        if (r == 1) len = longest - uniform(0, 7);       // long: split-KV at small batches
-        if (r == 2) len = uniform(min_len, 40);          // short
+        if (r == 0) len = std::max(min_len, 1);     // kv_len 1 (verify/draft: a one-token prefix)
+        if (r == 1) len = longest - uniform(0, 7);  // long: split-KV at small batches
+        if (r == 2) len = uniform(min_len, 40);     // short
         s.seq.push_back(len);
       } else {
         s.rows.push_back(pad_row_);
@@ -314,8 +314,8 @@ class GraphWorld {
     }
     if (s.mode == ForwardMode::kTargetVerify) {
       b.spec.draft_token_num = spec_.draft_token_num;
-      b.spec.custom_mask = TensorView(mask_.data(), DType::kUInt8, Device::cuda(0),
-                                      {int64_t(s.mask.size())});
+      b.spec.custom_mask =
+          TensorView(mask_.data(), DType::kUInt8, Device::cuda(0), {int64_t(s.mask.size())});
       b.positions = TensorView(positions_.data(), DType::kInt64, Device::cuda(0), {s.num_tokens});
     }
     b.kv_cache = const_cast<KvCache*>(&*cache_);
@@ -354,9 +354,8 @@ class GraphWorld {
   /// Every draft step (layer 1) on `draft`.
   void run_draft_steps(MultiStepDraftBackend& draft, const Step& s, bool eager) const {
     for (int step = 0; step < spec_.num_steps; ++step) {
-      draft.forward_step(step, q(step, s.num_tokens), k(step, s.num_tokens),
-                         v(step, s.num_tokens), out(step, s.num_tokens, eager), layer(1),
-                         loc(step, s.num_tokens));
+      draft.forward_step(step, q(step, s.num_tokens), k(step, s.num_tokens), v(step, s.num_tokens),
+                         out(step, s.num_tokens, eager), layer(1), loc(step, s.num_tokens));
     }
   }
 
@@ -386,8 +385,8 @@ class GraphWorld {
                  size_t(vd.nbytes()));
       host_cache.set_scales(l, cache_->k_scale(l), cache_->v_scale(l));
     }
-    ReqToTokenPool host_pool = ReqToTokenPool::allocate(spec_.max_bs + 1, spec_.max_context,
-                                                        Device::cpu());
+    ReqToTokenPool host_pool =
+        ReqToTokenPool::allocate(spec_.max_bs + 1, spec_.max_context, Device::cpu());
     for (int r = 0; r <= spec_.max_bs; ++r) {
       host_pool.write(r, 0,
                       std::span<const int32_t>(table_.data() + size_t(r) * spec_.max_context,
@@ -419,8 +418,7 @@ class GraphWorld {
     const size_t elems = size_t(s.num_tokens) * spec_.num_q_heads * spec_.head_dim;
     std::vector<uint8_t> q_host(elems * dtype_size(spec_.io));
     cuda_check(cudaStreamSynchronize(stream_), "sync");
-    copy_bytes(q_host.data(), Device::cpu(), q_[size_t(c)].data(), Device::cuda(0),
-               q_host.size());
+    copy_bytes(q_host.data(), Device::cpu(), q_[size_t(c)].data(), Device::cuda(0), q_host.size());
     std::vector<uint8_t> out_host(elems * dtype_size(spec_.io), 0);
     const TensorView qh(q_host.data(), spec_.io, Device::cpu(),
                         {s.num_tokens, spec_.num_q_heads, spec_.head_dim});
@@ -475,7 +473,8 @@ class GraphWorld {
       if (s.mode == ForwardMode::kTargetVerify) {
         for (int i = 0; i < spec_.draft_token_num; ++i) loc.push_back(slot(r, seq + i));
       } else if (spec_.topk > 0) {
-        for (int b = 0; b < spec_.topk; ++b) loc.push_back(slot(r, seq + int64_t(c) * spec_.topk + b));
+        for (int b = 0; b < spec_.topk; ++b)
+          loc.push_back(slot(r, seq + int64_t(c) * spec_.topk + b));
       } else {
         loc.push_back(seq > 0 ? slot(r, seq - 1) : 0);
       }
@@ -638,15 +637,15 @@ TEST(CudaGraphsDecode, VariantsOnBothKernels) {
   std::vector<WorldSpec> worlds;
   for (const char* kernel : {"0", "1"}) {
     const bool tensor = kernel[0] == '1';
-    WorldSpec page16 = decode_world(tensor ? "page16 fp16 tensor" : "page16 fp16 cuda-core",
-                                    kernel, 21);
+    WorldSpec page16 =
+        decode_world(tensor ? "page16 fp16 tensor" : "page16 fp16 cuda-core", kernel, 21);
     page16.page_size = 16;
     page16.io = DType::kFloat16;
     page16.kv = DType::kFloat16;
     page16.max_context = 2048;
     worlds.push_back(page16);
-    WorldSpec window = decode_world(tensor ? "window 300 tensor" : "window 300 cuda-core", kernel,
-                                    22);
+    WorldSpec window =
+        decode_world(tensor ? "window 300 tensor" : "window 300 cuda-core", kernel, 22);
     window.window = 300;
     window.max_context = 2048;
     worlds.push_back(window);
@@ -761,7 +760,8 @@ TEST(CudaGraphsDraft, MultiStepReplayEqualsEager) {
   }
 }
 
-// ---- nothing allocates during replay -------------------------------------------------------------
+// ---- nothing allocates during replay
+// -------------------------------------------------------------
 
 size_t free_device_bytes() {
   size_t free_bytes = 0, total = 0;
