@@ -89,7 +89,12 @@ class AttentionBackend {
                               const ForwardBatch& batch, bool save_kv_cache) = 0;
 
   // ---- CUDA graphs (no-ops on the CPU backend) ------------------------------------------
-  /// Allocates every buffer a captured step touches, once.
+  /// Allocates every buffer a captured step touches, once. max_bs: the largest batch size
+  /// (bucket) captured; max_num_tokens: the most query tokens such a step carries (max_bs for
+  /// DECODE, max_bs * draft_token_num for TARGET_VERIFY). Batches of up to max_bs requests then
+  /// run on these fixed buffers with launch sizes that depend on the batch size alone, so a
+  /// graph captured once for a batch size replays any later batch of that size, right after
+  /// init_forward_metadata_out_graph for it.
   virtual void init_cuda_graph_state(int max_bs, int64_t max_num_tokens) = 0;
   /// Seq-len value for padded batch entries.
   virtual int cuda_graph_seq_len_fill_value() const = 0;
@@ -139,6 +144,7 @@ class MultiStepDraftBackend {
   void forward_step(int step, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& out, const AttentionLayer& layer,
                     const TensorView& out_cache_loc);
+  /// As AttentionBackend::init_cuda_graph_state, for batches of up to max_bs requests.
   void init_cuda_graph_state(int max_bs);
   /// As AttentionBackend::set_cuda_stream.
   void set_cuda_stream(void* stream);
