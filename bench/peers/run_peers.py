@@ -341,6 +341,12 @@ class JitTracker:
         finally:
             self.waited_s += time.monotonic() - start
 
+    def all_done(self) -> bool:
+        """The prebuild has finished (or is gone)."""
+        if self.process is None or self.process.poll() is not None:
+            return True
+        return self.read().get("*", {}).get("status") == "finished"
+
     def summary(self) -> dict:
         return {name: {k: v for k, v in entry.items() if k != "module"}
                 for name, entry in self.read().items()}
@@ -1129,13 +1135,13 @@ class Runner:
     # ---- passes ----
 
     def pass_a(self, groups: List[List[Case]]) -> None:
-        """kvattn and torch on every row, while FlashInfer compiles elsewhere."""
+        """kvattn and torch SDPA on every row, while FlashInfer compiles elsewhere."""
         torch_deadline = self.start + 0.62 * self.args.budget_s
-        flex_deadline = self.start + 0.45 * self.args.budget_s
+        sdpa = [p for p in report.TORCH_PEERS if p != "torch-flex"]
         for group in groups:
             if self.left() < 30:
                 for case in group:
-                    for impl in [KVATTN] + [p for p in case.peers() if p.startswith("torch")]:
+                    for impl in [KVATTN] + sdpa:
                         self.skip(case, impl, "skipped: budget")
                 continue
             first = group[0]
@@ -1160,13 +1166,13 @@ class Runner:
                         self.kvattn_out[case.label] = out.to("cpu")
                     self.record(case, row)
                 layout = None
-                for impl in [p for p in case.peers() if p.startswith("torch")]:
+                for impl in sdpa:
                     if not impl_wanted(self.args, impl):
                         continue
                     if impl in torch_rows:
                         self.record(case, self._reuse_torch_row(case, torch_rows[impl]))
                         continue
-                    row = self._run_torch_peer(case, data, impl, torch_deadline, flex_deadline)
+                    row = self._run_torch_peer(case, data, impl, torch_deadline)
                     torch_rows[impl] = row
                     self.record(case, dict(row))
                 self.empty_cache()
@@ -1174,8 +1180,7 @@ class Runner:
             data = None
             self.empty_cache()
 
-    def _run_torch_peer(self, case: Case, data: Data, impl: str, torch_deadline: float,
-                        flex_deadline: float) -> dict:
+    def _run_torch_peer(self, case: Case, data: Data, impl: str, deadline: float) -> dict:
         if case.kv_dtype != "bf16":
             return report.make_row(case, impl, None, self.ceilings,
                                    error="not run: torch SDPA / flex take no fp8 KV")
@@ -1183,13 +1188,13 @@ class Runner:
             if not flex_wanted(self.args, case):
                 return report.make_row(case, impl, None, self.ceilings,
                                        error="not run: --flex " + self.args.flex)
-            if time.monotonic() > flex_deadline:
+            if time.monotonic() > deadline:
                 return report.make_row(case, impl, None, self.ceilings,
                                        error="skipped: budget (flex compiles per shape)")
             row = self.run_impl(case, impl, lambda: self.flex_setup(case, data))
             row["note"] = "torch.compile(flex_attention), contiguous KV"
         else:
-            if time.monotonic() > torch_deadline:
+            if time.monotonic() > deadline:
                 return report.make_row(case, impl, None, self.ceilings, error="skipped: budget")
             self._sdpa_note = ""
             row = self.run_impl(case, impl, lambda: self.sdpa_setup(case, data, impl))
@@ -1216,6 +1221,32 @@ class Runner:
         if out is not None and ref is not None:
             row["rel_diff_vs_kvattn"] = self.full_rel_diff(out.to(self.device), ref)
         return row
+
+    def pass_c(self, groups: List[List[Case]], deadline: float) -> None:
+        """torch flex_attention, one torch.compile per shape, with the time that is left:
+        prefill and extend first, then decode (starts nothing past `deadline`)."""
+        if not impl_wanted(self.args, "torch-flex"):
+            return
+        order = [g for g in groups if not g[0].is_decode] + [g for g in groups if g[0].is_decode]
+        for group in order:
+            first = group[0]
+            if first.kv_dtype != "bf16" or not flex_wanted(self.args, first) or \
+                    time.monotonic() > deadline:
+                row = self._run_torch_peer(first, None, "torch-flex", deadline)
+            else:
+                sets = self.sets_for(first)
+                self._sets = sets
+                self.log(f"pass C: {first.label} ({sets} input set(s))")
+                data = self.build_data(first, sets)
+                if first.data_key not in self.references:
+                    self.references[first.data_key] = self.reference(first, data)
+                row = self._run_torch_peer(first, data, "torch-flex", deadline)
+                data = None
+            self.record(first, dict(row))
+            for case in group[1:]:
+                self.record(case, self._reuse_torch_row(case, row))
+            self.empty_cache()
+            self.write_outputs(final=False)
 
     def pass_b(self, groups: List[List[Case]]) -> None:
         """FlashInfer on every row, on inputs rebuilt from the same seeds."""
@@ -1377,8 +1408,16 @@ def run(args: argparse.Namespace) -> int:
         runner.measure_ceilings()
         runner.pass_a(groups)
         runner.log(f"pass A done; JIT: {runner.jit.summary() if runner.jit else None}")
-        runner.pass_b(groups)
-        if runner.left() > 5:
+        # flex (pass C) takes what is left after FlashInfer, unless FlashInfer is still compiling:
+        # then flex goes first, up to 55% of the budget, while the JIT finishes.
+        flex_end = runner.deadline - 25.0
+        if runner.jit is not None and not runner.jit.all_done():
+            runner.pass_c(groups, min(flex_end, start + 0.55 * args.budget_s))
+            runner.pass_b(groups)
+        else:
+            runner.pass_b(groups)
+            runner.pass_c(groups, flex_end)
+        if runner.cuda and runner.left() > 5:
             end_gemm = runner._measure_gemm_tflops()
             if end_gemm:
                 runner.ceilings["gemm_bf16_tflops_end"] = end_gemm
