@@ -256,14 +256,25 @@ def case_of_row(row: dict) -> Case:
 
 # ---- JSON --------------------------------------------------------------------------------------
 
+def _rounded(value):
+    """Floats to 6 significant digits (as the kvattn bench writes them), recursively."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}") if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def write_json(path: str, header: dict, rows: List[dict]) -> None:
     """The results file: the header's fields, then one row per line (as the kvattn bench writes
     them). Written to a temporary name and renamed, so a run killed mid-write leaves the last
     complete file."""
-    lines = ["{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=False)}"
+    lines = ["{" + ", ".join(f"{json.dumps(k)}: {json.dumps(_rounded(v), allow_nan=False)}"
                              for k, v in header.items()) + ","]
     lines.append(' "rows": [')
-    body = [f"  {json.dumps(r, allow_nan=False)}" for r in rows]
+    body = [f"  {json.dumps(_rounded(r), allow_nan=False)}" for r in rows]
     lines.append(",\n".join(body))
     lines.append(" ]}")
     tmp = path + ".tmp"

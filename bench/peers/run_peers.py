@@ -1547,7 +1547,7 @@ def self_test() -> int:
         check("json header", loaded["ceilings"]["read_gbps"] == 4400.0 and
               loaded["device"].startswith("NVIDIA"))
         k_row = loaded["rows"][0]
-        check("json fraction decode", abs(k_row["fraction"] - k_row["gbps"] / 4400.0) < 1e-9)
+        check("json fraction decode", abs(k_row["fraction"] - k_row["gbps"] / 4400.0) < 1e-5)
         pre_row = [r for r in loaded["rows"] if r["workload"] == "prefill"][0]
         check("json tflops", pre_row["gbps"] is None and pre_row["tflops"] > 0)
         check("json inf is null", any(r["max_rel_err"] is None and r.get("note")
