@@ -1043,8 +1043,12 @@ class Runner:
 
             def causal(batch, head, q_idx, kv_idx):
                 return q_idx + prefix >= kv_idx
-            block_mask = create_block_mask(causal, None, None, case.qo_len, case.kv_len,
-                                           device=self.device)
+            try:  # compiled mask building: the eager one materializes q_len x kv_len
+                block_mask = create_block_mask(causal, None, None, case.qo_len, case.kv_len,
+                                               device=self.device, _compile=True)
+            except TypeError:
+                block_mask = create_block_mask(causal, None, None, case.qo_len, case.kv_len,
+                                               device=self.device)
 
         def call(i):
             return flex(queries[i], keys[i], values[i], block_mask=block_mask, scale=self.scale,
