@@ -1322,7 +1322,9 @@ class Runner:
         return rows
 
     def header(self) -> dict:
-        commit, dirty = git_commit(self.args.commit)
+        if not hasattr(self, "_commit"):
+            self._commit = git_commit(self.args.commit)
+        commit, dirty = self._commit
         return {
             "device": self.device_name, "commit": commit, "dirty": dirty,
             "date": self.args.date, "ceilings": {k: round(v, 2) for k, v in
