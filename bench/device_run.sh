@@ -25,16 +25,16 @@ step() {  # step NAME SECONDS COMMAND...: runs, logs to $OUT/NAME.log, records r
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$OUT/gpu.txt" 2>&1
 
-step tests 150 "$CARRY/kvattn_cuda_tests" --gtest_brief=1
-step check 60 "$CARRY/kvattn" check --device cuda
-step python 90 bash -c "python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+step tests 110 "$CARRY/kvattn_cuda_tests" --gtest_brief=1
+step check 40 "$CARRY/kvattn" check --device cuda
+step python 70 bash -c "python3 -m pip install -q --no-index --no-deps --target /tmp/site \
   $CARRY/kvattn-*.whl && PYTHONPATH=/tmp/site python3 -m pytest -q -s -p no:cacheprovider \
   python/tests/test_gpu_torch.py python/tests/test_torch_backend.py"
-step graphs 120 "$CARRY/kvattn" bench --device cuda --graphs --json "$OUT/h200-graphs-$date_tag.json"
-step grid 120 "$CARRY/kvattn" bench --device cuda --json "$OUT/h200-grid-$date_tag.json"
-step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$CARRY/kvattn_cuda_tests" \
+step graphs 80 "$CARRY/kvattn" bench --device cuda --graphs --json "$OUT/h200-graphs-$date_tag.json"
+step grid 80 "$CARRY/kvattn" bench --device cuda --json "$OUT/h200-grid-$date_tag.json"
+step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$CARRY/kvattn_cuda_tests" \
   --gtest_filter='CudaGraphsVerify.*:CudaGraphsDraft.*:PrefillKernel.NarrowV*:CudaDecode.SanitizerSmoke'
-step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 \
+step racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 9 \
   "$CARRY/kvattn_cuda_tests" --gtest_filter='PrefillKernel.NarrowVHeadDimFp8Kv:CudaDecode.SanitizerSmoke'
 
 echo "== GPU"; cat "$OUT/gpu.txt"
