@@ -258,6 +258,17 @@ class _NativeBackendBase:
             return self._batch
         return self._bind(forward_batch)
 
+    def _follow_stream(self) -> None:
+        """Points the native backend at torch's current stream when it has moved."""
+        if not self._follow_current_stream:
+            return
+        get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        stream = (get_raw(self.device.index or 0) if get_raw is not None
+                  else torch.cuda.current_stream(self.device).cuda_stream)
+        if stream != self._stream:
+            self._stream = stream
+            self.native.set_cuda_stream(stream)
+
 
 class KvattnAttnBackend(_NativeBackendBase):
     """kvattn behind SGLang's ``AttentionBackend`` interface (same methods, same call pattern).
@@ -313,17 +324,6 @@ class KvattnAttnBackend(_NativeBackendBase):
         """Eager entry point: out_graph then in_graph."""
         self.init_forward_metadata_out_graph(forward_batch)
         self.init_forward_metadata_in_graph(forward_batch)
-
-    def _follow_stream(self) -> None:
-        """Points the native backend at torch's current stream when it has moved."""
-        if not self._follow_current_stream:
-            return
-        get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        stream = (get_raw(self.device.index or 0) if get_raw is not None
-                  else torch.cuda.current_stream(self.device).cuda_stream)
-        if stream != self._stream:
-            self._stream = stream
-            self.native.set_cuda_stream(stream)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
         """Host work with dynamic shapes (index arrays, plan); outside CUDA-graph capture."""
