@@ -436,7 +436,7 @@ def write_plot(path: str, header: dict, rows: List[dict]) -> Optional[str]:
         import matplotlib.pyplot as plt
         import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
     except ImportError as e:
-        return f"no matplotlib ({e})"
+        return "no matplotlib (" + " ".join(str(e).split())[:160] + ")"
     groups = grouped_rows(rows)
     labels = [case_of_row(next(iter(impls.values()))).label for _, impls in groups]
     series: Dict[str, List[Optional[float]]] = {}
