@@ -1360,8 +1360,10 @@ class Runner:
 
 def git_commit(fallback: str) -> Tuple[str, bool]:
     try:
-        sha = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        found = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "HEAD"],
+                               capture_output=True, text=True, timeout=10)
+        # Outside a repository rev-parse echoes "HEAD" and fails: only a real sha counts.
+        sha = found.stdout.strip() if found.returncode == 0 else ""
         dirty = bool(subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain", "-uno"],
                                     capture_output=True, text=True, timeout=10).stdout.strip())
         if sha:
