@@ -376,22 +376,6 @@ TimingResult time_cpu(BenchWorld& world, int sets, bool warm_up, int min_reps, i
   return {median(samples), int(samples.size()), false};
 }
 
-std::string json_number(double value) {
-  if (!std::isfinite(value)) return "null";
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.6g", value);
-  return text;
-}
-
-std::string json_string(const std::string& value) {
-  std::string out = "\"";
-  for (char c : value) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
-
 /// The source state a run measures, taken when it starts (HEAD may move during a long run).
 struct RunStamp {
   std::string commit;

@@ -73,22 +73,6 @@ double step_kv_bytes(int batch, int kv_len) {
   return double(batch) * kv_len * kKvHeads * 2.0 * kHeadDim * dtype_size(kDType) * kLayers;
 }
 
-std::string json_number(double value) {
-  if (!std::isfinite(value)) return "null";
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.6g", value);
-  return text;
-}
-
-std::string json_string(const std::string& value) {
-  std::string out = "\"";
-  for (char c : value) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
-
 void write_json(const std::string& path, const std::string& device_name, const std::string& commit,
                 bool dirty, const std::string& date, const Ceilings& ceilings,
                 const std::vector<Row>& rows) {

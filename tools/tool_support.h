@@ -99,4 +99,9 @@ std::string device_description(const ToolDevice& device);
 /// "12.3 ms", "456 us" — a duration in microseconds, compactly.
 std::string format_us(double us);
 
+/// A JSON number with 6 significant digits; null for NaN and infinities.
+std::string json_number(double value);
+/// A JSON string literal (quotes and backslashes escaped).
+std::string json_string(const std::string& value);
+
 }  // namespace kvattn::tools
