@@ -352,27 +352,24 @@ class KvattnAttnBackend(_NativeBackendBase):
     def forward_decode(self, q: torch.Tensor, k: Optional[torch.Tensor],
                        v: Optional[torch.Tensor], layer: Any, forward_batch: Any,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
-        if kwargs:
-            _reject_extras(kwargs)
-        _, native_layer, width = self._layer(layer)
-        batch = self._batch if forward_batch is self._batch_source else self._bind(forward_batch)
-        out = q.new_empty((q.shape[0], width))
-        self.native.forward_decode(_dl(q), None if k is None else _dl(k),
-                                   None if v is None else _dl(v), _dl(out), native_layer, batch,
-                                   save_kv_cache)
-        return out
+        return self._run(self.native.forward_decode, q, k, v, layer, forward_batch,
+                         save_kv_cache, kwargs)
 
     def forward_extend(self, q: torch.Tensor, k: Optional[torch.Tensor],
                        v: Optional[torch.Tensor], layer: Any, forward_batch: Any,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        return self._run(self.native.forward_extend, q, k, v, layer, forward_batch,
+                         save_kv_cache, kwargs)
+
+    def _run(self, native_forward, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
+        """One native forward into a new output [num_tokens, num_q_heads * v_head_dim]."""
         if kwargs:
             _reject_extras(kwargs)
         _, native_layer, width = self._layer(layer)
         batch = self._batch if forward_batch is self._batch_source else self._bind(forward_batch)
         out = q.new_empty((q.shape[0], width))
-        self.native.forward_extend(_dl(q), None if k is None else _dl(k),
-                                   None if v is None else _dl(v), _dl(out), native_layer, batch,
-                                   save_kv_cache)
+        native_forward(_dl(q), None if k is None else _dl(k), None if v is None else _dl(v),
+                       _dl(out), native_layer, batch, save_kv_cache)
         return out
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True):
