@@ -2,11 +2,13 @@
 // described by core::AttentionParams, run on a thread pool, and the merge of two partial
 // attention states.
 //
-// Work split: a tile is (request, kv head, up to kTileRows packed query rows = tokens x the q
-// heads of the kv head's GQA group), so every K/V row is widened to float once per tile and
-// serves all of the group's heads. Tiles whose keys are many compared with the work per thread
-// are split along the KV axis; each piece leaves a partial (output, LSE) and a second pass merges
-// them with core::merge_weights (the same merge as the ragged + prefix path).
+// Work split: a tile is (request, kv head, up to 64 packed query rows = tokens x the q heads of
+// the kv head's GQA group), so every K/V element is widened to float once per tile and serves all
+// of the group's heads. Prefill tiles widen a block of keys into scratch; decode-like tiles (few
+// rows per kv head) read K/V straight from the pool and take every kv head of the request in one
+// work item, so each key's slot is read front to back. Work items holding much more than a fair
+// share per thread are split along the KV axis; each piece leaves a partial (output, LSE) and a
+// second pass merges them with core::merge_weights (the same merge as the ragged + prefix path).
 #pragma once
 
 #include <cstdint>
