@@ -16,10 +16,6 @@
 #include <string>
 #include <vector>
 
-// The vector helpers of src/cpu/simd.h are tested directly, so this file is compiled for the same
-// AVX2 + FMA + F16C baseline as src/cpu (the test target itself does not carry those flags).
-#pragma GCC target("avx2,fma,f16c")
-
 #include "core/attention_params.h"
 #include "cpu/cpu_attention.h"
 #include "cpu/kv_write.h"
