@@ -14,48 +14,13 @@
 #include <vector>
 
 #include "cuda/kernels/decode.h"
+#include "cuda/cuda_test_support.h"
 #include "kvattn/kvattn.h"
 #include "reference/scenario.h"
 #include "reference/world.h"
 
 namespace kvattn::testing {
 namespace {
-
-#define CUDA_OK(call)                                                                \
-  do {                                                                               \
-    const cudaError_t status_ = (call);                                              \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
-  } while (0)
-
-#define REQUIRE_GPU()                                               \
-  do {                                                              \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-// Forces the decode kernel choice for backends made while it lives (the backend reads
-// KVATTN_DECODE_TENSOR_CORES at construction).
-class TensorCoreChoice {
- public:
-  explicit TensorCoreChoice(const char* value) {
-    const char* old = std::getenv("KVATTN_DECODE_TENSOR_CORES");
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    if (value == nullptr)
-      unsetenv("KVATTN_DECODE_TENSOR_CORES");
-    else
-      setenv("KVATTN_DECODE_TENSOR_CORES", value, 1);
-  }
-  ~TensorCoreChoice() {
-    if (had_)
-      setenv("KVATTN_DECODE_TENSOR_CORES", old_.c_str(), 1);
-    else
-      unsetenv("KVATTN_DECODE_TENSOR_CORES");
-  }
-
- private:
-  bool had_ = false;
-  std::string old_;
-};
 
 bool io_served_by_prefill(const ScenarioSpec& s) {
   const int vd = s.v_head_dim > 0 ? s.v_head_dim : s.head_dim;

@@ -26,6 +26,7 @@
 
 #include "cuda/bench_support.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_test_support.h"
 #include "kvattn/kvattn.h"
 #include "reference/float_format.h"
 #include "reference/scenario.h"
@@ -33,46 +34,11 @@
 namespace kvattn::testing {
 namespace {
 
-#define CUDA_OK(call)                                                                \
-  do {                                                                               \
-    const cudaError_t status_ = (call);                                              \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
-  } while (0)
-
-#define REQUIRE_GPU()                                               \
-  do {                                                              \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
 void cuda_check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
   }
 }
-
-// Forces the decode kernel for backends made while it lives (read at construction).
-class TensorCoreChoice {
- public:
-  explicit TensorCoreChoice(const char* value) {
-    const char* old = std::getenv("KVATTN_DECODE_TENSOR_CORES");
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    if (value == nullptr)
-      unsetenv("KVATTN_DECODE_TENSOR_CORES");
-    else
-      setenv("KVATTN_DECODE_TENSOR_CORES", value, 1);
-  }
-  ~TensorCoreChoice() {
-    if (had_)
-      setenv("KVATTN_DECODE_TENSOR_CORES", old_.c_str(), 1);
-    else
-      unsetenv("KVATTN_DECODE_TENSOR_CORES");
-  }
-
- private:
-  bool had_ = false;
-  std::string old_;
-};
 
 // ---- the world ---------------------------------------------------------------------------------
 
