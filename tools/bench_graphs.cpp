@@ -102,6 +102,19 @@ void write_json(const std::string& path, const std::string& device_name, const s
 
 // ---- host planning without a GPU --------------------------------------------------------------
 
+/// The bench model's backend config over `cache` and `pool` (32 q / 8 kv heads, d128, bf16).
+BackendConfig model_config(KvCache& cache, const ReqToTokenPool& pool, void* cuda_stream) {
+  BackendConfig config;
+  config.kv_cache = &cache;
+  config.req_to_token_pool = &pool;
+  config.num_q_heads = kQHeads;
+  config.num_kv_heads = kKvHeads;
+  config.head_dim = kHeadDim;
+  config.q_dtype = kDType;
+  config.cuda_stream = cuda_stream;
+  return config;
+}
+
 /// Median host time of the planning a CUDA decode step's out_graph does (validate_batch, the
 /// host lengths, the paged layout, plan_decode, write_call_metadata into staging), for `batch`
 /// requests of kv_len / 2 .. kv_len tokens that grow by one each step. The decode setup is the
@@ -118,13 +131,7 @@ double host_planning_us(int batch, int kv_len, uint64_t seed) {
   kc.device = Device::cpu();
   KvCache cache = KvCache::allocate(kc);
   ReqToTokenPool pool = ReqToTokenPool::allocate(batch, kv_len + kPlanningSteps, Device::cpu());
-  BackendConfig config;
-  config.kv_cache = &cache;
-  config.req_to_token_pool = &pool;
-  config.num_q_heads = kQHeads;
-  config.num_kv_heads = kKvHeads;
-  config.head_dim = kHeadDim;
-  config.q_dtype = kDType;
+  const BackendConfig config = model_config(cache, pool, nullptr);
 
   Rng rng(seed);
   std::vector<int32_t> base(static_cast<size_t>(batch)), rows(static_cast<size_t>(batch)),
@@ -209,14 +216,7 @@ double out_graph_us(int batch, int kv_len, uint64_t seed, cudaStream_t stream) {
   b.seq_lens_cpu = TensorView(seq.data(), DType::kInt32, Device::cpu(), {batch});
   b.out_cache_loc = device_loc.device_view();
 
-  BackendConfig config;
-  config.kv_cache = &cache;
-  config.req_to_token_pool = &pool;
-  config.num_q_heads = kQHeads;
-  config.num_kv_heads = kKvHeads;
-  config.head_dim = kHeadDim;
-  config.q_dtype = kDType;
-  config.cuda_stream = stream;
+  const BackendConfig config = model_config(cache, pool, stream);
   auto backend = make_backend(BackendKind::kCuda, config);
   backend->init_cuda_graph_state(batch, batch);
   std::vector<double> samples;
@@ -302,14 +302,7 @@ class StepWorld {
       }
     }
     cuda_ok(cudaDeviceSynchronize(), "world");
-    BackendConfig config;
-    config.kv_cache = &cache_;
-    config.req_to_token_pool = &pool_;
-    config.num_q_heads = kQHeads;
-    config.num_kv_heads = kKvHeads;
-    config.head_dim = kHeadDim;
-    config.q_dtype = kDType;
-    config.cuda_stream = stream;
+    const BackendConfig config = model_config(cache_, pool_, stream);
     eager_ = make_backend(BackendKind::kCuda, config);
     graphed_ = make_backend(BackendKind::kCuda, config);
     graphed_->init_cuda_graph_state(batch, batch);
