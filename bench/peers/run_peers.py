@@ -53,6 +53,13 @@ MAX_CALLS_PER_REPLAY = 256  # ... with at most this many calls in it
 MIN_REPS, MAX_REPS = 7, 200
 JIT_END_RESERVE_S = 20.0  # pass B stops waiting for a JIT module this long before the budget
 FLASHINFER_WORKSPACE_BYTES = 512 * MIB  # as SGLang's largest FlashInfer workspace
+FI_WORKER_LOST_RC = 3  # a pass-B worker exits with this after a measurement lost its CUDA context
+FI_WORKER_MAX_FAILED_STARTS = 2  # workers that died before measuring anything, then give up
+FI_WORKER_START_S = 8.0  # python + torch + CUDA + FlashInfer imports of a worker, generously
+# Errors after which a CUDA context is unusable (sticky): the worker stops and a fresh one goes on.
+STICKY_CUDA_ERROR = re.compile(r"illegal memory access|unspecified launch failure|misaligned "
+                               r"address|illegal instruction|device-side assert|uncorrectable ECC"
+                               r"|context is destroyed|launch timed out", re.IGNORECASE)
 
 
 # ---- pure helpers (covered by --self-test) ----------------------------------------------------
@@ -131,6 +138,60 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def describe_rc(rc: Optional[int]) -> str:
+    """A subprocess's exit status in words ('signal 6 (SIGABRT)', 'exit code 1')."""
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        import signal
+        try:
+            return f"signal {-rc} ({signal.Signals(-rc).name})"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"
+
+
+def settle_worker_events(items: Sequence[Tuple[str, str]], events: Sequence[dict]) -> tuple:
+    """What one pass-B worker did with its (label, impl) items, from its event lines:
+    (rows {item: row}, the item it had started and left without a row (it died there) or None,
+    the items it never reached, notes). The worker runs items in order and reports each one
+    ('start', then 'row'), so everything after the last item it reported is still to do."""
+    rows: Dict[Tuple[str, str], dict] = {}
+    started = None
+    notes: List[str] = []
+    for event in events:
+        key = (event.get("label"), event.get("impl"))
+        kind = event.get("event")
+        if kind == "start":
+            started = key
+        elif kind == "row":
+            rows[key] = event["row"]
+            if started == key:
+                started = None
+        elif kind == "note":
+            notes.append(event.get("text", ""))
+    last = -1
+    for i, item in enumerate(items):
+        if tuple(item) in rows or tuple(item) == started:
+            last = i
+    return rows, started, [tuple(i) for i in items[last + 1:]], notes
+
+
+def parse_test_hook(text: str) -> Optional[Tuple[str, str, str]]:
+    """PEERS_TEST_CRASH='MODE:IMPL:LABEL_REGEX' (MODE 'abort': the worker process aborts when it
+    reaches that measurement, as a CUDA abort would end it; 'lost': the measurement fails with
+    an illegal-memory-access error and the context counts as lost; 'hang': it never returns, so
+    the parent kills the worker at the end of the budget; 'start': every worker exits before
+    measuring anything). For checking the pass-B isolation without a GPU."""
+    if not text:
+        return None
+    parts = text.split(":", 2)
+    if len(parts) != 3 or parts[0] not in ("abort", "lost", "hang", "start"):
+        raise ValueError("PEERS_TEST_CRASH must be 'abort|lost|hang|start:IMPL:LABEL_REGEX', not "
+                         f"{text!r}")
+    return parts[0], parts[1], parts[2]
+
+
 # ---- arguments ---------------------------------------------------------------------------------
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -177,6 +238,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--jit-prebuild", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jit-status", default="", help=argparse.SUPPRESS)
     parser.add_argument("--modules", default="", help=argparse.SUPPRESS)
+    # internal: a pass-B FlashInfer worker (run_peers.py starts it; JOB is a JSON file)
+    parser.add_argument("--fi-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--aot-out", default="",
                         help="with --jit-prebuild: copy each built module to "
                              "DIR/<name>/<name>.so (what --aot-dir takes)")
@@ -351,6 +414,29 @@ class JitTracker:
         return {name: {k: v for k, v in entry.items() if k != "module"}
                 for name, entry in self.read().items()}
 
+    def mark_gone(self) -> None:
+        """The prebuild exited without writing 'finished' (killed, crashed): say so in the
+        status file, so that pass-B workers (which only see the file) stop waiting for it."""
+        if self.process is None or self.process.poll() is None:
+            return
+        if self.read().get("*", {}).get("status") in ("finished", "failed", "gone"):
+            return
+        with open(self.status_path, "a") as f:
+            f.write(json.dumps({"module": "*", "status": "gone",
+                                "rc": self.process.poll()}) + "\n")
+
+
+class PrebuildStatus:
+    """The prebuild subprocess as a pass-B worker sees it (through the status file only): ended
+    once the file says 'finished', 'failed' or 'gone'."""
+
+    def __init__(self, status_path: str):
+        self.status_path = status_path
+
+    def poll(self) -> Optional[int]:
+        state = JitTracker(self.status_path, None).read().get("*", {}).get("status")
+        return 0 if state in ("finished", "failed", "gone") else None
+
 
 def start_prebuild(args: argparse.Namespace, modules: List[tuple], log_path: str,
                    status_path: str) -> Optional[subprocess.Popen]:
@@ -524,6 +610,8 @@ class Runner:
         self.jit: Optional[JitTracker] = None
         self.fi_workspace = None
         self.notes: List[str] = []
+        self.log_prefix = ""
+        self.context_lost = ""  # "label / impl" of the measurement after which CUDA was unusable
 
     # ---- time ----
 
@@ -534,7 +622,7 @@ class Runner:
         return self.deadline - time.monotonic()
 
     def log(self, text: str) -> None:
-        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
+        print(f"[{self.elapsed():6.1f} s] {self.log_prefix}{text}", flush=True)
 
     # ---- device helpers (CUDA, or the CPU dry run) ----
 
@@ -561,8 +649,23 @@ class Runner:
             event.record()
 
     def empty_cache(self) -> None:
-        if self.cuda:
+        if self.cuda and not self.context_lost:
             self.torch.cuda.empty_cache()
+
+    def context_alive(self, error: str = "") -> bool:
+        """False when the CUDA context can no longer be used: a sticky error (an illegal memory
+        access ends the context) named in `error`, or a synchronize / tiny kernel that fails."""
+        if self.context_lost:
+            return False
+        if STICKY_CUDA_ERROR.search(error or ""):
+            return False
+        if not self.cuda:
+            return True
+        try:
+            self.torch.cuda.synchronize()
+            return float(self.torch.ones(1, device=self.device).add_(1).item()) == 2.0
+        except BaseException:  # noqa: BLE001
+            return False
 
     def free_bytes(self) -> float:
         if self.cuda:
@@ -571,11 +674,13 @@ class Runner:
 
     # ---- imports ----
 
-    def import_peers(self) -> None:
+    def import_peers(self, with_kvattn: bool = True) -> None:
         try:
+            if not with_kvattn:
+                raise ImportError("not imported in a FlashInfer worker")
             import kvattn
             from kvattn.torch_backend import KvattnAttnBackend
-            if not kvattn.cuda_compiled():
+            if not kvattn.cuda_compiled() and not self.args.cpu_dry_run:
                 raise RuntimeError("kvattn was built without CUDA")
             self.kvattn = (kvattn, KvattnAttnBackend)
             self.versions["kvattn"] = getattr(kvattn, "__version__", "?")
@@ -711,6 +816,9 @@ class Runner:
                 data.v_new.append(v[:, case.prefix_len:].reshape(-1, KV_HEADS, HEAD_DIM)
                                   .contiguous())
         data.checksum = float(data.q[0][:64].float().sum() + data.k[0][:, :64].float().sum())
+        # Built on the default stream; every implementation runs on self.stream, a non-blocking
+        # stream that does not wait for the default one: finish here.
+        self.sync()
         return data
 
     def build_layout(self, case: Case, data: Data, sets: int) -> Layout:
@@ -740,6 +848,10 @@ class Runner:
                                         dtype=torch.bfloat16, device=self.device)
                     buffer[flat] = source.reshape(-1, KV_HEADS, HEAD_DIM)
                 pool.append(buffer)
+        # The scatter above is ~1 GiB of default-stream work for the largest rows; the
+        # implementations (and FlashInfer's plan, which reads indptr on self.stream) must not
+        # start before it ends.
+        self.sync()
         return layout
 
     def kv_torch_dtype(self, case: Case):
@@ -882,7 +994,9 @@ class Runner:
             self.log(f"  {impl}: FAILED {short_error(e, 500)}")
             traceback.print_exc(limit=3)
             row = report.make_row(case, impl, None, self.ceilings, error=short_error(e))
-            self.sync()
+            if not self.context_alive(str(e)):
+                self.context_lost = f"{case.label} / {impl}"
+                row["error"] += " [CUDA context lost]"
         row["wall_s"] = round(time.monotonic() - t0, 2)
         if row.get("time_us") is not None:
             rate = f"{row['gbps']:.0f} GB/s" if case.is_decode else f"{row['tflops']:.0f} TFLOP/s"
@@ -897,6 +1011,24 @@ class Runner:
 
     def skip(self, case: Case, impl: str, why: str) -> None:
         self.record(case, report.make_row(case, impl, None, self.ceilings, error=why))
+
+    def skip_unrecorded(self, group: List[Case], impls: Sequence[str], why: str) -> None:
+        for case in group:
+            for impl in impls:
+                if impl_wanted(self.args, impl) and (case.label, impl) not in self.rows:
+                    self.skip(case, impl, why)
+
+    def lost_why(self) -> str:
+        return f"not run: CUDA context of the main process lost at {self.context_lost}"
+
+    def group_failed(self, group: List[Case], impls: Sequence[str], e: BaseException) -> None:
+        """A failure outside a measurement (inputs, layout): the group's rows not yet recorded
+        get it as their error; a lost context stops this process's CUDA work."""
+        self.log(f"  {group[0].label}: FAILED {short_error(e, 500)}")
+        traceback.print_exc(limit=3)
+        if not self.context_alive(str(e)):
+            self.context_lost = self.context_lost or f"{group[0].label} / inputs"
+        self.skip_unrecorded(group, impls, "inputs failed: " + short_error(e))
 
     # ---- kvattn ----
 
@@ -1063,7 +1195,8 @@ class Runner:
         if not self.cuda:
             raise RuntimeError("FlashInfer needs CUDA (CPU dry run)")
         if self.fi_workspace is None:
-            self.fi_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
+            # Zeroed: FlashInfer asks for a float workspace "initialized to 0 for its first use".
+            self.fi_workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
                                             device=self.device)
         ws = self.fi_workspace
         b, ps = case.batch, case.page_size
@@ -1082,6 +1215,11 @@ class Runner:
                             device=self.device) for _ in range(sets)]
         finish = lambda out: out
         keep = []
+        # Everything above ran on the default stream; plan() copies indptr to the host on
+        # self.stream and the kernels read indices, pools and q there. Without this the plan
+        # can read indptr before it is written (the cause of the illegal memory access at
+        # b64 x 4096 page 1: a ~1 GiB pool scatter still queued on the default stream).
+        self.sync()
 
         with self.on_stream():
             if impl in ("flashinfer-decode", "flashinfer-decode-tc"):
@@ -1143,46 +1281,65 @@ class Runner:
         torch_deadline = self.start + 0.62 * self.args.budget_s
         sdpa = [p for p in report.TORCH_PEERS if p != "torch-flex"]
         for group in groups:
+            if self.context_lost:
+                self.skip_unrecorded(group, [KVATTN] + sdpa, self.lost_why())
+                continue
             if self.left() < 30:
                 for case in group:
                     for impl in [KVATTN] + sdpa:
                         self.skip(case, impl, "skipped: budget")
                 continue
-            first = group[0]
-            sets = self.sets_for(first)
-            self._sets = sets
-            self.log(f"pass A: {first.label} ({len(group)} layout(s), {sets} input set(s))")
-            data = self.build_data(first, sets)
-            self.checksums[first.data_key] = data.checksum
-            self.references[first.data_key] = self.reference(first, data)
-            torch_rows: Dict[str, dict] = {}
-            for case in group:
-                layout = self.build_layout(case, data, sets)
-                if not impl_wanted(self.args, KVATTN):
-                    pass
-                elif self.kvattn is None:
-                    self.skip(case, KVATTN, self.kvattn_error)
-                else:
-                    row = self.run_impl(case, KVATTN, lambda: self.kvattn_setup(
-                        case, data, layout, sets), allow_graph=case.is_decode)
-                    out = row.get("_out")
-                    if out is not None:
-                        self.kvattn_out[case.label] = out.to("cpu")
-                    self.record(case, row)
-                layout = None
-                for impl in sdpa:
-                    if not impl_wanted(self.args, impl):
-                        continue
-                    if impl in torch_rows:
-                        self.record(case, self._reuse_torch_row(case, torch_rows[impl]))
-                        continue
-                    row = self._run_torch_peer(case, data, impl, torch_deadline)
-                    torch_rows[impl] = row
-                    self.record(case, dict(row))
-                self.empty_cache()
-                self.write_outputs(final=False)
-            data = None
+            try:
+                self._pass_a_group(group, sdpa, torch_deadline)
+            except BaseException as e:  # noqa: BLE001
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                self.group_failed(group, [KVATTN] + sdpa, e)
             self.empty_cache()
+            self.write_outputs(final=False)
+
+    def _pass_a_group(self, group: List[Case], sdpa: List[str], torch_deadline: float) -> None:
+        first = group[0]
+        sets = self.sets_for(first)
+        self._sets = sets
+        self.log(f"pass A: {first.label} ({len(group)} layout(s), {sets} input set(s))")
+        data = self.build_data(first, sets)
+        self.checksums[first.data_key] = data.checksum
+        self.references[first.data_key] = self.reference(first, data)
+        torch_rows: Dict[str, dict] = {}
+        for case in group:
+            if self.context_lost:
+                self.skip_unrecorded([case], [KVATTN] + sdpa, self.lost_why())
+                continue
+            layout = self.build_layout(case, data, sets)
+            if not impl_wanted(self.args, KVATTN):
+                pass
+            elif self.kvattn is None:
+                self.skip(case, KVATTN, self.kvattn_error)
+            else:
+                row = self.run_impl(case, KVATTN, lambda: self.kvattn_setup(
+                    case, data, layout, sets), allow_graph=case.is_decode)
+                out = row.get("_out")
+                if out is not None:
+                    self.kvattn_out[case.label] = out.to("cpu")
+                self.record(case, row)
+            layout = None
+            if self.context_lost:
+                self.skip_unrecorded([case], sdpa, self.lost_why())
+                continue
+            for impl in sdpa:
+                if not impl_wanted(self.args, impl):
+                    continue
+                if impl in torch_rows:
+                    self.record(case, self._reuse_torch_row(case, torch_rows[impl]))
+                    continue
+                row = self._run_torch_peer(case, data, impl, torch_deadline)
+                torch_rows[impl] = row
+                self.record(case, dict(row))
+            self.empty_cache()
+            self.write_outputs(final=False)
+        data = None
+        self.empty_cache()
 
     def _run_torch_peer(self, case: Case, data: Data, impl: str, deadline: float) -> dict:
         if case.kv_dtype != "bf16":
@@ -1234,82 +1391,224 @@ class Runner:
         order = [g for g in groups if not g[0].is_decode] + [g for g in groups if g[0].is_decode]
         for group in order:
             first = group[0]
-            if first.kv_dtype != "bf16" or not flex_wanted(self.args, first) or \
-                    time.monotonic() > deadline:
-                row = self._run_torch_peer(first, None, "torch-flex", deadline)
-            else:
-                sets = self.sets_for(first)
-                self._sets = sets
-                self.log(f"pass C: {first.label} ({sets} input set(s))")
-                data = self.build_data(first, sets)
-                if first.data_key not in self.references:
-                    self.references[first.data_key] = self.reference(first, data)
-                row = self._run_torch_peer(first, data, "torch-flex", deadline)
-                data = None
-            self.record(first, dict(row))
-            for case in group[1:]:
-                self.record(case, self._reuse_torch_row(case, row))
+            if self.context_lost:
+                self.skip_unrecorded(group, ["torch-flex"], self.lost_why())
+                continue
+            try:
+                if first.kv_dtype != "bf16" or not flex_wanted(self.args, first) or \
+                        time.monotonic() > deadline:
+                    row = self._run_torch_peer(first, None, "torch-flex", deadline)
+                else:
+                    sets = self.sets_for(first)
+                    self._sets = sets
+                    self.log(f"pass C: {first.label} ({sets} input set(s))")
+                    data = self.build_data(first, sets)
+                    if first.data_key not in self.references:
+                        self.references[first.data_key] = self.reference(first, data)
+                    row = self._run_torch_peer(first, data, "torch-flex", deadline)
+                    data = None
+                self.record(first, dict(row))
+                for case in group[1:]:
+                    self.record(case, self._reuse_torch_row(case, row))
+            except BaseException as e:  # noqa: BLE001
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                self.group_failed(group, ["torch-flex"], e)
             self.empty_cache()
             self.write_outputs(final=False)
 
     def pass_b(self, groups: List[List[Case]]) -> None:
-        """FlashInfer on every row, on inputs rebuilt from the same seeds."""
-        if self.flashinfer is None and not self.args.no_flashinfer:
-            for group in groups:
-                for case in group:
-                    for impl in case.peers():
-                        if impl.startswith("flashinfer") and impl_wanted(self.args, impl):
-                            self.skip(case, impl, self.flashinfer_error or "not run")
+        """FlashInfer on every row, in a worker subprocess (`--fi-worker`, fi_worker_main) with
+        its own CUDA context: a device fault there (an illegal memory access ends a context)
+        costs that one measurement. The worker runs the (row, impl) items in order on inputs
+        rebuilt from the same seeds and reports each one to an event file; when it dies or
+        stops after a lost context, a fresh worker takes the items it never reached."""
+        items = [(case.label, impl) for group in groups for case in group
+                 for impl in case.peers()
+                 if impl.startswith("flashinfer") and impl_wanted(self.args, impl)]
+        if not items:
             return
-        for group in groups:
-            first = group[0]
-            impls = [p for p in first.peers() if p.startswith("flashinfer") and
-                     impl_wanted(self.args, p)]
-            if not impls:
-                continue
-            if self.left() < JIT_END_RESERVE_S:
-                for case in group:
-                    for impl in impls:
-                        self.skip(case, impl, "skipped: budget")
-                continue
-            sets = self.sets_for(first)
-            self._sets = sets
-            self.log(f"pass B: {first.label} ({len(group)} layout(s), {sets} input set(s))")
-            data = self.build_data(first, sets)
-            if first.data_key not in self.references:
-                self.references[first.data_key] = self.reference(first, data)
-            elif abs(self.checksums.get(first.data_key, data.checksum) - data.checksum) > 1e-3:
-                self.notes.append(f"{first.label}: pass B inputs differ from pass A's")
-            for case in group:
-                layout = self.build_layout(case, data, sets)
-                for impl in impls:
-                    why = None
-                    if self.left() < JIT_END_RESERVE_S:
-                        why = "skipped: budget"
-                    elif self.jit is not None:
-                        why = self.jit.wait(modules_of_impl(case, impl),
-                                            self.deadline - JIT_END_RESERVE_S)
+        by_label = {case.label: case for case in self.cases}
+        if self.flashinfer is None:
+            for label, impl in items:
+                self.skip(by_label[label], impl, self.flashinfer_error or "not run")
+            return
+        workdir = tempfile.mkdtemp(prefix="peers-fi-")
+        kvattn_files: Dict[str, str] = {}
+        for label in dict.fromkeys(label for label, _ in items):
+            out = self.kvattn_out.get(label)
+            if out is not None:
+                path = os.path.join(workdir, f"kvattn-{len(kvattn_files)}.pt")
+                self.torch.save(out, path)
+                kvattn_files[label] = path
+        checksums = {case.label: self.checksums[case.data_key] for case in self.cases
+                     if case.data_key in self.checksums}
+        self.empty_cache()
+        remaining = items
+        failed_starts = 0
+        worker = 0
+        while remaining:
+            if self.left() < JIT_END_RESERVE_S + FI_WORKER_START_S:  # the worker needs both
+                for label, impl in remaining:
+                    self.skip(by_label[label], impl, "skipped: budget")
+                break
+            worker += 1
+            events_path = os.path.join(workdir, f"events-{worker}.jsonl")
+            job_path = os.path.join(workdir, f"job-{worker}.json")
+            with open(job_path, "w") as f:
+                json.dump({"items": remaining, "ceilings": self.ceilings, "checksums": checksums,
+                           "kvattn": kvattn_files, "budget_left_s": self.left() - 1.0,
+                           "events": events_path, "worker": worker,
+                           "jit_status": self.jit.status_path if self.jit else ""}, f)
+            if self.jit is not None:
+                self.jit.mark_gone()
+            cmd = [sys.executable, os.path.abspath(__file__), "--fi-worker", job_path,
+                   "--target-s", str(self.args.target_s)]
+            cmd += ["--quick"] if self.args.quick else []
+            cmd += ["--cpu-dry-run"] if self.args.cpu_dry_run else []
+            self.log(f"pass B: FlashInfer worker {worker} for {len(remaining)} measurement(s)")
+            process = subprocess.Popen(cmd, cwd=REPO_ROOT)  # its log goes to ours
+            seen = 0
+            killed = False
+            while True:
+                rc = process.poll()
+                events = read_events(events_path)
+                for event in events[seen:]:
+                    self._take_worker_event(by_label, event)
+                seen = len(events)
+                if rc is not None:
+                    break
+                if self.jit is not None:
+                    self.jit.mark_gone()
+                if self.left() < 1.0:
+                    process.kill()  # our own child, by its Popen handle
+                    process.wait()
+                    killed = True
+                time.sleep(0.2)
+            rows, died_in, rest, notes = settle_worker_events(remaining, read_events(events_path))
+            self.notes.extend(notes)
+            if died_in is not None:
+                label, impl = died_in
+                why = ("killed at the end of the budget" if killed else
+                       f"FlashInfer worker died ({describe_rc(rc)}) during this measurement")
+                self.skip(by_label[label], impl, why)
+                self.log(f"  {impl}: {why}")
+            if rc != 0 and not rows and died_in is None:
+                failed_starts += 1
+                if failed_starts >= FI_WORKER_MAX_FAILED_STARTS:
+                    for label, impl in rest:
+                        self.skip(by_label[label], impl, "FlashInfer worker failed to start "
+                                  f"({describe_rc(rc)}; see the run log)")
+                    break
+            elif rc == 0 and rest:
+                for label, impl in rest:
+                    self.skip(by_label[label], impl, "not run: the FlashInfer worker ended early")
+                break
+            remaining = rest
+            if rest:
+                self.log(f"pass B: worker {worker} ended ({describe_rc(rc)}); "
+                         f"{len(rest)} measurement(s) left for a fresh worker")
+            self.write_outputs(final=False)
+        self.versions.update(getattr(self, "_worker_versions", {}))
+
+    def _take_worker_event(self, by_label: Dict[str, Case], event: dict) -> None:
+        """Records a row a pass-B worker reported (and Δ FI on kvattn's row)."""
+        if event.get("event") == "versions":
+            self._worker_versions = event.get("versions", {})
+            return
+        if event.get("event") != "row":
+            return
+        case = by_label[event["label"]]
+        row = event["row"]
+        diff = row.get("rel_diff_vs_kvattn")
+        mine = self.rows.get((case.label, KVATTN))
+        if diff is not None and mine is not None:
+            previous = mine.get("max_rel_diff_vs_flashinfer")
+            mine["max_rel_diff_vs_flashinfer"] = diff if previous is None else max(previous, diff)
+        self.record(case, row)
+        self.write_outputs(final=False)
+
+    def worker_pass_b(self, job: dict, emit: Callable[..., None]) -> int:
+        """The worker's side of pass B: the job's (label, impl) items in order, one 'start' and
+        one 'row' event each; returns FI_WORKER_LOST_RC right after a measurement that lost
+        the CUDA context (its row says so), 0 when all are done."""
+        torch = self.torch
+        hook = parse_test_hook(os.environ.get("PEERS_TEST_CRASH", ""))
+        by_label = {case.label: case for case in self.cases}
+        data = layout = kvattn_out = None
+        data_key = label_now = None
+        sets = 1
+        for label, impl in job["items"]:
+            case = by_label[label]
+            emit(event="start", label=label, impl=impl)
+            try:
+                if self.left() < JIT_END_RESERVE_S:
+                    raise _Skip("skipped: budget")
+                if case.data_key != data_key:
+                    data = layout = None
+                    data_key = label_now = None
+                    self.empty_cache()
+                    sets = self.sets_for(case)
+                    self._sets = sets
+                    self.log(f"pass B: {case.label} ({sets} input set(s))")
+                    data = self.build_data(case, sets)
+                    self.references[case.data_key] = self.reference(case, data)
+                    expected = job["checksums"].get(label)
+                    if expected is not None and abs(expected - data.checksum) > 1e-3:
+                        emit(event="note", text=f"{label}: pass B inputs differ from pass A's "
+                                                f"(checksum {data.checksum} vs {expected})")
+                    data_key = case.data_key
+                if label != label_now:
+                    layout = kvattn_out = None
+                    layout = self.build_layout(case, data, sets)
+                    path = job["kvattn"].get(label)
+                    kvattn_out = torch.load(path) if path else None
+                    label_now = label
+                if self.jit is not None:
+                    why = self.jit.wait(modules_of_impl(case, impl),
+                                        self.deadline - JIT_END_RESERVE_S)
                     if why:
-                        self.skip(case, impl, why)
-                        continue
-                    row = self.run_impl(case, impl, lambda: self.flashinfer_setup(
-                        case, data, layout, impl, sets))
-                    out = row.get("_out")
-                    ref = self.kvattn_out.get(case.label)
-                    if out is not None and ref is not None:
-                        diff = self.full_rel_diff(out, ref)
-                        row["rel_diff_vs_kvattn"] = diff
-                        mine = self.rows.get((case.label, KVATTN))
-                        if mine is not None:
-                            previous = mine.get("max_rel_diff_vs_flashinfer")
-                            mine["max_rel_diff_vs_flashinfer"] = diff if previous is None \
-                                else max(previous, diff)
-                    self.record(case, row)
-                layout = None
-                self.empty_cache()
-                self.write_outputs(final=False)
-            data = None
-            self.empty_cache()
+                        raise _Skip(why)
+            except _Skip as e:
+                emit(event="row", label=label, impl=impl,
+                     row=report.make_row(case, impl, None, self.ceilings, error=str(e)))
+                continue
+            except BaseException as e:  # noqa: BLE001 - inputs failed: this item's error
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                traceback.print_exc(limit=3)
+                row = report.make_row(case, impl, None, self.ceilings,
+                                      error="inputs failed: " + short_error(e))
+                data_key = label_now = None  # rebuilt for the next item
+                if not self.context_alive(str(e)):
+                    row["error"] += " [CUDA context lost]"
+                    emit(event="row", label=label, impl=impl, row=row)
+                    return FI_WORKER_LOST_RC
+                emit(event="row", label=label, impl=impl, row=row)
+                continue
+
+            def setup(case=case, impl=impl):
+                if hook and hook[1] == impl and re.search(hook[2], case.label):
+                    if hook[0] == "abort":
+                        self.log(f"  {impl}: PEERS_TEST_CRASH: aborting this worker")
+                        os.abort()
+                    if hook[0] == "hang":
+                        self.log(f"  {impl}: PEERS_TEST_CRASH: hanging")
+                        time.sleep(1e6)
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered "
+                                       "(PEERS_TEST_CRASH)")
+                return self.flashinfer_setup(case, data, layout, impl, sets)
+
+            row = self.run_impl(case, impl, setup)
+            out = row.pop("_out", None)
+            if out is not None and kvattn_out is not None:
+                row["rel_diff_vs_kvattn"] = self.full_rel_diff(out, kvattn_out)
+            out = None
+            row = {k: v for k, v in row.items() if not k.startswith("_")}
+            emit(event="row", label=label, impl=impl, row=row)
+            if self.context_lost:
+                return FI_WORKER_LOST_RC
+        return 0
 
     # ---- outputs ----
 
@@ -1356,6 +1655,75 @@ class Runner:
             why = report.write_plot(paths["png"], header, rows)
             if why:
                 self.log(f"no plot: {why}")
+
+
+class _Skip(Exception):
+    """A pass-B item not measured, for a reason that becomes its row's error."""
+
+
+def read_events(path: str) -> List[dict]:
+    """A worker's event lines so far (a line still being written is left for the next read)."""
+    events = []
+    try:
+        with open(path) as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return events
+
+
+def fi_worker_main(args: argparse.Namespace) -> int:
+    """A pass-B worker: FlashInfer on the job's (label, impl) items, in its own CUDA context,
+    each result appended to the job's event file as it is measured."""
+    start = time.monotonic()
+    hook = parse_test_hook(os.environ.get("PEERS_TEST_CRASH", ""))
+    if hook and hook[0] == "start":
+        print("fi-worker: PEERS_TEST_CRASH: exiting before any measurement", flush=True)
+        return 1
+    with open(args.fi_worker) as f:
+        job = json.load(f)
+    args.budget_s = max(1.0, float(job["budget_left_s"]))
+    events = open(job["events"], "a")
+
+    def emit(**event) -> None:
+        events.write(json.dumps(event) + "\n")
+        events.flush()
+
+    cases = report.make_grid(quick=args.quick)
+    if args.cpu_dry_run:
+        cases = [report.tiny_case(c) for c in cases]
+    wanted = {label for label, _ in job["items"]}
+    cases = [c for c in cases if c.label in wanted]
+    runner = Runner(args, cases, start)
+    runner.log_prefix = f"fi-worker {job.get('worker', '?')}: "
+    runner.ceilings = dict(job["ceilings"])
+    runner.import_peers(with_kvattn=False)
+    emit(event="versions", versions=runner.versions)
+    runner.log(f"started in {runner.elapsed():.1f} s (torch, CUDA, FlashInfer imported); "
+               f"{len(job['items'])} measurement(s)")
+    if runner.flashinfer is None:
+        by_label = {c.label: c for c in cases}
+        for label, impl in job["items"]:
+            emit(event="row", label=label, impl=impl,
+                 row=report.make_row(by_label[label], impl, None, runner.ceilings,
+                                     error=runner.flashinfer_error or "not run"))
+        return 0
+    if job.get("jit_status"):
+        runner.jit = JitTracker(job["jit_status"], PrebuildStatus(job["jit_status"]))
+    rc = runner.worker_pass_b(job, emit)
+    events.close()
+    if rc == FI_WORKER_LOST_RC:
+        # A lost context can make interpreter teardown (CUDA frees) hang or abort: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def git_commit(fallback: str) -> Tuple[str, bool]:
@@ -1425,7 +1793,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             runner.pass_b(groups)
             runner.pass_c(groups, flex_end)
-        if runner.cuda and runner.left() > 5:
+        if runner.cuda and runner.left() > 5 and not runner.context_lost:
             end_gemm = runner._measure_gemm_tflops()
             if end_gemm:
                 runner.ceilings["gemm_bf16_tflops_end"] = end_gemm
@@ -1593,6 +1961,51 @@ def self_test() -> int:
         check("jit: deadline", (tracker.wait(["cascade"], time.monotonic() - 1) or "")
               .startswith("skipped"))
         check("jit: summary", tracker.summary()["fa3-bf16"]["status"] == "failed")
+        # The pass-B worker's view of the prebuild, through the file only.
+        check("jit: worker sees running", PrebuildStatus(status).poll() is None)
+        tracker.process = types.SimpleNamespace(poll=lambda: -9)  # killed without 'finished'
+        tracker.mark_gone()
+        tracker.mark_gone()  # once only
+        check("jit: gone", PrebuildStatus(status).poll() == 0 and
+              sum('"gone"' in line for line in open(status)) == 1)
+        check("jit: worker builds in-process once gone",
+              JitTracker(status, PrebuildStatus(status)).wait(["cascade"], time.monotonic() + 5)
+              is None)
+        # Worker events: partial last line ignored; settle picks up after the last reported item.
+        events_path = os.path.join(tmp, "events.jsonl")
+        items = [("r1", "a"), ("r1", "b"), ("r2", "a"), ("r2", "b")]
+        with open(events_path, "w") as f:
+            f.write(json.dumps({"event": "versions", "versions": {}}) + "\n")
+            f.write(json.dumps({"event": "start", "label": "r1", "impl": "a"}) + "\n")
+            f.write(json.dumps({"event": "row", "label": "r1", "impl": "a",
+                                "row": {"impl": "a"}}) + "\n")
+            f.write(json.dumps({"event": "start", "label": "r1", "impl": "b"}) + "\n")
+            f.write('{"event": "row", "lab')  # the worker died mid-write
+        events = read_events(events_path)
+        check("events: partial line", len(events) == 4)
+        rows, died, rest, _ = settle_worker_events(items, events)
+        check("settle: died in r1/b", set(rows) == {("r1", "a")} and died == ("r1", "b") and
+              rest == [("r2", "a"), ("r2", "b")], f"{rows} {died} {rest}")
+        lost = events[:3] + [{"event": "start", "label": "r1", "impl": "b"},
+                             {"event": "row", "label": "r1", "impl": "b", "row": {}},
+                             {"event": "note", "text": "n"}]
+        rows, died, rest, notes = settle_worker_events(items, lost)
+        check("settle: lost context", died is None and len(rows) == 2 and
+              rest == [("r2", "a"), ("r2", "b")] and notes == ["n"])
+        rows, died, rest, _ = settle_worker_events(items, [])
+        check("settle: nothing", not rows and died is None and rest == items)
+    check("describe_rc", describe_rc(-6) == "signal 6 (SIGABRT)" and
+          describe_rc(3) == "exit code 3")
+    check("test hook", parse_test_hook("abort:flashinfer-decode:b64 kv4096") ==
+          ("abort", "flashinfer-decode", "b64 kv4096") and parse_test_hook("") is None)
+    try:
+        parse_test_hook("boom:x")
+        check("test hook rejects", False)
+    except ValueError:
+        check("test hook rejects", True)
+    check("sticky errors", bool(STICKY_CUDA_ERROR.search(
+        "RuntimeError: CUDA error: an illegal memory access was encountered")) and
+        not STICKY_CUDA_ERROR.search("CUDA out of memory"))
     check("speed ratio", report.speed_ratio(100.0, 150.0) == 1.5 and
           report.speed_ratio(None, 1.0) is None)
     print(f"self-test: {len(passed)} passed, {len(failed)} failed")
@@ -1605,6 +2018,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return self_test()
     if args.jit_prebuild:
         return jit_prebuild_main(args)
+    if args.fi_worker:
+        return fi_worker_main(args)
     return run(args)
 
 
