@@ -159,7 +159,11 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
   int64_t best_chunk = std::max<int32_t>(max_len, 1);
   double best_cost = 0;
   bool estimated = false;
-  if (config.concurrent_ctas > 0 && max_len > config.min_chunk) {
+  const int64_t fixed =
+      config.fixed_chunk > 0 ? round_up(config.fixed_chunk, config.chunk_align) : 0;
+  if (fixed > 0 && fixed < max_len && items_for_chunk(kv_len, fixed) <= item_capacity) {
+    best_chunk = fixed;
+  } else if (config.concurrent_ctas > 0 && max_len > config.min_chunk) {
     double total = 0;
     for (int32_t len : kv_len) total += double(len) + config.cta_overhead_tokens;
     const double lower_bound = total * config.ctas_per_item / config.concurrent_ctas;
@@ -219,6 +223,8 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
       item.kv_begin = int32_t(p * best_chunk);
       item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * best_chunk));
       item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
+      item.first_partial = pieces > 1 ? plan.merge_indptr[r] : 0;
+      item.num_partials = pieces > 1 ? int32_t(pieces) : 0;
       emitted.push_back(item);
     }
   }
@@ -305,7 +311,14 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
     check_arg(plan->merge_indptr.size() == size_t(layout->batch_size) + 1, "plan",
               "merge_indptr has ", plan->merge_indptr.size(), " entries, expected ",
               layout->batch_size + 1);
-    write_array(host, out.decode_items, plan->items);
+    auto* items = reinterpret_cast<DecodeWorkItem*>(static_cast<char*>(host) + out.decode_items);
+    for (size_t i = 0; i < plan->items.size(); ++i) {
+      DecodeWorkItem item = plan->items[i];
+      check_arg(item.request >= 0 && item.request < layout->batch_size, "plan", "item ", i,
+                " names request ", item.request, " of a batch of ", layout->batch_size);
+      item.kv_offset = layout->kv_indptr[size_t(item.request)] + item.kv_begin;
+      std::memcpy(items + i, &item, sizeof(item));
+    }
     write_array(host, out.merge_indptr, plan->merge_indptr);
     const int32_t n = int32_t(plan->items.size());
     std::memcpy(static_cast<char*>(host) + out.num_items, &n, sizeof(n));

@@ -32,14 +32,20 @@
 
 namespace kvattn::core {
 
-/// One unit of decode work (16 bytes, one vector load per CTA).
-struct DecodeWorkItem {
+/// One unit of decode work (32 bytes, two vector loads per CTA).
+struct alignas(16) DecodeWorkItem {
   int32_t request = 0;   ///< batch entry (index into the layout's kv_indptr / the q rows)
   int32_t kv_begin = 0;  ///< tokens [kv_begin, kv_end) of the request's KV range
   int32_t kv_end = 0;
   int32_t partial = -1;  ///< -1: writes the final output itself; else its partial-state row
+  /// kv_indptr[request] + kv_begin: where the item's indices start (filled by
+  /// write_call_metadata), so a CTA goes from its item straight to kv_indices (one dependent
+  /// load less at the start of every CTA).
+  int64_t kv_offset = 0;
+  int32_t first_partial = 0;  ///< a split request's partial rows: [first, first + num_partials)
+  int32_t num_partials = 0;   ///< pieces of the request (0: not split); the last to finish merges
 };
-static_assert(sizeof(DecodeWorkItem) == 16);
+static_assert(sizeof(DecodeWorkItem) == 32);
 
 /// What the planner must know about the kernel and the device.
 struct DecodePlanConfig {
@@ -51,6 +57,9 @@ struct DecodePlanConfig {
   /// one key and one value row of one kv head. Measured order of magnitude, see bench/NOTES.md.
   int cta_overhead_tokens = 64;
   int merge_overhead_tokens = 16;  ///< extra cost per split item (partial store + merge read)
+  /// > 0: split every request longer than this into chunks of this many tokens (rounded up to
+  /// chunk_align) instead of searching, when the items fit the capacity (tuning and tests).
+  int fixed_chunk = 0;
 };
 
 /// Upper bound on the work items of a batch of `batch_size` entries, a function of the batch

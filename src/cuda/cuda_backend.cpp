@@ -45,6 +45,19 @@ TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
               "', expected 0 or 1");
 }
 
+// A positive integer from the environment, or `fallback` when unset.
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || env[0] == '\0') return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(env, &end, 10);
+  if (*end != '\0' || value < 1 || value > (1 << 24)) {
+    throw_error(ErrorKind::kInvalidArgument, name, "got '", env,
+                "', expected a positive integer");
+  }
+  return int(value);
+}
+
 }  // namespace
 
 // ---- setup, buffers, params ------------------------------------------------------------------
@@ -79,7 +92,12 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   setup.plan_config.ctas_per_item = config.num_kv_heads * setup.info.head_passes;
   setup.plan_config.concurrent_ctas = dev.sm_count * setup.info.ctas_per_sm;
   setup.plan_config.chunk_align = setup.info.tile_tokens;
-  setup.plan_config.min_chunk = std::max(256, setup.info.tile_tokens);
+  // Two pipeline steps: a chunk's loads are then all in flight from the CTA's start (short
+  // requests split finely and finish in about one memory latency; bench/NOTES.md).
+  setup.plan_config.min_chunk = 2 * setup.info.tile_tokens;
+  // Tuning knobs (bench/NOTES.md): KVATTN_DECODE_MIN_CHUNK, KVATTN_DECODE_CHUNK (fixed split).
+  setup.plan_config.min_chunk = env_int("KVATTN_DECODE_MIN_CHUNK", setup.plan_config.min_chunk);
+  setup.plan_config.fixed_chunk = env_int("KVATTN_DECODE_CHUNK", 0);
 
   // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim, or head_dim 128 with
   // v_head_dim a multiple of 16 below it (kernels/prefill.h); fp32 io reaches it through 16-bit
@@ -109,6 +127,26 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   return setup;
 }
 
+namespace {
+
+// The decode kernel's merge counters must be zero before its first launch: a buffer that was
+// (re)allocated is cleared on `stream` (ordered before the launch that uses it); one that was
+// already large enough is zero (every launch leaves it so).
+void ensure_merge_counters(CallState& call, const core::CallCapacity& capacity, bool frozen,
+                           Device device, cudaStream_t stream) {
+  const size_t bytes = size_t(capacity.batch_size) * size_t(capacity.num_q_heads) * sizeof(int32_t);
+  const void* before = call.merge_counters.data();
+  ensure_bytes(call.merge_counters, std::max<size_t>(bytes, sizeof(int32_t)), frozen, device,
+               "decode merge counters");
+  if (call.merge_counters.data() != before) {
+    check_cuda(cudaMemsetAsync(call.merge_counters.data(), 0, call.merge_counters.bytes(), stream),
+               "cudaMemsetAsync(decode merge counters)");
+    if (stream == nullptr) check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
+  }
+}
+
+}  // namespace
+
 void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv_indices_capacity,
                  int v_head_dim, Device device, cudaStream_t stream) {
   if (!call.fence) call.fence = std::make_unique<CopyFence>();
@@ -127,6 +165,7 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   ensure_bytes(call.metadata, metadata_bytes, call.frozen, device, "call metadata");
   if (call.offsets.scratch_bytes > 0) {
     ensure_bytes(call.scratch, call.offsets.scratch_bytes, call.frozen, device, "decode partials");
+    ensure_merge_counters(call, capacity, call.frozen, device, stream);
   }
   if (call.paged) {
     ensure_bytes(call.kv_indices,
@@ -168,6 +207,7 @@ void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
                "call metadata");
   if (offsets.scratch_bytes > 0) {
     ensure_bytes(call.scratch, offsets.scratch_bytes, false, device, "decode partials");
+    ensure_merge_counters(call, capacity, false, device, nullptr);
   }
   ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
                false, device, "kv_indices");
@@ -275,14 +315,13 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
   launch.params = params;
   launch.items = call.meta<core::DecodeWorkItem>(call.offsets.decode_items);
   launch.num_items = call.meta<int32_t>(call.offsets.num_items);
-  launch.merge_indptr = call.meta<int32_t>(call.offsets.merge_indptr);
   launch.partial_out =
       reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) + call.offsets.partial_out);
   launch.partial_lse =
       reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) + call.offsets.partial_lse);
   // A captured graph replays later plans for the same batch size: cover the capacity.
   launch.grid_items = capturing ? call.item_limit : int(call.decode_plan.items.size());
-  launch.has_partials = capturing || call.decode_plan.num_partials > 0;
+  launch.merge_counters = static_cast<int32_t*>(call.merge_counters.data());
   launch_decode(launch, device, stream);
 }
 
@@ -381,8 +420,18 @@ class CudaBackend final : public AttentionBackend {
                   "v_head_dim == head_dim and a compiled head_dim; got head_dim ", config_.head_dim,
                   ", v_head_dim ", config_.v_head_dim);
     }
-    // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size.
-    step_.graph_pool = graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
+    // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size and token
+    // count; a larger verify tree runs eagerly, and capturing it is refused.
+    const int64_t graph_tokens =
+        verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num : batch.batch_size;
+    step_.graph_pool = graph_max_bs_ > 0 && (decode || verify) &&
+                       batch.batch_size <= graph_max_bs_ && graph_tokens <= graph_max_tokens_;
+    if (in_capture && graph_max_bs_ > 0 && (decode || verify) &&
+        batch.batch_size <= graph_max_bs_ && graph_tokens > graph_max_tokens_) {
+      throw_error(ErrorKind::kOutOfResources, "max_num_tokens",
+                  "init_cuda_graph_state reserved ", graph_max_tokens_, " query tokens; this ",
+                  forward_mode_name(batch.mode), " batch has ", graph_tokens);
+    }
     check_arg(!in_capture || step_.graph_pool, "in_capture",
               "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ",
               batch.batch_size, " and a DECODE or TARGET_VERIFY batch");
@@ -568,6 +617,7 @@ class CudaBackend final : public AttentionBackend {
                    false, device_, "fp32 io copies");
     }
     graph_max_bs_ = max_bs;
+    graph_max_tokens_ = max_num_tokens;
   }
 
   int cuda_graph_seq_len_fill_value() const override { return 0; }
@@ -784,6 +834,7 @@ class CudaBackend final : public AttentionBackend {
   Buffer io_scratch_;
   Buffer graph_io_scratch_;  ///< the graph pool's fp32-io copies (frozen once allocated)
   int graph_max_bs_ = 0;
+  int64_t graph_max_tokens_ = 0;
   int64_t graph_kv_capacity_ = 0;
 };
 

@@ -1,6 +1,7 @@
 #include "cuda/cuda_util.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -21,6 +22,14 @@ void check_launch(const char* kernel) {
   if (status == cudaSuccess) return;
   throw_error(ErrorKind::kDeviceError, kernel, "launch failed: ", cudaGetErrorName(status), ": ",
               cudaGetErrorString(status));
+}
+
+bool programmatic_launch_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVATTN_PDL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
 }
 
 bool stream_is_capturing(cudaStream_t stream) {

@@ -18,6 +18,10 @@ void check_cuda(cudaError_t status, const char* what);
 /// a sticky error from an earlier kernel) into kvattn::Error naming `kernel`.
 void check_launch(const char* kernel);
 
+/// Whether kernels that support it launch as programmatic dependents (kernels/launch.cuh): on
+/// unless KVATTN_PDL=0 (read once).
+bool programmatic_launch_enabled();
+
 /// True while `stream` is being captured into a CUDA graph (launch sizes must then be fixed).
 bool stream_is_capturing(cudaStream_t stream);
 

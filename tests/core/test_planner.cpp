@@ -42,9 +42,13 @@ void expect_plan_covers(const DecodePlan& plan, const std::vector<int32_t>& kv_l
     const int32_t last = plan.merge_indptr[item.request + 1];
     if (item.partial < 0) {
       EXPECT_EQ(first, last) << "a request with partials also writes directly";
+      EXPECT_EQ(item.num_partials, 0);
     } else {
       ASSERT_GE(item.partial, first);
       ASSERT_LT(item.partial, last);
+      // The kernel's in-place merge reads the request's partial range from the item itself.
+      EXPECT_EQ(item.first_partial, first);
+      EXPECT_EQ(item.num_partials, last - first);
       partial_seen[item.partial]++;
     }
   }
@@ -154,6 +158,22 @@ TEST(DecodePlanner, RandomBatchesStayWithinCapacity) {
   }
 }
 
+// fixed_chunk (a tuning knob) replaces the search when its items fit, and is ignored when not.
+TEST(DecodePlanner, FixedChunkSplitsEveryLongRequest) {
+  DecodePlanConfig config = h200_config();
+  config.fixed_chunk = 100;  // rounded up to chunk_align 32: 128
+  const std::vector<int32_t> kv_len{1000, 50, 129};
+  const DecodePlan plan = plan_decode(kv_len, config, decode_item_capacity(3, config));
+  EXPECT_EQ(plan.chunk, 128);
+  EXPECT_EQ(plan.items.size(), size_t(8 + 1 + 2));
+  expect_plan_covers(plan, kv_len);
+  config.fixed_chunk = 32;  // 1000 / 32 = 32 items: over a capacity of 4, so the search decides
+  const DecodePlan fallback = plan_decode(kv_len, config, 4);
+  EXPECT_NE(fallback.chunk, 32);
+  EXPECT_LE(fallback.items.size(), 4u);
+  expect_plan_covers(fallback, kv_len);
+}
+
 TEST(DecodePlanner, RejectsBadInput) {
   const DecodePlanConfig config = h200_config();
   const std::vector<int32_t> negative{4, -1};
@@ -195,9 +215,17 @@ TEST(CallMetadata, DryRunAndFillAgree) {
   int32_t n = 0;
   std::memcpy(&n, host.data() + filled.num_items, sizeof(n));
   EXPECT_EQ(n, int(plan.items.size()));
-  DecodeWorkItem first;
-  std::memcpy(&first, host.data() + filled.decode_items, sizeof(first));
-  EXPECT_EQ(first.request, plan.items[0].request);
+  // Every item as written: the plan's fields plus where its indices start (kv_indptr + begin).
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    DecodeWorkItem item;
+    std::memcpy(&item, host.data() + filled.decode_items + i * sizeof(item), sizeof(item));
+    EXPECT_EQ(item.request, plan.items[i].request);
+    EXPECT_EQ(item.kv_begin, plan.items[i].kv_begin);
+    EXPECT_EQ(item.partial, plan.items[i].partial);
+    EXPECT_EQ(item.num_partials, plan.items[i].num_partials);
+    EXPECT_EQ(item.kv_offset, layout.kv_indptr[size_t(item.request)] + item.kv_begin) << i;
+  }
+  EXPECT_GT(plan.num_partials, 0) << "the 4000-token request should split";
   for (size_t offset : {filled.kv_indptr, filled.decode_items, filled.merge_indptr}) {
     EXPECT_EQ(offset % 16, 0u);
   }

@@ -207,6 +207,32 @@ TEST(CudaDecode, SanitizerSmoke) {
   run_and_expect(s, "split", nullptr);
 }
 
+// Split requests are merged inside the decode kernel by the CTA that finishes last, counted in
+// a device buffer that each launch must leave at zero: every relaunch over a poisoned output
+// must write the whole output again (a stale count would skip a merge and leave NaN).
+TEST(CudaDecode, SplitMergeRunsOnEveryLaunch) {
+  REQUIRE_GPU();
+  TensorCoreChoice choice("0");
+  ScenarioSpec spec = decode_base("split merge on every launch", 909);
+  spec.batch_size = 3;
+  spec.allow_tiny = false;
+  spec.min_kv_len = 3000;
+  spec.max_kv_len = 9000;
+  spec.save_kv_cache = false;
+  auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
+  auto backend = make_backend(BackendKind::kCuda, w->config);
+  backend->init_forward_metadata(w->batch);
+  const ScenarioCall& c = w->calls[0];
+  for (int launch = 0; launch < 4; ++launch) {
+    CUDA_OK(cudaMemset(c.out.data(), 0xff, size_t(c.out.nbytes())));  // NaN in every element
+    backend->forward(c.q, c.k, c.v, c.out, w->layer, w->batch, false);
+    CUDA_OK(cudaDeviceSynchronize());
+    const ScenarioResult r = judge_world(*w);
+    EXPECT_TRUE(r.passed) << "launch " << launch << ": " << r.detail << " (max_rel_err "
+                          << r.max_rel_err << ")";
+  }
+}
+
 // The planner and the bandwidth both assume 4 resident CTAs per SM at head_dim 128 (registers
 // <= 128, 48 KB of shared memory each): a change that loses one shows up here first.
 TEST(CudaDecode, KernelKeepsFourCtasPerSm) {

@@ -225,8 +225,26 @@ TEST(DecodeBench, Grid) {
       {16, 4096, 1, "0"},  {256, 1024, 1, "0"}, {16, 16384, 1, "0"}, {16, 32768, 1, "0"},
       {256, 4096, 1, "0"}, {1, 1024, 1, "0"},   {64, 4096, 1, "1"},  {1, 32768, 1, "1"},
   };
+  // KVATTN_DECODE_BENCH_CASES="b,kv,page,tc;..." (e.g. "1,32768,1,0;1,1024,1,0") picks rows.
+  std::vector<BenchCase> picked;
+  if (const char* only = std::getenv("KVATTN_DECODE_BENCH_CASES"); only != nullptr) {
+    std::string spec(only);
+    for (size_t begin = 0; begin < spec.size();) {
+      const size_t end = std::min(spec.find(';', begin), spec.size());
+      BenchCase c{};
+      int tc = 0;
+      if (std::sscanf(spec.substr(begin, end - begin).c_str(), "%d,%d,%d,%d", &c.batch, &c.kv_len,
+                      &c.page_size, &tc) != 4) {
+        FAIL() << "KVATTN_DECODE_BENCH_CASES: bad entry in '" << spec << "'";
+      }
+      c.tensor_cores = tc != 0 ? "1" : "0";
+      picked.push_back(c);
+      begin = end + 1;
+    }
+  }
   std::vector<BenchRow> rows;
-  for (const BenchCase& c : cases) rows.push_back(run_case(c, read_gbps, stream));
+  for (const BenchCase& c : picked.empty() ? cases : picked)
+    rows.push_back(run_case(c, read_gbps, stream));
   std::printf(
       "\n| batch | kv_len | page | kernel | graph us | direct us | GB/s | of read | err |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");

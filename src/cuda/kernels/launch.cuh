@@ -1,0 +1,33 @@
+// Kernel launches as programmatic dependents (PDL, sm_90): the grid may be scheduled while the
+// previous kernel of the stream drains. A kernel launched this way must execute
+// `griddepcontrol.wait` before it reads anything an earlier kernel wrote (or writes anything an
+// earlier kernel reads); the launch itself is an ordinary one on devices or streams without PDL.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "cuda/cuda_util.h"
+
+namespace kvattn::cuda::detail {
+
+template <typename... Params, typename... Args>
+void launch_programmatic_dependent(void (*kernel)(Params...), dim3 grid, dim3 block,
+                                   size_t smem_bytes, cudaStream_t stream, const char* name,
+                                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch_enabled() ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+  check_launch(name);
+}
+
+}  // namespace kvattn::cuda::detail
