@@ -1040,6 +1040,7 @@ class Runner:
             k_buffer=layout.k_pool, v_buffer=layout.v_pool, page_size=case.page_size,
             dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, start_layer=0, layer_num=sets)
         req_to_token = layout.slots.to(torch.int32).contiguous()
+        self.sync()  # default-stream work above; the backend works on self.stream
         req_pool = types.SimpleNamespace(req_to_token=req_to_token)
         window = case.window if case.window >= 0 else None
         with self.on_stream():
@@ -1079,6 +1080,7 @@ class Runner:
             head_dim=HEAD_DIM, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=self.scale,
             logit_cap=0.0, sliding_window_size=-1 if window is None else window,
             is_cross_attention=False, k_scale=None, v_scale=None) for s in range(sets)]
+        self.sync()  # the batch fields were made on the default stream
         with self.on_stream():
             backend.init_forward_metadata(batch)
         self.sync()
@@ -1143,6 +1145,7 @@ class Runner:
             def call(i):
                 return attend(i, keys[i], values[i], False)
         self._sdpa_note = note.get("note", "")
+        self.sync()  # repeated KV heads (default stream) before the calls on self.stream
         return call, lambda out: out.transpose(1, 2).reshape(-1, Q_HEADS, HEAD_DIM)
 
     def _contiguous_kv(self, case: Case, kv):
@@ -1185,6 +1188,7 @@ class Runner:
         def call(i):
             return flex(queries[i], keys[i], values[i], block_mask=block_mask, scale=self.scale,
                         enable_gqa=True)
+        self.sync()  # the block mask (default stream) before the calls on self.stream
         return call, lambda out: out.transpose(1, 2).reshape(-1, Q_HEADS, HEAD_DIM)
 
     # ---- FlashInfer ----
