@@ -1500,9 +1500,8 @@ class Runner:
             if rc != 0 and not rows and died_in is None:
                 failed_starts += 1
                 if failed_starts >= FI_WORKER_MAX_FAILED_STARTS:
-                    for label, impl in rest:
-                        self.skip(by_label[label], impl, "FlashInfer worker failed to start "
-                                  f"({describe_rc(rc)}; see the run log)")
+                    self._pass_b_here(by_label, rest, kvattn_files, checksums,
+                                      f"FlashInfer workers failed to start ({describe_rc(rc)})")
                     break
             elif rc == 0 and rest:
                 for label, impl in rest:
@@ -1514,6 +1513,31 @@ class Runner:
                          f"{len(rest)} measurement(s) left for a fresh worker")
             self.write_outputs(final=False)
         self.versions.update(getattr(self, "_worker_versions", {}))
+
+    def _pass_b_here(self, by_label: Dict[str, Case], items: List[Tuple[str, str]],
+                     kvattn_files: Dict[str, str], checksums: Dict[str, float],
+                     why: str) -> None:
+        """The old way, when no worker can start (e.g. a GPU in exclusive-process mode): the
+        items in this process, unisolated; after a lost context the rest are not run."""
+        if self.context_lost:
+            for label, impl in items:
+                self.skip(by_label[label], impl, f"{why}; {self.lost_why()}")
+            return
+        self.log(f"pass B: {why}: FlashInfer in the main process, not isolated")
+        self.notes.append(f"pass B ran in the main process: {why}")
+        events: List[dict] = []
+
+        def emit(**event) -> None:
+            events.append(event)
+            self._take_worker_event(by_label, event)
+
+        self.worker_pass_b({"items": items, "kvattn": kvattn_files, "checksums": checksums},
+                           emit)
+        rows, died_in, rest, notes = settle_worker_events(items, events)
+        self.notes.extend(notes)
+        for label, impl in rest:
+            self.skip(by_label[label], impl, self.lost_why())
+        self.empty_cache()
 
     def _take_worker_event(self, by_label: Dict[str, Case], event: dict) -> None:
         """Records a row a pass-B worker reported (and Δ FI on kvattn's row)."""
