@@ -1497,6 +1497,10 @@ class Runner:
                        f"FlashInfer worker died ({describe_rc(rc)}) during this measurement")
                 self.skip(by_label[label], impl, why)
                 self.log(f"  {impl}: {why}")
+            if killed:
+                for label, impl in rest:
+                    self.skip(by_label[label], impl, "skipped: budget")
+                break
             if rc != 0 and not rows and died_in is None:
                 failed_starts += 1
                 if failed_starts >= FI_WORKER_MAX_FAILED_STARTS:
