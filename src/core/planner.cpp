@@ -223,8 +223,6 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
       item.kv_begin = int32_t(p * best_chunk);
       item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * best_chunk));
       item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
-      item.first_partial = pieces > 1 ? plan.merge_indptr[r] : 0;
-      item.num_partials = pieces > 1 ? int32_t(pieces) : 0;
       emitted.push_back(item);
     }
   }

@@ -42,8 +42,7 @@ struct alignas(16) DecodeWorkItem {
   /// write_call_metadata), so a CTA goes from its item straight to kv_indices (one dependent
   /// load less at the start of every CTA).
   int64_t kv_offset = 0;
-  int32_t first_partial = 0;  ///< a split request's partial rows: [first, first + num_partials)
-  int32_t num_partials = 0;   ///< pieces of the request (0: not split); the last to finish merges
+  int64_t reserved = 0;
 };
 static_assert(sizeof(DecodeWorkItem) == 32);
 

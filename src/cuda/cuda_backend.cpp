@@ -127,26 +127,6 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   return setup;
 }
 
-namespace {
-
-// The decode kernel's merge counters must be zero before its first launch: a buffer that was
-// (re)allocated is cleared on `stream` (ordered before the launch that uses it); one that was
-// already large enough is zero (every launch leaves it so).
-void ensure_merge_counters(CallState& call, const core::CallCapacity& capacity, bool frozen,
-                           Device device, cudaStream_t stream) {
-  const size_t bytes = size_t(capacity.batch_size) * size_t(capacity.num_q_heads) * sizeof(int32_t);
-  const void* before = call.merge_counters.data();
-  ensure_bytes(call.merge_counters, std::max<size_t>(bytes, sizeof(int32_t)), frozen, device,
-               "decode merge counters");
-  if (call.merge_counters.data() != before) {
-    check_cuda(cudaMemsetAsync(call.merge_counters.data(), 0, call.merge_counters.bytes(), stream),
-               "cudaMemsetAsync(decode merge counters)");
-    if (stream == nullptr) check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
-  }
-}
-
-}  // namespace
-
 void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv_indices_capacity,
                  int v_head_dim, Device device, cudaStream_t stream) {
   if (!call.fence) call.fence = std::make_unique<CopyFence>();
@@ -165,7 +145,6 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   ensure_bytes(call.metadata, metadata_bytes, call.frozen, device, "call metadata");
   if (call.offsets.scratch_bytes > 0) {
     ensure_bytes(call.scratch, call.offsets.scratch_bytes, call.frozen, device, "decode partials");
-    ensure_merge_counters(call, capacity, call.frozen, device, stream);
   }
   if (call.paged) {
     ensure_bytes(call.kv_indices,
@@ -207,7 +186,6 @@ void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
                "call metadata");
   if (offsets.scratch_bytes > 0) {
     ensure_bytes(call.scratch, offsets.scratch_bytes, false, device, "decode partials");
-    ensure_merge_counters(call, capacity, false, device, nullptr);
   }
   ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
                false, device, "kv_indices");
@@ -321,7 +299,8 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
       reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) + call.offsets.partial_lse);
   // A captured graph replays later plans for the same batch size: cover the capacity.
   launch.grid_items = capturing ? call.item_limit : int(call.decode_plan.items.size());
-  launch.merge_counters = static_cast<int32_t*>(call.merge_counters.data());
+  launch.merge_indptr = call.meta<int32_t>(call.offsets.merge_indptr);
+  launch.has_partials = capturing || call.decode_plan.num_partials > 0;
   launch_decode(launch, device, stream);
 }
 

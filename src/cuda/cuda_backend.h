@@ -83,9 +83,6 @@ struct CallState {
   std::unique_ptr<CopyFence> fence;
   Buffer metadata;     ///< [call metadata | prefill region (metadata, then its scratch)]
   Buffer scratch;      ///< decode partial states
-  /// int32 [batch capacity, num_q_heads]: the decode kernel's split-merge counters, zeroed when
-  /// allocated and zero again after every launch (DecodeLaunch::merge_counters).
-  Buffer merge_counters;
   Buffer kv_indices;   ///< int32 [total keys]
   Buffer folded_mask;  ///< TARGET_VERIFY on a window layer: the tree mask with the window folded in
 

@@ -207,9 +207,8 @@ TEST(CudaDecode, SanitizerSmoke) {
   run_and_expect(s, "split", nullptr);
 }
 
-// Split requests are merged inside the decode kernel by the CTA that finishes last, counted in
-// a device buffer that each launch must leave at zero: every relaunch over a poisoned output
-// must write the whole output again (a stale count would skip a merge and leave NaN).
+// Split requests (partials in a reused scratch buffer, merged by a programmatic-dependent launch):
+// every relaunch over a poisoned output must write the whole output again.
 TEST(CudaDecode, SplitMergeRunsOnEveryLaunch) {
   REQUIRE_GPU();
   TensorCoreChoice choice("0");

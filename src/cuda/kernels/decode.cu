@@ -94,6 +94,7 @@ void launch_decode(const DecodeLaunch& launch, int device, cudaStream_t stream) 
             "plan", "decode needs work items, kv_indptr and kv_indices on the device");
   if (launch.grid_items == 0 || p.batch_size == 0) return;
   run_instance(instance, &launch, p.kv_dtype, device, stream, nullptr);
+  if (launch.has_partials) detail::launch_decode_merge(launch, stream);
 
 }
 

@@ -6,8 +6,9 @@
 // with cp.async (16-byte copies, kDecodeStages deep; each thread reads back only what it copied,
 // so the main loop has no barrier), the online softmax runs in fp32 in the log2 domain, and the
 // CTA's token streams are merged in shared memory at the end. Split items write a partial
-// (normalized output, natural-log LSE); the CTA that finishes a request's last piece folds
-// them with core::merge_weights (no second launch).
+// (normalized output, natural-log LSE) that launch_decode's merge kernel folds with
+// core::merge_weights. (Folding them in the decode kernel, by the CTA that finishes a request's
+// last piece, was measured slower: bench/NOTES.md.)
 //
 // Supported: q/out fp32, bf16 or fp16; KV bf16, fp16, fp8 e4m3 / e5m2 (times k_scale/v_scale);
 // head_dim and v_head_dim multiples of 8 up to the largest compiled head_dim (64/128/256);
@@ -45,15 +46,15 @@ struct DecodeLaunch {
   const core::DecodeWorkItem* items = nullptr;  ///< [item capacity] device
   const int32_t* num_items = nullptr;           ///< [1] device: items of the current plan
   int grid_items = 0;  ///< items the grid covers (>= *num_items; graph capture: the capacity)
-  float* partial_out = nullptr;  ///< [item capacity, num_q_heads, v_head_dim]
-  float* partial_lse = nullptr;  ///< [item capacity, num_q_heads]
-  /// [batch capacity, num_q_heads] device, zero before the first launch: per (request, CTA of
-  /// the item) the count of finished pieces of a split request. The last piece's CTA merges
-  /// the partials and puts the count back to zero, so the buffer is zero between launches.
-  int32_t* merge_counters = nullptr;
+  const int32_t* merge_indptr = nullptr;  ///< [batch_size + 1] device
+  float* partial_out = nullptr;           ///< [item capacity, num_q_heads, v_head_dim]
+  float* partial_lse = nullptr;           ///< [item capacity, num_q_heads]
+  bool has_partials = true;  ///< false when the plan split nothing (skips the merge launch;
+                             ///< graph capture must pass true)
 };
 
-/// Launches the decode kernel asynchronously on `stream` (split requests are merged inside it).
+/// Launches the decode kernel and (when has_partials) the merge, asynchronously on `stream`,
+/// both as programmatic dependents of what precedes them (kernels/launch.cuh).
 /// Throws kNotSupported for an uncompiled shape and kDeviceError when a launch fails.
 void launch_decode(const DecodeLaunch& launch, int device, cudaStream_t stream);
 
@@ -80,3 +81,8 @@ struct MergeStatesLaunch {
 void launch_merge_states(const MergeStatesLaunch& launch, cudaStream_t stream);
 
 }  // namespace kvattn::cuda
+
+namespace kvattn::cuda::detail {
+/// The split-KV merge of launch_decode (merge.cu): folds each split request's partial states.
+void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream);
+}  // namespace kvattn::cuda::detail

@@ -47,7 +47,7 @@ struct DecodeTraits {
   static constexpr int kPipelineBytes = kDecodeStages * kStageBytes;
   // End of the CTA: per stream m, d and the unnormalized output of every head.
   static constexpr int kMergeBytes =
-      (kStreams * kDecodeHeadsPerCta * (kHeadDim + 2) + kDecodeHeadsPerCta + 1) * int(sizeof(float));
+      (kStreams * kDecodeHeadsPerCta * (kHeadDim + 2) + kDecodeHeadsPerCta) * int(sizeof(float));
   static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   static_assert(kHeadDim % 64 == 0 && kThreadsPerToken <= 32, "head_dim 64, 128 or 256");
 };
@@ -62,55 +62,6 @@ __device__ __forceinline__ void reduce_scatter_step(float (&values)[kN], int lan
     const float send = upper ? values[i] : values[i + kHalf];
     const float keep = upper ? values[i + kHalf] : values[i];
     values[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
-  }
-}
-
-// Folds a split request's partials for the CTA's heads into the output: each thread owns 4
-// consecutive dims of one head and walks the pieces kMergeBatch at a time, so that many L2
-// loads are in flight per thread (the partials were written moments ago by other CTAs).
-constexpr int kMergeBatch = 16;
-
-template <int kH>
-__device__ __forceinline__ void merge_split_partials(const DecodeLaunch& launch,
-                                                     const core::DecodeWorkItem& item, int head0,
-                                                     int num_heads, int tid) {
-  const core::AttentionParams& p = launch.params;
-  const int quads = p.v_head_dim / 4;  // v_head_dim is a multiple of 8
-  for (int unit = tid; unit < num_heads * quads; unit += kDecodeThreads) {
-    const int head = head0 + unit / quads;
-    const int dim = (unit % quads) * 4;
-    float lse = -INFINITY;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int base = 0; base < item.num_partials; base += kMergeBatch) {
-      float part_lse[kMergeBatch];
-      float4 part_out[kMergeBatch];
-#pragma unroll
-      for (int b = 0; b < kMergeBatch; ++b) {
-        const bool valid = base + b < item.num_partials;
-        const int64_t row = int64_t(item.first_partial + (valid ? base + b : 0)) * p.num_q_heads + head;
-        part_lse[b] = valid ? __ldcg(launch.partial_lse + row) : -INFINITY;
-        part_out[b] = valid ? __ldcg(reinterpret_cast<const float4*>(launch.partial_out +
-                                                                      row * p.v_head_dim + dim))
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int b = 0; b < kMergeBatch; ++b) {
-        float w_acc, w_part, merged;
-        core::merge_weights(lse, part_lse[b], &w_acc, &w_part, &merged);
-        acc.x = w_acc * acc.x + w_part * part_out[b].x;
-        acc.y = w_acc * acc.y + w_part * part_out[b].y;
-        acc.z = w_acc * acc.z + w_part * part_out[b].z;
-        acc.w = w_acc * acc.w + w_part * part_out[b].w;
-        lse = merged;
-      }
-    }
-    const int64_t base = int64_t(item.request) * p.out_stride_token +
-                         int64_t(head) * p.out_stride_head + dim;
-    store_io(p.out, p.io_dtype, base + 0, acc.x);
-    store_io(p.out, p.io_dtype, base + 1, acc.y);
-    store_io(p.out, p.io_dtype, base + 2, acc.z);
-    store_io(p.out, p.io_dtype, base + 3, acc.w);
-    if (dim == 0 && p.lse != nullptr) p.lse[int64_t(item.request) * p.num_q_heads + head] = lse;
   }
 }
 
@@ -362,8 +313,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     }
   }
   cp_async_wait<0>();
-  // The next kernel of the stream (launched as a programmatic dependent) may start its CTAs
-  // now; it waits for this grid's completion before reading anything.
+  // The split-KV merge kernel (launched as a programmatic dependent) may start its CTAs now;
+  // it waits for this grid's completion before reading any partial state.
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
   __syncthreads();  // every thread is done with the pipeline: its memory becomes the merge area
 
@@ -444,24 +395,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
       if (dim == 0) launch.partial_lse[row] = lse;
     }
   }
-  if (item.partial < 0) return;
-
-  // ---- split request: the CTA that finishes its last piece merges the partials -------------
-  // Release: every thread's partial stores are visible device-wide before the count moves.
-  __threadfence();
-  __syncthreads();
-  int* is_last = reinterpret_cast<int*>(head_lse + kH);
-  if (tid == 0) {
-    int32_t* counter = launch.merge_counters + int64_t(request) * p.num_q_heads + rem;
-    const int finished = atomicAdd(counter, 1) + 1;
-    const bool last = finished == item.num_partials;
-    if (last) atomicExch(counter, 0);  // every piece has counted: zero for the next launch
-    *is_last = last ? 1 : 0;
-  }
-  __syncthreads();
-  if (*is_last == 0) return;
-  __threadfence();  // acquire: the other pieces' partials (read through L2 below)
-  merge_split_partials<kH>(launch, item, head0, num_heads, tid);
 }
 
 /// Launches the kernel for one (head_dim, KV dtype) instance, or reports its facts.

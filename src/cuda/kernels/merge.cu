@@ -1,6 +1,5 @@
-// Merging attention states: the ragged + paged-prefix merge of EXTEND, through
-// core::merge_weights, the one definition of the merge numerics (the decode kernel's split-KV
-// merge uses it too).
+// Merging attention states: the split-KV reduction of decode and the ragged + paged-prefix merge
+// of EXTEND. Both go through core::merge_weights, the one definition of the merge numerics.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -10,6 +9,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/decode.h"
 #include "cuda/kernels/decode_numerics.cuh"
+#include "cuda/kernels/launch.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -17,6 +17,86 @@ namespace detail {
 namespace {
 
 constexpr int kMergeThreads = 128;
+
+// Split-KV reduction: one CTA per (batch entry, q head). Each warp folds every kMergeWarps-th
+// partial, loading kMergeBatch of them at once so their latencies overlap (a one-at-a-time fold
+// over 64 partials waited 64 L2 round trips), then the warps' states are folded in shared
+// memory. Entries that were not split (an empty partial range) were written by the decode
+// kernel itself.
+constexpr int kDecodeMergeThreads = 256;
+constexpr int kMergeWarps = kDecodeMergeThreads / 32;
+constexpr int kMergeBatch = 8;  // 64 partials: one round of loads per warp
+constexpr int kMaxDimsPerLane = 8;  // v_head_dim <= 256
+
+__global__ void __launch_bounds__(kDecodeMergeThreads)
+    decode_merge_kernel(const DecodeLaunch launch) {
+  const core::AttentionParams& p = launch.params;
+  const int request = int(blockIdx.x);
+  const int head = int(blockIdx.y);
+  // The partial ranges came with the call's metadata, copied before the decode kernel started
+  // (and this grid starts only after it has): readable before the wait, overlapping it.
+  const int first = launch.merge_indptr[request];
+  const int last = launch.merge_indptr[request + 1];
+  // Launched as a programmatic dependent of the decode kernel: wait until its partial states
+  // are complete and visible.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // The next kernel (the next layer's decode, also a programmatic dependent) may be scheduled
+  // now; it waits for this grid's completion before reading anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+  if (first == last) return;
+  const int warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  float lse = -INFINITY;
+  float out[kMaxDimsPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) out[j] = 0.f;
+  for (int base = first + warp * kMergeBatch; base < last; base += kMergeWarps * kMergeBatch) {
+    float part_lse[kMergeBatch];
+    float part_out[kMergeBatch][kMaxDimsPerLane];
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      const int part = base + b;
+      const bool valid = part < last;
+      const int64_t row = int64_t(valid ? part : first) * p.num_q_heads + head;
+      part_lse[b] = valid ? launch.partial_lse[row] : -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kMaxDimsPerLane; ++j) {
+        const int dim = lane + 32 * j;
+        part_out[b][j] =
+            valid && dim < p.v_head_dim ? launch.partial_out[row * p.v_head_dim + dim] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      float w_acc, w_part, merged;
+      core::merge_weights(lse, part_lse[b], &w_acc, &w_part, &merged);
+#pragma unroll
+      for (int j = 0; j < kMaxDimsPerLane; ++j) out[j] = w_acc * out[j] + w_part * part_out[b][j];
+      lse = merged;
+    }
+  }
+  __shared__ float warp_lse[kMergeWarps];
+  __shared__ float warp_out[kMergeWarps][32 * kMaxDimsPerLane];
+  if (lane == 0) warp_lse[warp] = lse;
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) warp_out[warp][lane + 32 * j] = out[j];
+  __syncthreads();
+  for (int dim = int(threadIdx.x); dim < p.v_head_dim; dim += kDecodeMergeThreads) {
+    float total_lse = -INFINITY;
+    float value = 0.f;
+    for (int w = 0; w < kMergeWarps; ++w) {
+      float w_acc, w_part, merged;
+      core::merge_weights(total_lse, warp_lse[w], &w_acc, &w_part, &merged);
+      value = w_acc * value + w_part * warp_out[w][dim];
+      total_lse = merged;
+    }
+    store_io(p.out, p.io_dtype,
+             int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim,
+             value);
+    if (dim == 0 && p.lse != nullptr) p.lse[int64_t(request) * p.num_q_heads + head] = total_lse;
+  }
+}
+
 constexpr int kRowsPerMergeCta = kMergeThreads / 32;
 
 // One warp per (token, head) row.
@@ -40,6 +120,18 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
 }
 
 }  // namespace
+
+void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
+  const core::AttentionParams& p = launch.params;
+  if (p.batch_size == 0) return;
+  // Programmatic dependent launch: the merge's CTAs are scheduled while the decode grid drains
+  // instead of after it (griddepcontrol.wait in the kernel keeps the data dependency).
+  launch_programmatic_dependent(decode_merge_kernel,
+                                dim3(uint32_t(p.batch_size), uint32_t(p.num_q_heads)),
+                                dim3(kDecodeMergeThreads), 0, stream, "decode_merge_kernel",
+                                launch);
+}
+
 }  // namespace detail
 
 void launch_merge_states(const MergeStatesLaunch& m, cudaStream_t stream) {
