@@ -113,27 +113,78 @@ struct CallContext {
 // The kernels below are templates over these, so each storage dtype gets its own inner loops
 // (4 instantiations); the scratch path reuses the fp32 one on widened blocks.
 
+// pair(row, i, a, b) widens 16 elements [i, i + 16) into two vectors for the direct decode path.
+// kPermuted: bf16 does it with one 32-byte load, a shift and a mask, so `a` holds the even
+// elements (i, i + 2, .., i + 14) and `b` the odd ones. The kernels that use pairs keep q and the
+// output accumulators in the same order within each group of 16 dims (permute_16 /
+// unpermute_16), which leaves every dot product and sum unchanged. The other dtypes fill a and b
+// with elements [i, i + 8) and [i + 8, i + 16).
 struct Fp32Rows {
+  static constexpr bool kPermuted = false;
   __m256 operator()(const char* row, int i) const {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
   }
+  void pair(const char* row, int i, __m256& a, __m256& b) const {
+    a = (*this)(row, i);
+    b = (*this)(row, i + 8);
+  }
 };
 struct Bf16Rows {
+  static constexpr bool kPermuted = true;
   __m256 operator()(const char* row, int i) const {
     return simd::load8_bf16(reinterpret_cast<const uint16_t*>(row) + i);
   }
+  void pair(const char* row, int i, __m256& even, __m256& odd) const {
+    const __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(row) + i));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xffff0000u))));
+  }
 };
 struct Fp16Rows {
+  static constexpr bool kPermuted = false;
   __m256 operator()(const char* row, int i) const {
     return simd::load8_fp16(reinterpret_cast<const uint16_t*>(row) + i);
   }
+  void pair(const char* row, int i, __m256& a, __m256& b) const {
+    a = (*this)(row, i);
+    b = (*this)(row, i + 8);
+  }
 };
 struct Fp8Rows {
+  static constexpr bool kPermuted = false;
   const float* table;  // [256] the format's values
   __m256 operator()(const char* row, int i) const {
     return simd::load8_fp8(reinterpret_cast<const uint8_t*>(row) + i, table);
   }
+  void pair(const char* row, int i, __m256& a, __m256& b) const {
+    a = (*this)(row, i);
+    b = (*this)(row, i + 8);
+  }
 };
+
+// The pair order of a float row of n (a multiple of 16) elements, in place: within each group of
+// 16, the even elements first, then the odd ones. unpermute_16 undoes it.
+void permute_16(float* x, int n) {
+  for (int b = 0; b < n; b += 16) {
+    float t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[i] = x[b + 2 * i];
+      t[8 + i] = x[b + 2 * i + 1];
+    }
+    std::memcpy(x + b, t, sizeof(t));
+  }
+}
+void unpermute_16(float* x, int n) {
+  for (int b = 0; b < n; b += 16) {
+    float t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = x[b + i];
+      t[2 * i + 1] = x[b + 8 + i];
+    }
+    std::memcpy(x + b, t, sizeof(t));
+  }
+}
 
 // ---- scores: s[r][j] = q[r] . k[j] ------------------------------------------------------------
 // Key j's row starts at keys[j] + head_offset bytes.
@@ -291,6 +342,145 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
   }
 }
 
+// ---- the direct path's kernels on 16-element pairs (head_dim, v_head_dim multiples of 16) --------
+
+// Keeps v in a register: the compiler otherwise folds each q load into both FMAs that use it
+// (two loads per value), and the score loop is then bound by the two 256-bit loads per cycle.
+inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
+
+// 4 query rows x 2 keys, 16 dims a step (the even halves, then the odd ones): 8 accumulators,
+// each q vector loaded once for both keys, one hsum8 at the end.
+template <typename Load>
+inline void pair_dot_4x2(const float* q /*[4, dim]*/, const char* k0, const char* k1, int dim,
+                         float* s /*[4, ld]*/, int ld, const Load& load) {
+  __m256 acc[4][2];
+  for (int rr = 0; rr < 4; ++rr) acc[rr][0] = acc[rr][1] = _mm256_setzero_ps();
+  for (int i = 0; i < dim; i += 16) {
+    __m256 k0a, k0b, k1a, k1b;
+    load.pair(k0, i, k0a, k0b);
+    load.pair(k1, i, k1a, k1b);
+    for (int rr = 0; rr < 4; ++rr) {
+      __m256 qa = _mm256_loadu_ps(q + rr * dim + i);
+      in_register(qa);
+      acc[rr][0] = _mm256_fmadd_ps(qa, k0a, acc[rr][0]);
+      acc[rr][1] = _mm256_fmadd_ps(qa, k1a, acc[rr][1]);
+    }
+    for (int rr = 0; rr < 4; ++rr) {
+      __m256 qb = _mm256_loadu_ps(q + rr * dim + i + 8);
+      in_register(qb);
+      acc[rr][0] = _mm256_fmadd_ps(qb, k0b, acc[rr][0]);
+      acc[rr][1] = _mm256_fmadd_ps(qb, k1b, acc[rr][1]);
+    }
+  }
+  const __m256 sums = simd::hsum8(acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0],
+                                  acc[2][1], acc[3][0], acc[3][1]);
+  const __m128 rows01 = _mm256_castps256_ps128(sums);
+  const __m128 rows23 = _mm256_extractf128_ps(sums, 1);
+  _mm_storel_pi(reinterpret_cast<__m64*>(s), rows01);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + ld), rows01);
+  _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ld), rows23);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ld), rows23);
+}
+
+// 1 query row x 1 key.
+template <typename Load>
+inline float pair_dot_1x1(const float* q, const char* k, int dim, const Load& load) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int i = 0; i < dim; i += 16) {
+    __m256 ka, kb;
+    load.pair(k, i, ka, kb);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), ka, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), kb, a1);
+  }
+  return simd::hsum(_mm256_add_ps(a0, a1));
+}
+
+// s[r][j] = q[r] . k[j] for rows x nk (nk small: the direct path passes a pair of keys).
+template <typename Load>
+inline void pair_scores(const float* q /*[rows, dim]*/, int rows, const char* const* keys,
+                        int64_t head_offset, int nk, int dim, float* s /*[rows, ld]*/, int ld,
+                        const Load& load) {
+  int r = 0;
+  if (nk == 2) {
+    for (; r + 4 <= rows; r += 4) {
+      pair_dot_4x2(q + int64_t(r) * dim, keys[0] + head_offset, keys[1] + head_offset, dim,
+                   s + int64_t(r) * ld, ld, load);
+    }
+  }
+  for (; r < rows; ++r) {
+    for (int j = 0; j < nk; ++j) {
+      s[int64_t(r) * ld + j] = pair_dot_1x1(q + int64_t(r) * dim, keys[j] + head_offset, dim, load);
+    }
+  }
+}
+
+// o[r] += sum_j p[r][j] * v[j], o in the loader's pair order.
+template <typename Load>
+void pair_accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
+                        const char* const* values /*[nk]*/, int64_t head_offset, int nk, int dv,
+                        float* o /*[rows, dv]*/, const Load& load) {
+  const char* v[kKvBlock];
+  for (int j = 0; j < nk; ++j) v[j] = values[j] + head_offset;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* p0 = p + int64_t(r) * ld;
+    float* o0 = o + int64_t(r) * dv;
+    for (int c = 0; c < dv; c += 16) {
+      __m256 acc[4][2];
+      for (int rr = 0; rr < 4; ++rr) {
+        acc[rr][0] = _mm256_loadu_ps(o0 + rr * dv + c);
+        acc[rr][1] = _mm256_loadu_ps(o0 + rr * dv + c + 8);
+      }
+      for (int j = 0; j < nk; ++j) {
+        __m256 va, vb;
+        load.pair(v[j], c, va, vb);
+        for (int rr = 0; rr < 4; ++rr) {
+          const __m256 w = _mm256_broadcast_ss(p0 + rr * ld + j);
+          acc[rr][0] = _mm256_fmadd_ps(w, va, acc[rr][0]);
+          acc[rr][1] = _mm256_fmadd_ps(w, vb, acc[rr][1]);
+        }
+      }
+      for (int rr = 0; rr < 4; ++rr) {
+        _mm256_storeu_ps(o0 + rr * dv + c, acc[rr][0]);
+        _mm256_storeu_ps(o0 + rr * dv + c + 8, acc[rr][1]);
+      }
+    }
+  }
+  for (; r < rows; ++r) {
+    const float* pr = p + int64_t(r) * ld;
+    float* orow = o + int64_t(r) * dv;
+    int c = 0;
+    for (; c + 32 <= dv; c += 32) {
+      __m256 acc[4];
+      for (int u = 0; u < 4; ++u) acc[u] = _mm256_loadu_ps(orow + c + 8 * u);
+      for (int j = 0; j < nk; ++j) {
+        const __m256 w = _mm256_broadcast_ss(pr + j);
+        __m256 va, vb, vc, vd;
+        load.pair(v[j], c, va, vb);
+        load.pair(v[j], c + 16, vc, vd);
+        acc[0] = _mm256_fmadd_ps(w, va, acc[0]);
+        acc[1] = _mm256_fmadd_ps(w, vb, acc[1]);
+        acc[2] = _mm256_fmadd_ps(w, vc, acc[2]);
+        acc[3] = _mm256_fmadd_ps(w, vd, acc[3]);
+      }
+      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(orow + c + 8 * u, acc[u]);
+    }
+    for (; c < dv; c += 16) {
+      __m256 a0 = _mm256_loadu_ps(orow + c);
+      __m256 a1 = _mm256_loadu_ps(orow + c + 8);
+      for (int j = 0; j < nk; ++j) {
+        const __m256 w = _mm256_broadcast_ss(pr + j);
+        __m256 va, vb;
+        load.pair(v[j], c, va, vb);
+        a0 = _mm256_fmadd_ps(w, va, a0);
+        a1 = _mm256_fmadd_ps(w, vb, a1);
+      }
+      _mm256_storeu_ps(orow + c, a0);
+      _mm256_storeu_ps(orow + c + 8, a1);
+    }
+  }
+}
+
 // Widens one kv head's rows of a block into dst [nk, dim] (the scratch path).
 template <typename Load>
 void widen_block(const char* const* rows /*[nk]*/, int64_t head_offset, int nk, int dim,
@@ -440,6 +630,10 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   const int num_heads = item.head_end - item.head_begin;
   const int64_t io_element = dtype_size(p.io_dtype);
   auto row_of = [&](int h, int t, int g) { return h * ctx.tile_rows + t * group + g; };
+  // The direct path works on 16-element pairs when both dims allow; with a permuting loader
+  // (bf16), q and o are then in pair order until the output is normalized.
+  const bool pairs = ctx.direct && dim % 16 == 0 && dv % 16 == 0;
+  const bool permuted = pairs && Load::kPermuted;
 
   // Queries, pre-scaled so that q . k is the logit.
   for (int h = 0; h < num_heads; ++h) {
@@ -449,8 +643,9 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         const int head = (item.head_begin + h) * group + g;
         const char* src = static_cast<const char*>(p.q) +
                           (token * p.q_stride_token + int64_t(head) * p.q_stride_head) * io_element;
-        load_row(src, p.io_dtype, dim, ctx.q_scale,
-                 ws.q.data() + int64_t(row_of(h, t, g)) * dim);
+        float* qrow = ws.q.data() + int64_t(row_of(h, t, g)) * dim;
+        load_row(src, p.io_dtype, dim, ctx.q_scale, qrow);
+        if (permuted) permute_16(qrow, dim);
       }
     }
   }
@@ -517,16 +712,26 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
           prefetch_rows(values + j, pair, v_head_offset(h), v_row_bytes);
           prefetch_rows(next_keys + j, next_pair, k_head_offset(h), k_row_bytes);
           const int64_t first_row = int64_t(h) * ctx.tile_rows;
-          compute_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), pair,
-                         dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
+          if (pairs) {
+            pair_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), pair,
+                        dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
+          } else {
+            compute_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h),
+                           pair, dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
+          }
         }
       }
       for (int h = 0; h < num_heads; ++h) {
         const int64_t first_row = int64_t(h) * ctx.tile_rows;
         mask_and_softmax(p, tile, block, nk, ws.s.data() + first_row * kKvBlock,
                          ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
-        accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
-                      v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
+        if (pairs) {
+          pair_accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
+                             v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
+        } else {
+          accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
+                        v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
+        }
       }
     } else {
       // Widen each head's block once; all of the tile's rows then use it from L1.
@@ -563,6 +768,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         float* orow = ws.o.data() + int64_t(row) * dv;
         const SoftmaxState& state = ws.state[size_t(row)];
         const float lse = state.lse();
+        if (permuted) unpermute_16(orow, dv);
         const __m256 inv = _mm256_set1_ps(state.sum > 0.f ? p.v_scale / state.sum : 0.f);
         for (int c = 0; c < dv; c += 8) {
           _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), inv));

@@ -557,6 +557,40 @@ TEST(CpuAttention, DecodeShapesAndDtypes) {
   }
 }
 
+TEST(CpuAttention, DecodeHeadDimsOnTheDirectPath) {
+  // Decode tiles read K/V straight from the pool; at head_dim and v_head_dim multiples of 16 they
+  // work on 16-element pairs (bf16 in even/odd order). Every dtype, groups that leave remainder
+  // rows, v_head_dim != head_dim, soft-cap and a window, keys not a multiple of the block.
+  int seed = 0;
+  for (DType kv : {DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}) {
+    for (int dim : {64, 128, 256}) {
+      for (int v_dim : {dim, 16, 48}) {
+        for (int group : {1, 3, 4, 5, 8}) {
+          KernelCase c;
+          c.name = std::string("direct decode ") + dtype_name(kv) + " dims " +
+                   std::to_string(dim) + "/" + std::to_string(v_dim) + " group " +
+                   std::to_string(group);
+          c.kv = kv;
+          c.dim = dim;
+          c.v_dim = v_dim;
+          c.kv_heads = 2;
+          c.q_heads = 2 * group;
+          c.q_lens = {1, 1, 1};
+          c.kv_lens = {1, 67, 130};
+          if (is_fp8_dtype(kv)) {
+            c.k_scale = 0.5f;
+            c.v_scale = 2.f;
+          }
+          if (group == 4) c.cap = 3.f;
+          if (group == 3) c.window = 40;
+          c.seed = uint64_t(++seed);
+          check(c);
+        }
+      }
+    }
+  }
+}
+
 TEST(CpuAttention, HeadDimsAndOutputDtypes) {
   for (int dim : {8, 24, 64, 128, 256}) {
     for (int v_dim : {dim, 16}) {
