@@ -21,6 +21,8 @@ argument at fault. The log-sum-exp convention of the library is the natural log.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _kvattn
 from ._kvattn import (
     AttentionLayer,
@@ -116,33 +118,33 @@ class Backend:
     def init_forward_metadata_in_graph(self, batch: ForwardBatch) -> None:
         self.native.init_forward_metadata_in_graph(batch)
 
-    def _args(self, q, k, v, layer, out):
-        """(out to return, q, k, v, out to pass): the output allocated like q when not given;
-        ml_dtypes arrays as views of their bits."""
+    def _run(self, native_forward, q, k, v, layer, batch, save_kv_cache, out):
+        """NumPy arrays: the output allocated here (NumPy has no allocator that C can call) and
+        ml_dtypes arrays as views of their bits. Anything else (torch, ...) goes as it is; the
+        native call allocates a missing output like q and returns the output."""
+        if type(q) is not np.ndarray and type(k) is not np.ndarray and \
+                type(v) is not np.ndarray and type(out) is not np.ndarray:
+            return native_forward(q, k, v, out, layer, batch, save_kv_cache)
         if out is None:
             out = empty_output(q, q.shape[0], layer.num_q_heads * layer.resolved_v_head_dim)
         expected = self._q_dtype
-        return (out, as_bits_if_ml_dtype(q, expected, "q"), as_bits_if_ml_dtype(k, expected, "k"),
-                as_bits_if_ml_dtype(v, expected, "v"), as_bits_if_ml_dtype(out, expected, "out"))
+        native_forward(as_bits_if_ml_dtype(q, expected, "q"), as_bits_if_ml_dtype(k, expected, "k"),
+                       as_bits_if_ml_dtype(v, expected, "v"),
+                       as_bits_if_ml_dtype(out, expected, "out"), layer, batch, save_kv_cache)
+        return out
 
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
                 save_kv_cache: bool = True, out=None):
-        """Per layer: dispatches on batch.mode; returns out."""
-        result, q, k, v, out = self._args(q, k, v, layer, out)
-        self.native.forward(q, k, v, out, layer, batch, save_kv_cache)
-        return result
+        """Per layer: dispatches on batch.mode; returns out (allocated like q when not given)."""
+        return self._run(self.native.forward, q, k, v, layer, batch, save_kv_cache, out)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
                        save_kv_cache: bool = True, out=None):
-        result, q, k, v, out = self._args(q, k, v, layer, out)
-        self.native.forward_decode(q, k, v, out, layer, batch, save_kv_cache)
-        return result
+        return self._run(self.native.forward_decode, q, k, v, layer, batch, save_kv_cache, out)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch,
                        save_kv_cache: bool = True, out=None):
-        result, q, k, v, out = self._args(q, k, v, layer, out)
-        self.native.forward_extend(q, k, v, out, layer, batch, save_kv_cache)
-        return result
+        return self._run(self.native.forward_extend, q, k, v, layer, batch, save_kv_cache, out)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.native.init_cuda_graph_state(max_bs, max_num_tokens)

@@ -8,12 +8,14 @@ Forward batches and layers are duck-typed: any object with the reference's field
 
 The engine's KV pool and request->token table are wrapped, not copied: kvattn reads and writes
 the engine's own torch tensors. Per-step work (``init_forward_metadata*``) builds a native
-``kvattn.ForwardBatch`` once; per-layer work (``forward``) only crosses q, k, v and the output
-by DLPack capsules and runs the kernel with the GIL released.
+``kvattn.ForwardBatch`` once; per-layer work (``forward``) is one native call that reads q, k
+and v through DLPack's C exchange API (torch >= 2.10: no capsule, no Python-level DLPack call),
+allocates the output through torch's allocator and runs the kernel with the GIL released.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Optional
 
@@ -44,6 +46,11 @@ _HOST_COPIES = (
     ("seq_lens", "seq_lens_cpu"), ("extend_prefix_lens", "extend_prefix_lens_cpu"),
     ("extend_seq_lens", "extend_seq_lens_cpu"), ("encoder_lens", "encoder_lens_cpu"),
 )
+
+# Where torch tensors cross by DLPack's C exchange API (torch >= 2.10), forward hands the tensors
+# themselves to the native call and lets it allocate the output; elsewhere they cross as capsules
+# and the output is allocated here.
+_NATIVE_TENSORS = bool(_kvattn._has_exchange_api(torch.empty(0)))
 
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2")
                     if hasattr(torch, name))
@@ -145,6 +152,10 @@ def wrap_kv_pool(token_to_kv_pool: Any):
                                 [storage(v) for v in v_buffers])
 
 
+# torch's current cudaStream_t of a device index as an int, with no Stream object made.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _batch_value(value: Any):
     if isinstance(value, torch.Tensor):
         return _dl(value)
@@ -161,7 +172,14 @@ class _NativeBackendBase:
                  sliding_window_size: Optional[int] = None, is_encoder_decoder: bool = False,
                  kind: Optional[str] = None, ragged_extend_threshold: int = 4096,
                  decode_tensor_cores: Any = "auto", num_threads: int = 0,
-                 cuda_stream: Optional[int] = None):
+                 cuda_stream: Optional[int] = None, output_allocation: str = "torch"):
+        if output_allocation not in ("torch", "dlpack"):
+            raise ValueError(f"kvattn: output_allocation: got {output_allocation!r}, expected "
+                             "'torch' or 'dlpack'")
+        # "dlpack": forward's output comes from torch's allocator through DLPack's C exchange API
+        # (no Python-level torch call: ~1 us less per call), as a tensor whose storage wraps a
+        # DLPack deleter: fixed-size, and record_stream on it is a no-op. "torch": q.new_empty.
+        self._dlpack_alloc = output_allocation == "dlpack"
         self.token_to_kv_pool = token_to_kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.kv_cache = wrap_kv_pool(token_to_kv_pool)
@@ -193,15 +211,21 @@ class _NativeBackendBase:
         self._layers = {}  # id(layer) -> (layer, kvattn.AttentionLayer, output width)
         self._batch = None  # the kvattn.ForwardBatch of the last step ...
         self._batch_source = None  # ... and the engine's batch it was made from
+        self._dispatch_mode = None  # the engine's last forward_mode object seen by forward ...
+        self._dispatch_run = None  # ... and the native entry it runs (None: IDLE)
 
     # ---- layers ---------------------------------------------------------------------------
 
     def _layer(self, layer: Any):
         entry = self._layers.get(id(layer))
         if entry is None or entry[0] is not layer:
-            native = describe_layer(layer, self.start_layer)
-            entry = (layer, native, native.num_q_heads * native.resolved_v_head_dim)
-            self._layers[id(layer)] = entry
+            entry = self._add_layer(layer)
+        return entry
+
+    def _add_layer(self, layer: Any):
+        native = describe_layer(layer, self.start_layer)
+        entry = (layer, native, native.num_q_heads * native.resolved_v_head_dim)
+        self._layers[id(layer)] = entry
         return entry
 
     def invalidate_layer_cache(self) -> None:
@@ -262,8 +286,7 @@ class _NativeBackendBase:
         """Points the native backend at torch's current stream when it has moved."""
         if not self._follow_current_stream:
             return
-        get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        stream = (get_raw(self.device.index or 0) if get_raw is not None
+        stream = (_raw_stream(self.device.index or 0) if _raw_stream is not None
                   else torch.cuda.current_stream(self.device).cuda_stream)
         if stream != self._stream:
             self._stream = stream
@@ -286,8 +309,12 @@ class KvattnAttnBackend(_NativeBackendBase):
         sliding_window_size: the model's window (None = no window layers).
         is_encoder_decoder: the model has cross-attention layers.
         kind: "cpu" or "cuda"; default: the KV pool's device.
-        cuda_stream: the cudaStream_t (int) kernels run on; default: the current stream of the
-            pool's device when the backend is made.
+        cuda_stream: the cudaStream_t (int) kernels run on; default: follow torch's current
+            stream of the pool's device, read at each step's init_forward_metadata(_out_graph).
+        output_allocation: how forward allocates its output: "torch" (``q.new_empty``, an
+            ordinary tensor; the default) or "dlpack" (torch's allocator called from C through
+            DLPack's C exchange API: about 1 us less per call; the tensor's storage is fixed-size
+            and ``record_stream`` on it is a no-op).
     """
 
     prefill_attention_backend_str: Optional[str] = None
@@ -339,15 +366,33 @@ class KvattnAttnBackend(_NativeBackendBase):
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 layer: Any, forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any):
         """Run forward on an attention layer: IDLE -> empty, DECODE -> forward_decode, else
-        forward_extend (MIXED included: kvattn runs extend and decode requests together)."""
+        forward_extend (MIXED included: kvattn runs extend and decode requests together).
+
+        The hot path of a serving engine (once per layer per step), kept to one Python frame:
+        the dispatch is remembered per forward_mode object, the layer description per layer,
+        the native batch per forward batch."""
+        if kwargs:
+            _reject_extras(kwargs)
         mode = forward_batch.forward_mode
-        if mode.is_idle():
+        if mode is not self._dispatch_mode:
+            self._set_dispatch(mode)
+        run = self._dispatch_run
+        if run is None:  # IDLE
             return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-        if mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch,
-                                       save_kv_cache=save_kv_cache, **kwargs)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
-                                   **kwargs)
+        entry = self._layers.get(id(layer))
+        if entry is None or entry[0] is not layer:
+            entry = self._add_layer(layer)
+        if forward_batch is not self._batch_source:
+            self._bind(forward_batch)
+        if _NATIVE_TENSORS:
+            return run(q, k, v, None, entry[1], self._batch, save_kv_cache, self._dlpack_alloc)
+        return _run_with_capsules(run, q, k, v, entry, self._batch, save_kv_cache)
+
+    def _set_dispatch(self, mode: Any) -> None:
+        run = None
+        if not mode.is_idle():
+            run = self.native.forward_decode if mode.is_decode() else self.native.forward_extend
+        self._dispatch_mode, self._dispatch_run = mode, run
 
     def forward_decode(self, q: torch.Tensor, k: Optional[torch.Tensor],
                        v: Optional[torch.Tensor], layer: Any, forward_batch: Any,
@@ -365,12 +410,15 @@ class KvattnAttnBackend(_NativeBackendBase):
         """One native forward into a new output [num_tokens, num_q_heads * v_head_dim]."""
         if kwargs:
             _reject_extras(kwargs)
-        _, native_layer, width = self._layer(layer)
-        batch = self._batch if forward_batch is self._batch_source else self._bind(forward_batch)
-        out = q.new_empty((q.shape[0], width))
-        native_forward(_dl(q), None if k is None else _dl(k), None if v is None else _dl(v),
-                       _dl(out), native_layer, batch, save_kv_cache)
-        return out
+        entry = self._layers.get(id(layer))
+        if entry is None or entry[0] is not layer:
+            entry = self._add_layer(layer)
+        if forward_batch is not self._batch_source:
+            self._bind(forward_batch)
+        if _NATIVE_TENSORS:
+            return native_forward(q, k, v, None, entry[1], self._batch, save_kv_cache,
+                                  self._dlpack_alloc)
+        return _run_with_capsules(native_forward, q, k, v, entry, self._batch, save_kv_cache)
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
@@ -419,6 +467,15 @@ class KvattnAttnBackend(_NativeBackendBase):
         return None
 
 
+def _run_with_capsules(native_forward, q, k, v, layer_entry, batch, save_kv_cache):
+    """forward where torch has no DLPack C exchange API: the output allocated here, every tensor
+    crossing as a DLPack capsule."""
+    out = q.new_empty((q.shape[0], layer_entry[2]))
+    native_forward(_dl(q), None if k is None else _dl(k), None if v is None else _dl(v),
+                   _dl(out), layer_entry[1], batch, save_kv_cache)
+    return out
+
+
 def _reject_extras(kwargs: dict) -> None:
     given = sorted(name for name, value in kwargs.items() if value is not None)
     if given:
@@ -437,12 +494,16 @@ class _DraftStepBackend:
         if kwargs:
             _reject_extras(kwargs)
         _, native_layer, width = self.owner._layer(layer)
-        out = q.new_empty((q.shape[0], width))
         loc = getattr(forward_batch, "out_cache_loc", None) if save_kv_cache else None
+        if loc is None:
+            k = v = None
+        if _NATIVE_TENSORS:
+            return self.owner.native.forward_step(self.step, q, k, v, None, native_layer, loc,
+                                                  self.owner._dlpack_alloc)
+        out = q.new_empty((q.shape[0], width))
         self.owner.native.forward_step(
-            self.step, _dl(q), None if k is None or loc is None else _dl(k),
-            None if v is None or loc is None else _dl(v), _dl(out), native_layer,
-            None if loc is None else _dl(loc))
+            self.step, _dl(q), None if k is None else _dl(k), None if v is None else _dl(v),
+            _dl(out), native_layer, None if loc is None else _dl(loc))
         return out
 
     forward_decode = forward
@@ -475,39 +536,80 @@ class KvattnMultiStepDraftBackend(_NativeBackendBase):
 
 
 def measure_forward_overhead_us(backend: KvattnAttnBackend, q, k, v, layer, forward_batch,
-                                save_kv_cache: bool = False, iterations: int = 200,
-                                repeats: int = 7) -> dict:
+                                save_kv_cache: bool = False, iterations: int = 100,
+                                repeats: int = 41, warmup: int = 3) -> dict:
     """Host microseconds per call of ``backend.forward`` and of the same native forward looped
     in C++ (no Python), and their difference: the per-call Python overhead.
 
-    Medians of `repeats` runs of `iterations` calls; the device is synchronized before each
-    run and the calls are few enough not to fill the launch queue, so kernel time stays out."""
+    Like with like: the C++ loop calls the same native entry (forward_decode / forward_extend)
+    on the same views and, as forward does, allocates each call's output through torch's
+    allocator (DLPack C exchange API) and frees it. Where torch lacks that API the loop writes
+    one preallocated output instead (``native_allocates`` says which).
+
+    Robust to noise: ``warmup`` untimed rounds, then ``repeats`` rounds of ``iterations`` calls,
+    the Python loop and the C++ loops interleaved in each round, the garbage collector off while
+    timing; the device is synchronized around every loop and a loop's calls are few enough not to
+    fill the launch queue, so kernel time stays out. The *_us numbers are each loop's minimum over
+    the rounds (the run least disturbed by the rest of the machine); ``*_median_us`` are medians,
+    ``overhead_median_us`` the median of the rounds' paired differences. ``overhead_vs_preallocated_us``
+    compares against the C++ loop that allocates nothing."""
     mode = forward_mode_of(forward_batch.forward_mode)
-    entry = backend.forward_decode if mode == _kvattn.ForwardMode.DECODE else \
-        backend.forward_extend
+    entry = "forward_decode" if mode == _kvattn.ForwardMode.DECODE else "forward_extend"
     native_layer = backend._layer(layer)[1]
+    backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)  # binds, checks
     batch = backend._current(forward_batch)
-    out = entry(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+    out = backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+    native_allocates = _NATIVE_TENSORS
+    # Without the C exchange API the tensors cross as DLPack capsules, each consumed once.
+    cross = (lambda t: t) if _NATIVE_TENSORS else (lambda t: None if t is None else _dl(t))
     cuda = backend.device.type == "cuda"
 
     def sync():
         if cuda:
             torch.cuda.synchronize(backend.device)
 
-    python_runs, native_runs = [], []
-    for _ in range(repeats):
+    def python_loop():
         sync()
         start = time.perf_counter()
         for _ in range(iterations):
-            backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
-        python_runs.append((time.perf_counter() - start) / iterations * 1e6)
+            backend.forward(q, k, v, layer, forward_batch, save_kv_cache)
+        elapsed = (time.perf_counter() - start) / iterations * 1e6
         sync()
-        native_runs.append(_kvattn._forward_loop_us(
-            backend.native, _dl(q), None if k is None else _dl(k),
-            None if v is None else _dl(v), _dl(out), native_layer, batch, iterations,
-            save_kv_cache))
+        return elapsed
+
+    def native_loop(allocate):
         sync()
-    python_us = sorted(python_runs)[len(python_runs) // 2]
-    native_us = sorted(native_runs)[len(native_runs) // 2]
-    return {"python_us": python_us, "native_us": native_us,
-            "overhead_us": python_us - native_us, "iterations": iterations}
+        elapsed = _kvattn._forward_loop_us(
+            backend.native, cross(q), cross(k), cross(v), None if allocate else cross(out),
+            native_layer, batch, iterations, save_kv_cache, entry, allocate)
+        sync()
+        return elapsed
+
+    python_runs, native_runs, prealloc_runs = [], [], []
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for round_ in range(warmup + repeats):
+            p = python_loop()
+            n = native_loop(native_allocates)
+            f = native_loop(False)
+            if round_ >= warmup:
+                python_runs.append(p)
+                native_runs.append(n)
+                prealloc_runs.append(f)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+    def median(values):
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    python_us, native_us, prealloc_us = min(python_runs), min(native_runs), min(prealloc_runs)
+    return {"python_us": python_us, "native_us": native_us, "overhead_us": python_us - native_us,
+            "python_median_us": median(python_runs), "native_median_us": median(native_runs),
+            "overhead_median_us": median([p - n for p, n in zip(python_runs, native_runs)]),
+            "native_preallocated_us": prealloc_us,
+            "overhead_vs_preallocated_us": python_us - prealloc_us,
+            "native_allocates": native_allocates, "iterations": iterations, "repeats": repeats}

@@ -167,41 +167,71 @@ TensorView kv_as_heads(const TensorView& t, int num_kv_heads, int dim) {
   return TensorView(t.data(), t.dtype(), t.device(), 3, shape, strides);
 }
 
-struct ForwardViews {
-  TensorView q, k, v, out;
+/// The arrays of one forward call. `result` is what the call returns: the caller's `out`, or the
+/// output allocated like q when `out` is None.
+struct ForwardArgs {
+  ArrayArg q, k, v, out;
+  nb::object result;
 };
 
-ForwardViews forward_views(DType q_dtype, const AttentionLayer& layer, const Array& q,
-                           const Array& k, const Array& v, const Array& out) {
-  ForwardViews views;
-  views.q = to_view(q, "q", q_dtype);
-  views.k = kv_as_heads(to_view_or_absent(k, "k", q_dtype), layer.num_kv_heads, layer.head_dim);
-  views.v = kv_as_heads(to_view_or_absent(v, "v", q_dtype), layer.num_kv_heads,
-                        layer.resolved_v_head_dim());
-  views.out = to_view(out, "out", q_dtype);
-  return views;
+ForwardArgs forward_args(DType q_dtype, const AttentionLayer& layer, nb::handle q, nb::handle k,
+                         nb::handle v, nb::handle out, bool dlpack_alloc = false) {
+  ForwardArgs a;
+  a.q = array_arg(q, "q", q_dtype);
+  a.k = array_arg(k, "k", q_dtype, /*optional=*/true);
+  a.k.view = kv_as_heads(a.k.view, layer.num_kv_heads, layer.head_dim);
+  a.v = array_arg(v, "v", q_dtype, /*optional=*/true);
+  a.v.view = kv_as_heads(a.v.view, layer.num_kv_heads, layer.resolved_v_head_dim());
+  if (out.is_none()) {
+    check_arg(a.q.view.ndim() >= 1, "q", "has 0 dimensions, expected [num_tokens, ...]");
+    a.result = new_array_like(q, a.q, a.q.view.size(0),
+                              int64_t(layer.num_q_heads) * layer.resolved_v_head_dim(), "out",
+                              q_dtype, a.out, dlpack_alloc);
+  } else {
+    a.out = array_arg(out, "out", q_dtype);
+    a.result = nb::borrow(out);
+  }
+  return a;
 }
 
 enum class ForwardEntry { kForward, kDecode, kExtend };
 
-void run_forward(PyBackend& b, ForwardEntry entry, const Array& q, const Array& k, const Array& v,
-                 const Array& out, const AttentionLayer& layer, const PyForwardBatch& batch,
-                 bool save_kv_cache) {
-  const ForwardViews views = forward_views(b.config.q_dtype, layer, q, k, v, out);
-  nb::gil_scoped_release release;
+ForwardEntry entry_arg(const std::string& name) {
+  if (name == "forward") return ForwardEntry::kForward;
+  if (name == "forward_decode") return ForwardEntry::kDecode;
+  if (name == "forward_extend") return ForwardEntry::kExtend;
+  throw_error(ErrorKind::kInvalidArgument, "entry", "got '", name,
+              "', expected 'forward', 'forward_decode' or 'forward_extend'");
+}
+
+void call_entry(AttentionBackend& impl, ForwardEntry entry, const TensorView& q,
+                const TensorView& k, const TensorView& v, const TensorView& out,
+                const AttentionLayer& layer, const ForwardBatch& batch, bool save_kv_cache) {
   switch (entry) {
     case ForwardEntry::kForward:
-      b.impl->forward(views.q, views.k, views.v, views.out, layer, batch.batch, save_kv_cache);
+      impl.forward(q, k, v, out, layer, batch, save_kv_cache);
       break;
     case ForwardEntry::kDecode:
-      b.impl->forward_decode(views.q, views.k, views.v, views.out, layer, batch.batch,
-                             save_kv_cache);
+      impl.forward_decode(q, k, v, out, layer, batch, save_kv_cache);
       break;
     case ForwardEntry::kExtend:
-      b.impl->forward_extend(views.q, views.k, views.v, views.out, layer, batch.batch,
-                             save_kv_cache);
+      impl.forward_extend(q, k, v, out, layer, batch, save_kv_cache);
       break;
   }
+}
+
+/// One forward: the arrays are read (zero-copy), the output allocated when not given, and the
+/// kernels run with the GIL released. Returns the output.
+nb::object run_forward(PyBackend& b, ForwardEntry entry, nb::handle q, nb::handle k, nb::handle v,
+                       nb::handle out, const AttentionLayer& layer, const PyForwardBatch& batch,
+                       bool save_kv_cache, bool dlpack_alloc) {
+  ForwardArgs a = forward_args(b.config.q_dtype, layer, q, k, v, out, dlpack_alloc);
+  {
+    nb::gil_scoped_release release;
+    call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, a.out.view, layer, batch.batch,
+               save_kv_cache);
+  }
+  return std::move(a.result);
 }
 
 template <typename Holder>
@@ -327,7 +357,10 @@ void bind_backend(nb::module_& m) {
 
   const auto forward_doc =
       "q [num_tokens, num_q_heads(, *), head_dim], k/v [num_tokens, num_kv_heads(, *), dim] or "
-      "None, out [num_tokens, num_q_heads * v_head_dim] (written). Runs with the GIL released.";
+      "None, out [num_tokens, num_q_heads * v_head_dim] (written) or None (allocated like q: "
+      "same library, dtype and device; by q.new_empty, or with dlpack_alloc through q's "
+      "library's allocator by DLPack's C exchange API, no Python call). Returns out. Runs with "
+      "the GIL released.";
   nb::class_<PyBackend>(m, "Backend", "An attention backend (make one with make_backend).")
       .def_prop_ro("kind", [](const PyBackend& b) { return b.impl->kind(); })
       .def_prop_ro("device", [](const PyBackend& b) { return b.impl->device().str(); })
@@ -362,28 +395,37 @@ void bind_backend(nb::module_& m) {
           nb::arg("batch"))
       .def(
           "forward",
-          [](PyBackend& b, const Array& q, const Array& k, const Array& v, const Array& out,
-             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache) {
-            run_forward(b, ForwardEntry::kForward, q, k, v, out, layer, batch, save_kv_cache);
+          [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache,
+             bool dlpack_alloc) {
+            return run_forward(b, ForwardEntry::kForward, q, k, v, out, layer, batch, save_kv_cache,
+                               dlpack_alloc);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"), nb::arg("layer"),
-          nb::arg("batch"), nb::arg("save_kv_cache") = true, forward_doc)
+          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out").none(),
+          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true,
+          nb::arg("dlpack_alloc") = false, forward_doc)
       .def(
           "forward_decode",
-          [](PyBackend& b, const Array& q, const Array& k, const Array& v, const Array& out,
-             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache) {
-            run_forward(b, ForwardEntry::kDecode, q, k, v, out, layer, batch, save_kv_cache);
+          [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache,
+             bool dlpack_alloc) {
+            return run_forward(b, ForwardEntry::kDecode, q, k, v, out, layer, batch, save_kv_cache,
+                               dlpack_alloc);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"), nb::arg("layer"),
-          nb::arg("batch"), nb::arg("save_kv_cache") = true)
+          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out").none(),
+          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true,
+          nb::arg("dlpack_alloc") = false)
       .def(
           "forward_extend",
-          [](PyBackend& b, const Array& q, const Array& k, const Array& v, const Array& out,
-             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache) {
-            run_forward(b, ForwardEntry::kExtend, q, k, v, out, layer, batch, save_kv_cache);
+          [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache,
+             bool dlpack_alloc) {
+            return run_forward(b, ForwardEntry::kExtend, q, k, v, out, layer, batch, save_kv_cache,
+                               dlpack_alloc);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"), nb::arg("layer"),
-          nb::arg("batch"), nb::arg("save_kv_cache") = true)
+          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out").none(),
+          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true,
+          nb::arg("dlpack_alloc") = false)
       .def(
           "init_cuda_graph_state",
           [](PyBackend& b, int max_bs, int64_t max_num_tokens) {
@@ -395,7 +437,9 @@ void bind_backend(nb::module_& m) {
            [](const PyBackend& b) { return b.impl->cuda_graph_seq_len_fill_value(); })
       .def(
           "set_cuda_stream",
-          [](PyBackend& b, uintptr_t stream) { b.impl->set_cuda_stream(reinterpret_cast<void*>(stream)); },
+          [](PyBackend& b, uintptr_t stream) {
+            b.impl->set_cuda_stream(reinterpret_cast<void*>(stream));
+          },
           nb::arg("stream"), "The cudaStream_t (int) later calls run on; set it before a step.")
       .def("on_after_cuda_graph_warmup", [](PyBackend& b) { b.impl->on_after_cuda_graph_warmup(); })
       .def(
@@ -458,7 +502,9 @@ void bind_backend(nb::module_& m) {
       .def_prop_ro("q_dtype", [](const PyDraftBackend& d) { return d.config.q_dtype; })
       .def(
           "set_cuda_stream",
-          [](PyDraftBackend& d, uintptr_t stream) { d.impl->set_cuda_stream(reinterpret_cast<void*>(stream)); },
+          [](PyDraftBackend& d, uintptr_t stream) {
+            d.impl->set_cuda_stream(reinterpret_cast<void*>(stream));
+          },
           nb::arg("stream"), "The cudaStream_t (int) later calls run on; set it before a step.")
       .def(
           "init_forward_metadata",
@@ -469,16 +515,22 @@ void bind_backend(nb::module_& m) {
           nb::arg("batch"), "batch: mode DECODE, seq_lens = committed prefix lengths.")
       .def(
           "forward_step",
-          [](PyDraftBackend& d, int step, const Array& q, const Array& k, const Array& v,
-             const Array& out, const AttentionLayer& layer, const Array& out_cache_loc) {
-            const ForwardViews views = forward_views(d.config.q_dtype, layer, q, k, v, out);
-            const TensorView loc = to_view_or_absent(out_cache_loc, "out_cache_loc");
-            nb::gil_scoped_release release;
-            d.impl->forward_step(step, views.q, views.k, views.v, views.out, layer, loc);
+          [](PyDraftBackend& d, int step, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+             const AttentionLayer& layer, nb::handle out_cache_loc, bool dlpack_alloc) {
+            ForwardArgs a = forward_args(d.config.q_dtype, layer, q, k, v, out, dlpack_alloc);
+            const ArrayArg loc = array_arg(out_cache_loc, "out_cache_loc", std::nullopt,
+                                           /*optional=*/true);
+            {
+              nb::gil_scoped_release release;
+              d.impl->forward_step(step, a.q.view, a.k.view, a.v.view, a.out.view, layer, loc.view);
+            }
+            return std::move(a.result);
           },
-          nb::arg("step"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"),
-          nb::arg("layer"), nb::arg("out_cache_loc").none() = nb::none(),
-          "One draft step over batch_size * topk query rows (request-major, branch-minor).")
+          nb::arg("step"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(),
+          nb::arg("out").none(), nb::arg("layer"), nb::arg("out_cache_loc").none() = nb::none(),
+          nb::arg("dlpack_alloc") = false,
+          "One draft step over batch_size * topk query rows (request-major, branch-minor); out "
+          "as in Backend.forward. Returns out.")
       .def(
           "init_cuda_graph_state",
           [](PyDraftBackend& d, int max_bs) {
@@ -489,24 +541,50 @@ void bind_backend(nb::module_& m) {
 
   m.def(
       "_forward_loop_us",
-      [](PyBackend& b, const Array& q, const Array& k, const Array& v, const Array& out,
+      [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
          const AttentionLayer& layer, const PyForwardBatch& batch, int iterations,
-         bool save_kv_cache) {
-        const ForwardViews views = forward_views(b.config.q_dtype, layer, q, k, v, out);
+         bool save_kv_cache, const std::string& entry_name, bool allocate_out) {
+        const ForwardEntry entry = entry_arg(entry_name);
         check_arg(iterations > 0, "iterations", "got ", iterations, ", expected > 0");
+        ForwardArgs a = forward_args(b.config.q_dtype, layer, q, k, v, out);
+        const int64_t rows = a.q.view.size(0);
+        const int64_t width = int64_t(layer.num_q_heads) * layer.resolved_v_head_dim();
+        if (allocate_out) {  // fails here, not in the loop, where q's type cannot allocate
+          TensorView view;
+          free_managed(allocate_managed_like(a.q, rows, width, "out", b.config.q_dtype, view));
+        }
         nb::gil_scoped_release release;
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < iterations; ++i) {
-          b.impl->forward(views.q, views.k, views.v, views.out, layer, batch.batch, save_kv_cache);
+          if (allocate_out) {
+            TensorView view;
+            void* managed = allocate_managed_like(a.q, rows, width, "out", b.config.q_dtype, view);
+            call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, view, layer, batch.batch,
+                       save_kv_cache);
+            free_managed(managed);
+          } else {
+            call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, a.out.view, layer, batch.batch,
+                       save_kv_cache);
+          }
         }
         const std::chrono::duration<double, std::micro> elapsed =
             std::chrono::steady_clock::now() - start;
         return elapsed.count() / iterations;
       },
-      nb::arg("backend"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out"),
-      nb::arg("layer"), nb::arg("batch"), nb::arg("iterations"), nb::arg("save_kv_cache") = true,
-      "Host microseconds per C++ forward call, looped in C++ (the baseline that the Python "
-      "overhead of forward is measured against).");
+      nb::arg("backend"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(),
+      nb::arg("out").none(), nb::arg("layer"), nb::arg("batch"), nb::arg("iterations"),
+      nb::arg("save_kv_cache") = true, nb::arg("entry") = "forward",
+      nb::arg("allocate_out") = false,
+      "Host microseconds per C++ call of a forward entry ('forward', 'forward_decode', "
+      "'forward_extend'), looped in C++: the baseline that the Python overhead of forward is "
+      "measured against. allocate_out: each call also allocates its output [rows, num_q_heads * "
+      "v_head_dim] through q's library (DLPack C exchange API) and frees it, as a C++ caller "
+      "would; else every call writes `out`.");
+  m.def(
+      "_has_exchange_api", [](nb::handle array) { return has_exchange_api(array); },
+      nb::arg("array"),
+      "True when arrays of this type cross by DLPack's C exchange API (no Python-level "
+      "DLPack call per argument; outputs allocated in C).");
 }
 
 }  // namespace kvattn::python

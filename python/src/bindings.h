@@ -52,6 +52,49 @@ TensorView to_view(const Array& array, const char* name,
 TensorView to_view_or_absent(const Array& array, const char* name,
                              std::optional<DType> storage = std::nullopt);
 
+// ---- per-call array arguments ----------------------------------------------------------------
+//
+// The per-layer calls (forward, forward_step) take their arrays as plain Python objects. An
+// object whose type publishes DLPack's C exchange API (type(x).__dlpack_c_exchange_api__,
+// DLPack >= 1.3: torch >= 2.10 tensors) is read in C with no capsule, no Python call and no
+// allocation; any other array goes through nanobind's DLPack / buffer-protocol import.
+
+struct DlpackExchangeApi;  ///< DLPack's DLPackExchangeAPI (tensor_args.cpp declares its layout)
+
+/// One array argument of one call: its view, plus what keeps that view valid while the call runs
+/// (the caller's object does for the C exchange; `imported` for nanobind's import).
+struct ArrayArg {
+  TensorView view;
+  nb::dlpack::dtype raw_dtype{};           ///< the DLPack dtype as the producer gave it
+  const DlpackExchangeApi* api = nullptr;  ///< the C exchange API of its type, if any
+  Array imported;
+};
+
+/// `object` as an ArrayArg (zero-copy). None gives an absent view when `optional`, else the
+/// "is None" error; an object that is no array raises TypeError naming `name`.
+ArrayArg array_arg(nb::handle object, const char* name, std::optional<DType> storage,
+                   bool optional = false);
+
+/// A new uninitialised contiguous [rows, width] array of the same library, dtype and device as
+/// `like` (the object `like_arg` was read from), and its view in `out`: like.new_empty((rows,
+/// width)) (for torch an ordinary caching-allocator tensor), or with `dlpack_alloc` (or where
+/// there is no new_empty) that library's allocator through the C exchange API, with no Python
+/// call: cheaper, but torch wraps such memory in a DLPack deleter (fixed-size storage, which
+/// record_stream skips).
+nb::object new_array_like(nb::handle like, const ArrayArg& like_arg, int64_t rows, int64_t width,
+                          const char* name, std::optional<DType> storage, ArrayArg& out,
+                          bool dlpack_alloc = false);
+
+/// True when arrays of `object`'s type cross by the C exchange API, with its allocator.
+bool has_exchange_api(nb::handle object);
+
+/// A new [rows, width] array like `like_arg` from its library's allocator, for C++ loops that
+/// time what an engine's C++ caller would do: returns an owning DLManagedTensorVersioned* (free
+/// with free_managed) and its view in `view`. Throws where `like_arg` has no C exchange API.
+void* allocate_managed_like(const ArrayArg& like_arg, int64_t rows, int64_t width, const char* name,
+                            std::optional<DType> storage, TensorView& view);
+void free_managed(void* managed);
+
 /// An array over a TensorView's memory, owned by `owner` (the Python object that keeps the memory
 /// alive). `as_bits` exports bf16/fp16 as uint16 and fp8 as uint8, for consumers without them.
 nb::object view_to_array(const TensorView& view, nb::handle owner, bool as_bits = false);

@@ -169,3 +169,99 @@ def test_overhead_measurement_runs():
 def test_quickstart_example_runs(capsys):
     runpy.run_path(str(Path(__file__).parents[1] / "examples" / "torch_quickstart.py"))
     assert "torch.Size([100, 4096])" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("allocation", ["torch", "dlpack"])
+def test_forward_output_like_new_empty_and_written(allocation):
+    """forward's output (q.new_empty, or torch's allocator called through DLPack's C exchange
+    API) is a contiguous tensor of q's dtype and device, and every element is written."""
+    e = engine(output_allocation=allocation)
+    e.fill(e.add_tokens(0, 8))
+    fb = e.batch(ForwardMode.DECODE, [0], [9], out_cache_loc=e.add_tokens(0, 1))
+    e.fill(fb.out_cache_loc)
+    e.backend.init_forward_metadata(fb)
+    layer = e.layer()
+    q = torch.randn(1, 64)
+    out = e.backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+    reference = torch.full((1, 64), float("nan"))
+    e.backend.native.forward_decode(q, None, None, reference, describe_layer(layer),
+                                    e.backend._batch, False)
+    assert type(out) is torch.Tensor and out.is_contiguous()
+    assert (out.shape, out.dtype, out.device) == ((1, 64), q.dtype, q.device)
+    assert torch.isfinite(reference).all()
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    out.add_(1.0)
+    assert out.view(1, 4, 16).sum().isfinite()
+    if allocation == "torch":  # an ordinary tensor, as the engine would allocate itself
+        assert out.untyped_storage().resizable()
+
+
+def test_output_allocation_is_checked():
+    with pytest.raises(ValueError, match="output_allocation"):
+        engine(output_allocation="numpy")
+
+
+def test_forward_reads_strided_q_and_kv_views():
+    """q and k/v crossing without a capsule keep their strides: a column slice of a wider
+    tensor gives the same result as its contiguous copy."""
+    e = engine()
+    e.fill(e.add_tokens(0, 5))
+    slot = e.add_tokens(0, 1)
+    fb = e.batch(ForwardMode.DECODE, [0], [6], out_cache_loc=slot)
+    e.backend.init_forward_metadata(fb)
+    layer = e.layer()
+    wide = torch.randn(1, 4, 32)
+    q = wide[:, :, 8:24]  # [1, 4, 16] with head stride 32
+    kv = torch.randn(1, 2, 2, 16)
+    k, v = kv[:, :, 0], kv[:, :, 1]  # strided [1, 2, 16] views
+    strided = e.backend.forward(q, k, v, layer, fb)
+    dense = e.backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), layer, fb)
+    torch.testing.assert_close(strided, dense, rtol=0, atol=0)
+    assert torch.isfinite(dense).all()
+    assert not torch.equal(dense, e.backend.forward(wide[:, :, :16].contiguous(), k, v, layer, fb))
+
+
+def test_forward_bad_tensors_raise_with_the_argument_name():
+    e = engine()
+    fb = e.batch(ForwardMode.DECODE, [0], [1], out_cache_loc=e.add_tokens(0, 1))
+    e.backend.init_forward_metadata(fb)
+    layer = e.layer()
+    with pytest.raises(ValueError, match="q") as info:
+        e.backend.forward(torch.zeros(1, 64, dtype=torch.float64), None, None, layer, fb)
+    assert info.value.argument == "q"
+    with pytest.raises(ValueError, match="k"):
+        e.backend.forward(torch.zeros(1, 64), torch.zeros(1, 2, 16, dtype=torch.int16),
+                          torch.zeros(1, 2, 16), layer, fb)
+    with pytest.raises(TypeError, match="q: expected an array"):
+        e.backend.native.forward_decode("not an array", None, None, None, describe_layer(layer),
+                                        e.backend._batch, False)
+    with pytest.raises(ValueError, match="out"):
+        e.backend.native.forward_decode(torch.zeros(1, 64), None, None, torch.zeros(1, 65),
+                                        describe_layer(layer), e.backend._batch, False)
+
+
+def test_native_forward_returns_the_out_it_was_given():
+    e = engine()
+    fb = e.batch(ForwardMode.DECODE, [0], [1], out_cache_loc=e.add_tokens(0, 1))
+    e.backend.init_forward_metadata(fb)
+    out = torch.full((1, 64), float("nan"))
+    k = torch.randn(1, 2, 16)
+    result = e.backend.native.forward_decode(torch.randn(1, 64), k, k.clone(), out,
+                                             describe_layer(e.layer()), e.backend._batch, True)
+    assert result is out and torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
+                    reason="torch without DLPack's C exchange API")
+def test_torch_tensors_take_the_c_exchange_path():
+    assert kvattn._kvattn._has_exchange_api(torch.empty(0))
+    assert not kvattn._kvattn._has_exchange_api(np.empty(0))
+    e = engine()
+    e.fill(e.add_tokens(0, 3))
+    fb = e.batch(ForwardMode.DECODE, [0], [4], out_cache_loc=e.add_tokens(0, 1))
+    e.backend.init_forward_metadata(fb)
+    q, k = torch.randn(1, 64), torch.randn(1, 2, 16)
+    result = measure_forward_overhead_us(e.backend, q, k, k.clone(), e.layer(), fb,
+                                         iterations=20, repeats=3, warmup=1)
+    assert result["native_allocates"] is True
+    assert result["native_us"] > 0 and result["native_preallocated_us"] > 0
