@@ -87,7 +87,7 @@ ToolDevice select_device(const std::string& name) {
 
 void fill_random(const TensorView& tensor, uint64_t seed, float scale) {
   check_arg(is_float_dtype(tensor.dtype()) && tensor.is_contiguous(), "tensor",
-            "expected a contiguous float tensor, got ", tensor.describe());
+            "expected a contiguous float tensor, got ", tensor);
   if (tensor.device().is_cuda()) {
 #if defined(KVATTN_WITH_CUDA)
     cuda::bench::fill_random(tensor, seed, scale, nullptr);
@@ -143,7 +143,7 @@ OwnedTensor OwnedTensor::make(Device device, DType dtype, std::initializer_list<
 
 OwnedTensor to_host(const TensorView& tensor) {
   check_arg(tensor.is_contiguous(), "tensor", "expected a contiguous tensor, got ",
-            tensor.describe());
+            tensor);
   OwnedTensor out;
   out.buffer = Buffer::allocate(Device::cpu(), size_t(std::max<int64_t>(tensor.nbytes(), 1)));
   const int ndim = tensor.ndim();

@@ -55,9 +55,12 @@ template <typename... Parts>
 
 /// Throws kInvalidArgument unless `condition` holds.
 /// Example: check_arg(page_size > 0, "page_size", "got ", page_size, ", expected a power of two");
-template <typename... Parts>
-void check_arg(bool condition, const std::string& argument, const Parts&... parts) {
-  if (!condition) throw_error(ErrorKind::kInvalidArgument, argument, parts...);
+/// Nothing is formatted or allocated unless the check fails (these run on every call): pass
+/// streamable values (a TensorView, a Device), not their strings.
+template <typename Argument, typename... Parts>
+void check_arg(bool condition, const Argument& argument, const Parts&... parts) {
+  if (!condition) [[unlikely]]
+    throw_error(ErrorKind::kInvalidArgument, std::string(argument), parts...);
 }
 
 }  // namespace kvattn

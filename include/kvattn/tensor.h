@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <iosfwd>
 #include <string>
 
 #include "kvattn/dtype.h"
@@ -78,5 +79,10 @@ class TensorView {
 
 /// Reads element i of a 1-D int32 or int64 host tensor as int64 (for validation and planning).
 int64_t read_index(const TensorView& t, int64_t i);
+
+/// Stream forms of Device::str() and TensorView::describe(), so error messages format them only
+/// when a check fails.
+std::ostream& operator<<(std::ostream& os, const Device& device);
+std::ostream& operator<<(std::ostream& os, const TensorView& tensor);
 
 }  // namespace kvattn

@@ -52,9 +52,9 @@ void AttentionBackend::forward(const TensorView& q, const TensorView& k, const T
   switch (batch.mode) {
     case ForwardMode::kIdle:
       check_arg(!q.defined() || q.size(0) == 0, "q", "IDLE carries no tokens, got ",
-                q.describe());
+                q);
       check_arg(!out.defined() || out.size(0) == 0, "out", "IDLE carries no tokens, got ",
-                out.describe());
+                out);
       return;  // the output is [0, num_q_heads * v_head_dim]: nothing to write
     case ForwardMode::kDecode:
       forward_decode(q, k, v, out, layer, batch, save_kv_cache);
@@ -102,12 +102,12 @@ std::unique_ptr<AttentionBackend> make_backend(BackendKind kind, const BackendCo
   core::validate_backend_config(config);
   const Device device = config.kv_cache->config().device;
   if (kind == BackendKind::kCpu) {
-    check_arg(device.is_cpu(), "kv_cache", "on ", device.str(),
+    check_arg(device.is_cpu(), "kv_cache", "on ", device,
               ", the CPU backend needs it on the host");
     return cpu::make_cpu_backend(config);
   }
   require_cuda_build_and_device();
-  check_arg(device.is_cuda(), "kv_cache", "on ", device.str(),
+  check_arg(device.is_cuda(), "kv_cache", "on ", device,
             ", the CUDA backend needs it on a CUDA device");
 #if defined(KVATTN_WITH_CUDA)
   return cuda::make_cuda_backend(config);
@@ -130,13 +130,13 @@ MultiStepDraftBackend::MultiStepDraftBackend(BackendKind kind, const BackendConf
   check_arg(num_steps >= 1, "num_steps", "got ", num_steps, ", expected >= 1");
   const Device device = config.kv_cache->config().device;
   if (kind == BackendKind::kCpu) {
-    check_arg(device.is_cpu(), "kv_cache", "on ", device.str(),
+    check_arg(device.is_cpu(), "kv_cache", "on ", device,
               ", the CPU backend needs it on the host");
     impl_->runner = cpu::make_cpu_draft_runner(config, topk, num_steps);
     return;
   }
   require_cuda_build_and_device();
-  check_arg(device.is_cuda(), "kv_cache", "on ", device.str(),
+  check_arg(device.is_cuda(), "kv_cache", "on ", device,
             ", the CUDA backend needs it on a CUDA device");
 #if defined(KVATTN_WITH_CUDA)
   impl_->runner = cuda::make_cuda_draft_runner(config, topk, num_steps);

@@ -25,7 +25,7 @@ std::vector<int32_t> read_lengths(const TensorView& host, const TensorView& devi
             name, "_cpu");
   check_arg(is_index_dtype(t.dtype()), arg, "dtype ", dtype_name(t.dtype()),
             ", expected int32 or int64");
-  check_arg(t.ndim() == 1 && t.size(0) == batch_size, arg, "shape ", t.describe(),
+  check_arg(t.ndim() == 1 && t.size(0) == batch_size, arg, "shape ", t,
             ", expected [", batch_size, "]");
   std::vector<int32_t> out(static_cast<size_t>(batch_size));
   for (int r = 0; r < batch_size; ++r) {

@@ -20,11 +20,11 @@ void check_kv_view(const TensorView& t, const std::string& name, const KvCacheCo
   check_arg(t.data() != nullptr, name, "is null");
   check_arg(t.dtype() == c.dtype, name, "dtype ", dtype_name(t.dtype()), ", expected ",
             dtype_name(c.dtype));
-  check_arg(t.device() == c.device, name, "on ", t.device().str(), ", expected ",
-            c.device.str());
+  check_arg(t.device() == c.device, name, "on ", t.device(), ", expected ",
+            c.device);
   check_arg(t.ndim() == 3 && t.size(0) == c.num_slots && t.size(1) == c.num_kv_heads &&
                 t.size(2) == dim,
-            name, "shape ", t.describe(), ", expected [", c.num_slots, ", ", c.num_kv_heads,
+            name, "shape ", t, ", expected [", c.num_slots, ", ", c.num_kv_heads,
             ", ", dim, "]");
   check_arg(t.is_contiguous(), name, "must be contiguous, got strides (", t.stride(0), ", ",
             t.stride(1), ", ", t.stride(2), ")");
@@ -148,7 +148,7 @@ ReqToTokenPool ReqToTokenPool::wrap(const TensorView& req_to_token) {
   check_arg(req_to_token.dtype() == DType::kInt32, "req_to_token", "dtype ",
             dtype_name(req_to_token.dtype()), ", expected int32");
   check_arg(req_to_token.ndim() == 2 && req_to_token.is_contiguous(), "req_to_token", "got ",
-            req_to_token.describe(), ", expected a contiguous [max_reqs, max_context_len]");
+            req_to_token, ", expected a contiguous [max_reqs, max_context_len]");
   ReqToTokenPool pool;
   pool.table_ = req_to_token;
   return pool;

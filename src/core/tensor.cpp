@@ -10,8 +10,7 @@ std::string Device::str() const {
   return type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(index);
 }
 
-TensorView::TensorView(void* data, DType dtype, Device device,
-                       std::initializer_list<int64_t> shape)
+TensorView::TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape)
     : data_(data), dtype_(dtype), device_(device), ndim_(int(shape.size())) {
   check_arg(shape.size() <= size_t(kMaxDims), "shape", "got ", shape.size(),
             " dimensions, expected at most ", kMaxDims);
@@ -96,6 +95,14 @@ int64_t read_index(const TensorView& t, int64_t i) {
   if (t.dtype() == DType::kInt64) return t.data_as<const int64_t>()[i * t.stride(0)];
   throw_error(ErrorKind::kInvalidArgument, "index tensor", "dtype ", dtype_name(t.dtype()),
               ", expected int32 or int64");
+}
+
+std::ostream& operator<<(std::ostream& os, const Device& device) {
+  return os << device.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const TensorView& tensor) {
+  return os << tensor.describe();
 }
 
 }  // namespace kvattn

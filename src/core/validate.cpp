@@ -23,13 +23,13 @@ bool is_io_dtype(DType d) {
 void check_head_tensor(const TensorView& t, const char* name, int64_t tokens, int heads, int dim,
                        DType dtype, Device device) {
   check_arg(t.data() != nullptr || tokens == 0, name, "is null");
-  check_arg(t.device() == device, name, "on ", t.device().str(), ", expected ", device.str());
+  check_arg(t.device() == device, name, "on ", t.device(), ", expected ", device);
   check_arg(t.dtype() == dtype, name, "dtype ", dtype_name(t.dtype()), ", expected ",
             dtype_name(dtype));
   const bool shape_ok = (t.ndim() == 3 && t.size(0) == tokens && t.size(1) == heads &&
                          t.size(2) == dim) ||
                         (t.ndim() == 2 && t.size(0) == tokens && t.size(1) == int64_t(heads) * dim);
-  check_arg(shape_ok, name, "shape ", t.describe(), ", expected [", tokens, ", ", heads, ", ",
+  check_arg(shape_ok, name, "shape ", t, ", expected [", tokens, ", ", heads, ", ",
             dim, "] or [", tokens, ", ", int64_t(heads) * dim, "]");
   check_arg(t.stride(-1) == 1 || t.size(-1) <= 1, name, "last dimension must be contiguous, got stride ",
             t.stride(-1));
@@ -55,9 +55,9 @@ void check_index_tensor(const TensorView& t, const char* name, int64_t length, D
   check_arg(t.defined() && (t.data() != nullptr || length == 0), name, "missing");
   check_arg(is_index_dtype(t.dtype()), name, "dtype ", dtype_name(t.dtype()),
             ", expected int32 or int64");
-  check_arg(t.ndim() == 1 && t.size(0) == length, name, "shape ", t.describe(), ", expected [",
+  check_arg(t.ndim() == 1 && t.size(0) == length, name, "shape ", t, ", expected [",
             length, "]");
-  check_arg(t.device() == device, name, "on ", t.device().str(), ", expected ", device.str());
+  check_arg(t.device() == device, name, "on ", t.device(), ", expected ", device);
 }
 
 void validate_backend_config(const BackendConfig& c) {
@@ -82,7 +82,7 @@ void validate_backend_config(const BackendConfig& c) {
   check_arg(!(c.sliding_window_size >= 0 && c.is_encoder_decoder), "sliding_window_size",
             "sliding window and cross-attention (is_encoder_decoder) are not supported together");
   check_arg(c.req_to_token_pool->device() == kv.device, "req_to_token_pool", "on ",
-            c.req_to_token_pool->device().str(), ", the KV cache is on ", kv.device.str());
+            c.req_to_token_pool->device(), ", the KV cache is on ", kv.device);
   check_arg(c.ragged_extend_threshold >= 0, "ragged_extend_threshold", "got ",
             c.ragged_extend_threshold, ", expected >= 0");
   check_arg(c.num_threads >= 0, "num_threads", "got ", c.num_threads, ", expected >= 0");
@@ -179,10 +179,10 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
     check_arg(m.dtype() == DType::kUInt8, "spec.custom_mask", "dtype ", dtype_name(m.dtype()),
               ", expected uint8 (0/1)");
     check_arg(m.ndim() == 1 && m.size(0) == mask_elems, "spec.custom_mask", "shape ",
-              m.describe(), ", expected [", mask_elems,
+              m, ", expected [", mask_elems,
               "] = sum of draft_token_num * (seq_len + draft_token_num)");
-    check_arg(m.device() == device, "spec.custom_mask", "on ", m.device().str(), ", expected ",
-              device.str());
+    check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ",
+              device);
   }
 }
 

@@ -26,10 +26,10 @@ std::vector<core::IndexSet> sets_for(const BackendConfig& config) {
 void check_host_config(const BackendConfig& config) {
   core::validate_backend_config(config);
   const Device device = config.kv_cache->config().device;
-  check_arg(device.is_cpu(), "kv_cache", "on ", device.str(),
+  check_arg(device.is_cpu(), "kv_cache", "on ", device,
             ", the CPU backend needs it on the host");
   check_arg(config.req_to_token_pool->device().is_cpu(), "req_to_token_pool", "on ",
-            config.req_to_token_pool->device().str(), ", the CPU backend needs it on the host");
+            config.req_to_token_pool->device(), ", the CPU backend needs it on the host");
 }
 
 // Reads req_to_token[row][position] for positions [start, start + len), checking each slot.

@@ -68,17 +68,17 @@ void write_kv(const TensorView& k, const TensorView& v, const TensorView& loc,
   const int num_kv_heads = int(k_buffer.size(1));
   const int head_dim = int(k_buffer.size(2));
   const int v_head_dim = int(v_buffer.size(2));
-  check_arg(k.ndim() >= 2 && k.size(0) == num_new, "k", "shape ", k.describe(), ", expected ",
+  check_arg(k.ndim() >= 2 && k.size(0) == num_new, "k", "shape ", k, ", expected ",
             num_new, " rows (one per ", loc_name, " entry)");
-  check_arg(v.ndim() >= 2 && v.size(0) == num_new, "v", "shape ", v.describe(), ", expected ",
+  check_arg(v.ndim() >= 2 && v.size(0) == num_new, "v", "shape ", v, ", expected ",
             num_new, " rows (one per ", loc_name, " entry)");
   check_arg(k.dtype() == v.dtype(), "v", "dtype ", dtype_name(v.dtype()), ", expected k's ",
             dtype_name(k.dtype()));
   check_arg(is_float_dtype(k.dtype()) && !is_fp8_dtype(k.dtype()), "k", "dtype ",
             dtype_name(k.dtype()), ", expected fp32, bf16 or fp16");
-  check_arg(k.numel() == num_new * num_kv_heads * head_dim, "k", "shape ", k.describe(),
+  check_arg(k.numel() == num_new * num_kv_heads * head_dim, "k", "shape ", k,
             ", expected [", num_new, ", ", num_kv_heads, ", ", head_dim, "]");
-  check_arg(v.numel() == num_new * num_kv_heads * v_head_dim, "v", "shape ", v.describe(),
+  check_arg(v.numel() == num_new * num_kv_heads * v_head_dim, "v", "shape ", v,
             ", expected [", num_new, ", ", num_kv_heads, ", ", v_head_dim, "]");
   if (is_fp8_dtype(k_buffer.dtype())) {
     check_arg(k_scale > 0.f, "k_scale", "got ", k_scale, ", expected > 0 for fp8 storage");
