@@ -26,9 +26,12 @@ constexpr int kMergeThreads = 128;
 constexpr int kDecodeMergeThreads = 256;
 constexpr int kMergeWarps = kDecodeMergeThreads / 32;
 constexpr int kMergeBatch = 8;  // 64 partials: one round of loads per warp
-constexpr int kMaxDimsPerLane = 8;  // v_head_dim <= 256
 
-__global__ void __launch_bounds__(kDecodeMergeThreads)
+// kMaxDimsPerLane = 4 serves v_head_dim <= 128, 8 up to 256: sized to the shape, the registers
+// stay under 64 and 4 CTAs fit an SM (a batch-16 split step has 512 merge CTAs: one wave, not
+// two, which the 8-wide arrays cost at v_head_dim 128).
+template <int kMaxDimsPerLane>
+__global__ void __launch_bounds__(kDecodeMergeThreads, kMaxDimsPerLane == 4 ? 4 : 2)
     decode_merge_kernel(const DecodeLaunch launch) {
   const core::AttentionParams& p = launch.params;
   const int request = int(blockIdx.x);
@@ -126,8 +129,8 @@ void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
   if (p.batch_size == 0) return;
   // Programmatic dependent launch: the merge's CTAs are scheduled while the decode grid drains
   // instead of after it (griddepcontrol.wait in the kernel keeps the data dependency).
-  launch_programmatic_dependent(decode_merge_kernel,
-                                dim3(uint32_t(p.batch_size), uint32_t(p.num_q_heads)),
+  auto* kernel = p.v_head_dim <= 128 ? decode_merge_kernel<4> : decode_merge_kernel<8>;
+  launch_programmatic_dependent(kernel, dim3(uint32_t(p.batch_size), uint32_t(p.num_q_heads)),
                                 dim3(kDecodeMergeThreads), 0, stream, "decode_merge_kernel",
                                 launch);
 }
