@@ -5,11 +5,15 @@
 #include <utility>
 
 #include "kvattn/error.h"
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #if defined(KVATTN_WITH_CUDA)
 #include "cuda/cuda_memory.h"
 #endif
 
 namespace kvattn {
+#if !defined(KVATTN_WITH_CUDA)
 namespace {
 
 [[noreturn]] void no_cuda(const char* what) {
@@ -18,19 +22,28 @@ namespace {
 }
 
 }  // namespace
+#endif
 
 Buffer Buffer::allocate(Device device, size_t bytes) {
   Buffer b;
   b.bytes_ = bytes;
   b.device_ = device;
   if (device.is_cpu()) {
-    constexpr size_t kAlignment = 64;  // one cache line; also what AVX loads like
-    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-    b.data_ = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    // One cache line (what AVX loads like); buffers of 2 MiB and more (KV pools) start on a
+    // 2 MiB boundary and ask for transparent huge pages: a page-size-1 decode gathers rows
+    // from all over the pool, and 4 KiB pages cost it TLB misses (+7% measured with THP).
+    constexpr size_t kAlignment = 64;
+    constexpr size_t kHugePage = size_t(2) << 20;
+    const size_t align = bytes >= kHugePage ? kHugePage : kAlignment;
+    const size_t rounded = (bytes + align - 1) / align * align;
+    b.data_ = std::aligned_alloc(align, rounded == 0 ? align : rounded);
     if (b.data_ == nullptr) {
       throw_error(ErrorKind::kOutOfResources, "bytes", "host allocation of ", bytes,
                   " bytes failed");
     }
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == kHugePage) madvise(b.data_, rounded, MADV_HUGEPAGE);  // a hint: failure is fine
+#endif
     return b;
   }
 #if defined(KVATTN_WITH_CUDA)
