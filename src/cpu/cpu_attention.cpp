@@ -189,6 +189,17 @@ void unpermute_16(float* x, int n) {
 // ---- scores: s[r][j] = q[r] . k[j] ------------------------------------------------------------
 // Key j's row starts at keys[j] + head_offset bytes.
 
+// The 8 sums of a 4-row x 2-key block (row-major pairs, as simd::hsum8 leaves them) into
+// s[row * ld + key].
+inline void store_4x2(__m256 sums, float* s, int ld) {
+  const __m128 rows01 = _mm256_castps256_ps128(sums);
+  const __m128 rows23 = _mm256_extractf128_ps(sums, 1);
+  _mm_storel_pi(reinterpret_cast<__m64*>(s), rows01);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + ld), rows01);
+  _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ld), rows23);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ld), rows23);
+}
+
 // 4 query rows x 2 keys: 8 accumulators, one hsum8 at the end.
 template <typename Load>
 inline void dot_4x2(const float* q /*[4, dim]*/, const char* k0, const char* k1, int dim,
@@ -214,12 +225,7 @@ inline void dot_4x2(const float* q /*[4, dim]*/, const char* k0, const char* k1,
     a31 = _mm256_fmadd_ps(qv, k1v, a31);
   }
   const __m256 sums = simd::hsum8(a00, a01, a10, a11, a20, a21, a30, a31);
-  const __m128 rows01 = _mm256_castps256_ps128(sums);
-  const __m128 rows23 = _mm256_extractf128_ps(sums, 1);
-  _mm_storel_pi(reinterpret_cast<__m64*>(s), rows01);
-  _mm_storeh_pi(reinterpret_cast<__m64*>(s + ld), rows01);
-  _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ld), rows23);
-  _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ld), rows23);
+  store_4x2(sums, s, ld);
 }
 
 // 1 query row x 8 keys.
@@ -374,12 +380,7 @@ inline void pair_dot_4x2(const float* q /*[4, dim]*/, const char* k0, const char
   }
   const __m256 sums = simd::hsum8(acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0],
                                   acc[2][1], acc[3][0], acc[3][1]);
-  const __m128 rows01 = _mm256_castps256_ps128(sums);
-  const __m128 rows23 = _mm256_extractf128_ps(sums, 1);
-  _mm_storel_pi(reinterpret_cast<__m64*>(s), rows01);
-  _mm_storeh_pi(reinterpret_cast<__m64*>(s + ld), rows01);
-  _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ld), rows23);
-  _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ld), rows23);
+  store_4x2(sums, s, ld);
 }
 
 // 1 query row x 1 key.
