@@ -1759,6 +1759,10 @@ def fi_worker_main(args: argparse.Namespace) -> int:
 
 
 def git_commit(fallback: str) -> Tuple[str, bool]:
+    # An explicit --commit wins: the device's copy of the tree may carry a .git of another
+    # commit (it recorded the landed main instead of the commit that built the wheel once).
+    if fallback:
+        return fallback, False
     try:
         found = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "HEAD"],
                                capture_output=True, text=True, timeout=10)

@@ -29,7 +29,8 @@ const char* backend_kind_name(BackendKind kind);
 BackendKind parse_backend_kind(const std::string& name);
 
 /// Whether decode runs the tensor-core (prefill-style) kernel. kAuto picks it for GQA groups
-/// larger than 4 or fp8 KV; the environment variable KVATTN_DECODE_TENSOR_CORES=0/1 overrides.
+/// larger than 4 (fp8 KV stays on the CUDA-core kernel, which reads it natively: 2x faster at
+/// group 4, bench/NOTES.md); the environment variable KVATTN_DECODE_TENSOR_CORES=0/1 overrides.
 enum class TensorCoreDecode : uint8_t { kAuto, kOn, kOff };
 
 /// What a backend is made for: the model's attention shape and the engine's pools.

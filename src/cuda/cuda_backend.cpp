@@ -120,7 +120,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   }
   const TensorCoreDecode choice = resolve_tensor_core_choice(config.decode_tensor_cores);
   const bool wanted = choice == TensorCoreDecode::kOn ||
-                      (choice == TensorCoreDecode::kAuto && (group > 4 || is_fp8(kv.dtype)));
+                      (choice == TensorCoreDecode::kAuto && group > 4);
   // The prefill kernel reads KV in the io dtype or fp8 (kernels/prefill.h).
   const bool kv_ok = kv.dtype == config.q_dtype || is_fp8(kv.dtype);
   setup.tensor_cores = wanted && setup.prefill_supported && io_native && kv_ok;

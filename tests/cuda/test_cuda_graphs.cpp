@@ -616,10 +616,14 @@ TEST(CudaGraphsDecode, VariantsOnBothKernels) {
     window.max_context = 2048;
     worlds.push_back(window);
   }
-  WorldSpec fp8 = decode_world("fp8 e4m3 (auto: tensor)", nullptr, 23);
+  WorldSpec fp8 = decode_world("fp8 e4m3 (auto: cuda-core)", nullptr, 23);
   fp8.kv = DType::kFloat8E4M3;
   fp8.max_context = 2048;
   worlds.push_back(fp8);
+  WorldSpec fp8_tensor = decode_world("fp8 e4m3 tensor", "1", 27);
+  fp8_tensor.kv = DType::kFloat8E4M3;
+  fp8_tensor.max_context = 2048;
+  worlds.push_back(fp8_tensor);
   WorldSpec group8 = decode_world("group 8 (auto: tensor)", nullptr, 24);
   group8.num_q_heads = 64;
   group8.max_context = 2048;
