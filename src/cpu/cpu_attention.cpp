@@ -282,7 +282,20 @@ void compute_scores(const float* q /*[rows, dim]*/, int rows, const char* const*
 // ---- o[r] += sum_j p[r][j] * v[j] ----------------------------------------------------------------
 // Value j's row starts at values[j] + head_offset bytes.
 
-template <typename Load>
+// 16 elements of a value row from column c: two 8-element loads, or (kPaired) the loader's
+// (even, odd) pair, which keeps o in the same pair order as q (the direct path).
+template <bool kPaired, typename Load>
+inline void load16(const Load& load, const char* row, int c, __m256& a, __m256& b) {
+  if constexpr (kPaired) {
+    load.pair(row, c, a, b);
+  } else {
+    a = load(row, c);
+    b = load(row, c + 8);
+  }
+}
+
+// kPaired needs dv % 16 == 0; otherwise dv % 8 == 0.
+template <bool kPaired = false, typename Load>
 void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
                    const char* const* values /*[nk]*/, int64_t head_offset, int nk, int dv,
                    float* o /*[rows, dv]*/, const Load& load) {
@@ -300,8 +313,8 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
         acc[rr][1] = _mm256_loadu_ps(o0 + rr * dv + c + 8);
       }
       for (int j = 0; j < nk; ++j) {
-        const __m256 v0 = load(v[j], c);
-        const __m256 v1 = load(v[j], c + 8);
+        __m256 v0, v1;
+        load16<kPaired>(load, v[j], c, v0, v1);
         for (int rr = 0; rr < 4; ++rr) {
           const __m256 w = _mm256_broadcast_ss(p0 + rr * ld + j);
           acc[rr][0] = _mm256_fmadd_ps(w, v0, acc[rr][0]);
@@ -313,16 +326,18 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
         _mm256_storeu_ps(o0 + rr * dv + c + 8, acc[rr][1]);
       }
     }
-    for (; c < dv; c += 8) {
-      __m256 acc[4];
-      for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_loadu_ps(o0 + rr * dv + c);
-      for (int j = 0; j < nk; ++j) {
-        const __m256 v0 = load(v[j], c);
-        for (int rr = 0; rr < 4; ++rr) {
-          acc[rr] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + rr * ld + j), v0, acc[rr]);
+    if constexpr (!kPaired) {
+      for (; c < dv; c += 8) {
+        __m256 acc[4];
+        for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_loadu_ps(o0 + rr * dv + c);
+        for (int j = 0; j < nk; ++j) {
+          const __m256 v0 = load(v[j], c);
+          for (int rr = 0; rr < 4; ++rr) {
+            acc[rr] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + rr * ld + j), v0, acc[rr]);
+          }
         }
+        for (int rr = 0; rr < 4; ++rr) _mm256_storeu_ps(o0 + rr * dv + c, acc[rr]);
       }
-      for (int rr = 0; rr < 4; ++rr) _mm256_storeu_ps(o0 + rr * dv + c, acc[rr]);
     }
   }
   for (; r < rows; ++r) {
@@ -334,16 +349,37 @@ void accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
       for (int u = 0; u < 4; ++u) acc[u] = _mm256_loadu_ps(orow + c + 8 * u);
       for (int j = 0; j < nk; ++j) {
         const __m256 w = _mm256_broadcast_ss(pr + j);
-        for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(w, load(v[j], c + 8 * u), acc[u]);
+        __m256 va, vb, vc, vd;
+        load16<kPaired>(load, v[j], c, va, vb);
+        load16<kPaired>(load, v[j], c + 16, vc, vd);
+        acc[0] = _mm256_fmadd_ps(w, va, acc[0]);
+        acc[1] = _mm256_fmadd_ps(w, vb, acc[1]);
+        acc[2] = _mm256_fmadd_ps(w, vc, acc[2]);
+        acc[3] = _mm256_fmadd_ps(w, vd, acc[3]);
       }
       for (int u = 0; u < 4; ++u) _mm256_storeu_ps(orow + c + 8 * u, acc[u]);
     }
-    for (; c < dv; c += 8) {
-      __m256 acc = _mm256_loadu_ps(orow + c);
+    for (; c + 16 <= dv; c += 16) {
+      __m256 a0 = _mm256_loadu_ps(orow + c);
+      __m256 a1 = _mm256_loadu_ps(orow + c + 8);
       for (int j = 0; j < nk; ++j) {
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), load(v[j], c), acc);
+        const __m256 w = _mm256_broadcast_ss(pr + j);
+        __m256 va, vb;
+        load16<kPaired>(load, v[j], c, va, vb);
+        a0 = _mm256_fmadd_ps(w, va, a0);
+        a1 = _mm256_fmadd_ps(w, vb, a1);
       }
-      _mm256_storeu_ps(orow + c, acc);
+      _mm256_storeu_ps(orow + c, a0);
+      _mm256_storeu_ps(orow + c + 8, a1);
+    }
+    if constexpr (!kPaired) {
+      for (; c < dv; c += 8) {
+        __m256 acc = _mm256_loadu_ps(orow + c);
+        for (int j = 0; j < nk; ++j) {
+          acc = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), load(v[j], c), acc);
+        }
+        _mm256_storeu_ps(orow + c, acc);
+      }
     }
   }
 }
@@ -411,73 +447,6 @@ inline void pair_scores(const float* q /*[rows, dim]*/, int rows, const char* co
   for (; r < rows; ++r) {
     for (int j = 0; j < nk; ++j) {
       s[int64_t(r) * ld + j] = pair_dot_1x1(q + int64_t(r) * dim, keys[j] + head_offset, dim, load);
-    }
-  }
-}
-
-// o[r] += sum_j p[r][j] * v[j], o in the loader's pair order.
-template <typename Load>
-void pair_accumulate_pv(const float* p /*[rows, ld]*/, int ld, int rows,
-                        const char* const* values /*[nk]*/, int64_t head_offset, int nk, int dv,
-                        float* o /*[rows, dv]*/, const Load& load) {
-  const char* v[kKvBlock];
-  for (int j = 0; j < nk; ++j) v[j] = values[j] + head_offset;
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* p0 = p + int64_t(r) * ld;
-    float* o0 = o + int64_t(r) * dv;
-    for (int c = 0; c < dv; c += 16) {
-      __m256 acc[4][2];
-      for (int rr = 0; rr < 4; ++rr) {
-        acc[rr][0] = _mm256_loadu_ps(o0 + rr * dv + c);
-        acc[rr][1] = _mm256_loadu_ps(o0 + rr * dv + c + 8);
-      }
-      for (int j = 0; j < nk; ++j) {
-        __m256 va, vb;
-        load.pair(v[j], c, va, vb);
-        for (int rr = 0; rr < 4; ++rr) {
-          const __m256 w = _mm256_broadcast_ss(p0 + rr * ld + j);
-          acc[rr][0] = _mm256_fmadd_ps(w, va, acc[rr][0]);
-          acc[rr][1] = _mm256_fmadd_ps(w, vb, acc[rr][1]);
-        }
-      }
-      for (int rr = 0; rr < 4; ++rr) {
-        _mm256_storeu_ps(o0 + rr * dv + c, acc[rr][0]);
-        _mm256_storeu_ps(o0 + rr * dv + c + 8, acc[rr][1]);
-      }
-    }
-  }
-  for (; r < rows; ++r) {
-    const float* pr = p + int64_t(r) * ld;
-    float* orow = o + int64_t(r) * dv;
-    int c = 0;
-    for (; c + 32 <= dv; c += 32) {
-      __m256 acc[4];
-      for (int u = 0; u < 4; ++u) acc[u] = _mm256_loadu_ps(orow + c + 8 * u);
-      for (int j = 0; j < nk; ++j) {
-        const __m256 w = _mm256_broadcast_ss(pr + j);
-        __m256 va, vb, vc, vd;
-        load.pair(v[j], c, va, vb);
-        load.pair(v[j], c + 16, vc, vd);
-        acc[0] = _mm256_fmadd_ps(w, va, acc[0]);
-        acc[1] = _mm256_fmadd_ps(w, vb, acc[1]);
-        acc[2] = _mm256_fmadd_ps(w, vc, acc[2]);
-        acc[3] = _mm256_fmadd_ps(w, vd, acc[3]);
-      }
-      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(orow + c + 8 * u, acc[u]);
-    }
-    for (; c < dv; c += 16) {
-      __m256 a0 = _mm256_loadu_ps(orow + c);
-      __m256 a1 = _mm256_loadu_ps(orow + c + 8);
-      for (int j = 0; j < nk; ++j) {
-        const __m256 w = _mm256_broadcast_ss(pr + j);
-        __m256 va, vb;
-        load.pair(v[j], c, va, vb);
-        a0 = _mm256_fmadd_ps(w, va, a0);
-        a1 = _mm256_fmadd_ps(w, vb, a1);
-      }
-      _mm256_storeu_ps(orow + c, a0);
-      _mm256_storeu_ps(orow + c + 8, a1);
     }
   }
 }
@@ -727,7 +696,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         mask_and_softmax(p, tile, block, nk, ws.s.data() + first_row * kKvBlock,
                          ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
         if (pairs) {
-          pair_accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
+          accumulate_pv<true>(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
                              v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
         } else {
           accumulate_pv(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
