@@ -234,6 +234,21 @@ nb::object run_forward(PyBackend& b, ForwardEntry entry, nb::handle q, nb::handl
   return std::move(a.result);
 }
 
+template <ForwardEntry kEntry>
+nb::object forward_entry(PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                         const AttentionLayer& layer, const PyForwardBatch& batch,
+                         bool save_kv_cache, bool dlpack_alloc) {
+  return run_forward(b, kEntry, q, k, v, out, layer, batch, save_kv_cache, dlpack_alloc);
+}
+
+/// Binds forward / forward_decode / forward_extend: one signature, the entry point differs.
+template <ForwardEntry kEntry>
+void def_forward(nb::class_<PyBackend>& cls, const char* name, const char* doc) {
+  cls.def(name, &forward_entry<kEntry>, nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(),
+          nb::arg("out").none(), nb::arg("layer"), nb::arg("batch"),
+          nb::arg("save_kv_cache") = true, nb::arg("dlpack_alloc") = false, doc);
+}
+
 template <typename Holder>
 Holder make_holder(const PyBackendConfig& c) {
   Holder holder;
@@ -361,7 +376,14 @@ void bind_backend(nb::module_& m) {
       "same library, dtype and device; by q.new_empty, or with dlpack_alloc through q's "
       "library's allocator by DLPack's C exchange API, no Python call). Returns out. Runs with "
       "the GIL released.";
-  nb::class_<PyBackend>(m, "Backend", "An attention backend (make one with make_backend).")
+  nb::class_<PyBackend> backend_class(m, "Backend",
+                                      "An attention backend (make one with make_backend).");
+  def_forward<ForwardEntry::kForward>(backend_class, "forward", forward_doc);
+  def_forward<ForwardEntry::kDecode>(backend_class, "forward_decode",
+                                     "forward for a DECODE batch (arguments as in forward).");
+  def_forward<ForwardEntry::kExtend>(backend_class, "forward_extend",
+                                     "forward for an EXTEND-like batch (arguments as in forward).");
+  backend_class
       .def_prop_ro("kind", [](const PyBackend& b) { return b.impl->kind(); })
       .def_prop_ro("device", [](const PyBackend& b) { return b.impl->device().str(); })
       .def_prop_ro("q_dtype", [](const PyBackend& b) { return b.config.q_dtype; })
@@ -393,39 +415,6 @@ void bind_backend(nb::module_& m) {
             b.impl->init_forward_metadata_in_graph(batch.batch);
           },
           nb::arg("batch"))
-      .def(
-          "forward",
-          [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
-             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache,
-             bool dlpack_alloc) {
-            return run_forward(b, ForwardEntry::kForward, q, k, v, out, layer, batch, save_kv_cache,
-                               dlpack_alloc);
-          },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out").none(),
-          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true,
-          nb::arg("dlpack_alloc") = false, forward_doc)
-      .def(
-          "forward_decode",
-          [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
-             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache,
-             bool dlpack_alloc) {
-            return run_forward(b, ForwardEntry::kDecode, q, k, v, out, layer, batch, save_kv_cache,
-                               dlpack_alloc);
-          },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out").none(),
-          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true,
-          nb::arg("dlpack_alloc") = false)
-      .def(
-          "forward_extend",
-          [](PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
-             const AttentionLayer& layer, const PyForwardBatch& batch, bool save_kv_cache,
-             bool dlpack_alloc) {
-            return run_forward(b, ForwardEntry::kExtend, q, k, v, out, layer, batch, save_kv_cache,
-                               dlpack_alloc);
-          },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("out").none(),
-          nb::arg("layer"), nb::arg("batch"), nb::arg("save_kv_cache") = true,
-          nb::arg("dlpack_alloc") = false)
       .def(
           "init_cuda_graph_state",
           [](PyBackend& b, int max_bs, int64_t max_num_tokens) {
