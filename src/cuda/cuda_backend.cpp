@@ -94,9 +94,8 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   setup.plan_config.chunk_align = setup.info.tile_tokens;
   // Two pipeline steps: a chunk's loads are then all in flight from the CTA's start (short
   // requests split finely and finish in about one memory latency; bench/NOTES.md).
-  setup.plan_config.min_chunk = 2 * setup.info.tile_tokens;
   // Tuning knobs (bench/NOTES.md): KVATTN_DECODE_MIN_CHUNK, KVATTN_DECODE_CHUNK (fixed split).
-  setup.plan_config.min_chunk = env_int("KVATTN_DECODE_MIN_CHUNK", setup.plan_config.min_chunk);
+  setup.plan_config.min_chunk = env_int("KVATTN_DECODE_MIN_CHUNK", 2 * setup.info.tile_tokens);
   setup.plan_config.fixed_chunk = env_int("KVATTN_DECODE_CHUNK", 0);
 
   // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim, or head_dim 128 with
@@ -399,24 +398,6 @@ class CudaBackend final : public AttentionBackend {
                   "v_head_dim == head_dim and a compiled head_dim; got head_dim ", config_.head_dim,
                   ", v_head_dim ", config_.v_head_dim);
     }
-    // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size and token
-    // count; a larger verify tree runs eagerly, and capturing it is refused.
-    const int64_t graph_tokens =
-        verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num : batch.batch_size;
-    step_.graph_pool = graph_max_bs_ > 0 && (decode || verify) &&
-                       batch.batch_size <= graph_max_bs_ && graph_tokens <= graph_max_tokens_;
-    if (in_capture && graph_max_bs_ > 0 && (decode || verify) &&
-        batch.batch_size <= graph_max_bs_ && graph_tokens > graph_max_tokens_) {
-      throw_error(ErrorKind::kOutOfResources, "max_num_tokens",
-                  "init_cuda_graph_state reserved ", graph_max_tokens_, " query tokens; this ",
-                  forward_mode_name(batch.mode), " batch has ", graph_tokens);
-    }
-    check_arg(!in_capture || step_.graph_pool, "in_capture",
-              "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ",
-              batch.batch_size, " and a DECODE or TARGET_VERIFY batch");
-    auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
-    const cudaStream_t stream = as_stream(config_.cuda_stream);
-
     int64_t new_tokens = 0;
     for (int32_t e : lens.extend_lens) new_tokens += e;
     step_.ragged =
@@ -425,6 +406,22 @@ class CudaBackend final : public AttentionBackend {
     step_.num_tokens = decode   ? batch.batch_size
                        : verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num
                                 : new_tokens;
+
+    // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size and token
+    // count; a larger verify tree runs eagerly, and capturing it is refused.
+    const bool graph_batch =
+        graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
+    step_.graph_pool = graph_batch && step_.num_tokens <= graph_max_tokens_;
+    if (in_capture && graph_batch && !step_.graph_pool) {
+      throw_error(ErrorKind::kOutOfResources, "max_num_tokens",
+                  "init_cuda_graph_state reserved ", graph_max_tokens_, " query tokens; this ",
+                  forward_mode_name(batch.mode), " batch has ", step_.num_tokens);
+    }
+    check_arg(!in_capture || step_.graph_pool, "in_capture",
+              "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ",
+              batch.batch_size, " and a DECODE or TARGET_VERIFY batch");
+    auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
+    const cudaStream_t stream = as_stream(config_.cuda_stream);
 
     // On the graph pool a prefill plan is padded to the capacity of its batch size and query
     // tokens per request (1 for DECODE, draft_token_num for TARGET_VERIFY).
