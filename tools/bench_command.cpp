@@ -134,6 +134,10 @@ struct Ceilings {
   double copy_gbps = kNaN;            ///< CUDA only
   double gemm_bf16_tflops = kNaN;     ///< CUDA only
   double cpu_fma_fp32_gflops = kNaN;  ///< CPU only
+  /// CPU only: reads of whole rows in a random order (measure_cpu_random_rows_gbps), with the
+  /// grid's page-1 slot (8 kv heads x 128 x bf16 = 2 KiB) and page-16 page (32 KiB) as rows.
+  double cpu_random_slot_gbps = kNaN;
+  double cpu_random_page16_gbps = kNaN;
 };
 
 struct RowResult {
@@ -399,6 +403,11 @@ void write_json(const std::string& path, const std::string& device_name, const R
   if (std::isfinite(ceilings.cpu_fma_fp32_gflops)) {
     out << ", \"cpu_fma_fp32_tflops\": " << json_number(ceilings.cpu_fma_fp32_gflops / 1e3);
   }
+  if (std::isfinite(ceilings.cpu_random_slot_gbps)) {
+    out << ", \"cpu_read_random_2kib_rows_gbps\": " << json_number(ceilings.cpu_random_slot_gbps)
+        << ", \"cpu_read_random_32kib_rows_gbps\": "
+        << json_number(ceilings.cpu_random_page16_gbps);
+  }
   out << "},\n \"rows\": [";
   bool first = true;
   for (const RowResult& r : results) {
@@ -531,6 +540,10 @@ int run_bench(const std::vector<std::string>& args) {
   if (cpu) {
     ceilings.read_gbps = measure_cpu_read_gbps(kGiB, quick ? 3 : 5);
     ceilings.cpu_fma_fp32_gflops = measure_cpu_fma_gflops(quick ? 3 : 5);
+    const int64_t slot_bytes = int64_t(kKvHeads) * 128 * 2;  // decode rows: head_dim 128, bf16
+    ceilings.cpu_random_slot_gbps = measure_cpu_random_rows_gbps(kGiB, slot_bytes, quick ? 3 : 5);
+    ceilings.cpu_random_page16_gbps =
+        measure_cpu_random_rows_gbps(kGiB, 16 * slot_bytes, quick ? 3 : 5);
     memory_limit = std::min<int64_t>(8 * kGiB, host_available_bytes() / 2);
     cache_bytes = cpu_last_level_cache_bytes();
   } else {
@@ -560,6 +573,11 @@ int run_bench(const std::vector<std::string>& args) {
         "ceilings (this run): read %.1f GB/s (1 GiB, %d threads, AVX2 loads); fp32 FMA "
         "%.1f GFLOP/s\n",
         ceilings.read_gbps, host_threads(), ceilings.cpu_fma_fp32_gflops);
+    std::printf(
+        "reference (this run, not a ceiling): whole rows read in a random order, the decode "
+        "rows' access pattern: 2 KiB rows (a page-1 slot) %.1f GB/s, 32 KiB rows (a page of "
+        "16) %.1f GB/s\n",
+        ceilings.cpu_random_slot_gbps, ceilings.cpu_random_page16_gbps);
     std::printf(
         "fraction: decode of read GB/s; prefill/extend of the fp32 FMA rate. Rows whose "
         "one call is estimated over %.1f s, or whose world needs over %.1f GiB, are "

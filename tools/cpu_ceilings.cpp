@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -73,6 +75,35 @@ double measure_cpu_read_gbps(int64_t bytes, int passes) {
       sinks[size_t(t) * 8] = uint64_t(_mm256_extract_epi64(acc, 0));
     });
     if (pass > 0) gbps.push_back(double(num_vectors) * 32 / seconds / 1e9);  // pass 0 warms up
+  }
+  return median(gbps);
+}
+
+double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes) {
+  const int threads = host_threads();
+  const int64_t row_vectors = row_bytes / 32;
+  const int64_t num_rows = bytes / row_bytes;
+  Buffer buffer = Buffer::allocate(Device::cpu(), size_t(num_rows * row_bytes));
+  fill_random(buffer.view(DType::kFloat32, {num_rows * row_bytes / 4}), 0x5eed, 1.f);
+  const auto* data = static_cast<const __m256i*>(buffer.data());
+  std::vector<int32_t> order(static_cast<size_t>(num_rows));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(0x5eed));
+  std::vector<uint64_t> sinks(size_t(threads) * 8);
+  std::vector<double> gbps;
+  for (int pass = 0; pass < passes + 1; ++pass) {
+    const double seconds = run_on_all_cores(threads, [&](int t) {
+      const int64_t chunk = (num_rows + threads - 1) / threads;
+      const int64_t first = std::min(num_rows, t * chunk);
+      const int64_t last = std::min(num_rows, first + chunk);
+      __m256i acc = _mm256_setzero_si256();
+      for (int64_t i = first; i < last; ++i) {
+        const __m256i* row = data + int64_t(order[size_t(i)]) * row_vectors;
+        acc = _mm256_xor_si256(acc, read_range(row, row + row_vectors));
+      }
+      sinks[size_t(t) * 8] = uint64_t(_mm256_extract_epi64(acc, 0));
+    });
+    if (pass > 0) gbps.push_back(double(num_rows * row_bytes) / seconds / 1e9);
   }
   return median(gbps);
 }

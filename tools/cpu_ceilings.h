@@ -9,6 +9,13 @@ namespace kvattn::tools {
 /// far past the last-level cache) with 32-byte AVX2 loads. GB/s, median of `passes`.
 double measure_cpu_read_gbps(int64_t bytes, int passes);
 
+/// The same read, but of whole `row_bytes` rows (multiple of 32) taken in a random order, each
+/// read front to back with plain loads: the access pattern of a decode over shuffled page-1 slots
+/// (a row = one slot of K or V) or pages of 16. Not a ceiling (a kernel that keeps more misses
+/// in flight can beat it): a reference for what this memory system gives the pattern, which on a
+/// VM whose host maps guest memory with small pages is bound by TLB misses. GB/s, median.
+double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes);
+
 /// The fp32 FMA rate of all cores (independent AVX2 FMA chains, no memory traffic): the compute
 /// ceiling the CPU backend's prefill is held to. GFLOP/s, median of `passes`.
 double measure_cpu_fma_gflops(int passes);

@@ -7,8 +7,8 @@
 //       tests/cpu/microbench/decode_microbench.cpp build-cpu/libkvattn.a -lpthread -o /tmp/decode_mb
 //   /tmp/decode_mb BATCH KV_LEN THREADS REPS SLOTS    (best of REPS calls)
 //
-// SLOTS: 0 slots in order, 1 shuffled (the bench's page 1), 2 every key on one of 8 slots (K/V
-// hot in L1/L2: the compute rate alone). MB_HUGE=1 asks for transparent huge pages on the pools.
+// SLOTS: 0 slots in order, 1 shuffled (the bench's page 1), 3 pages of 16 shuffled (page 16),
+// 2 every key on one of 8 slots (K/V hot in L1/L2: the compute rate alone). MB_HUGE=1 asks for transparent huge pages on the pools.
 #include <sys/resource.h>
 #include <sys/mman.h>
 #include <chrono>
@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   int reps = argc > 4 ? atoi(argv[4]) : 10;
   int shuffle = argc > 5 ? atoi(argv[5]) : 1;
   const int H = 32, KH = 8, D = 128;
-  int64_t slots = int64_t(batch) * kv_len + 1;
+  int64_t slots = int64_t(batch) * kv_len + 16;
   const size_t kvn = size_t(slots) * KH * D;
   auto alloc = [&](size_t n) {
     size_t bytes = (n * 2 + (2u << 20)) & ~size_t((2u << 20) - 1);
@@ -56,6 +56,13 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < slots - 1; ++i) idx[i] = int32_t(i + 1);
   if (shuffle == 1) std::shuffle(idx.begin(), idx.end(), rng);
   if (shuffle == 2) for (auto& x : idx) x = 1 + int32_t(&x - idx.data()) % 8;
+  if (shuffle == 3) {  // page 16, pages shuffled (the bench's page 16 rows); slot 0..15 unused
+    const int64_t pages = (slots - 1) / 16;
+    std::vector<int32_t> order(pages);
+    for (int64_t i = 0; i < pages; ++i) order[i] = int32_t(i);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t i = 0; i < slots - 1; ++i) idx[i] = 16 + order[i / 16 % pages] * 16 + int32_t(i % 16);
+  }
   std::vector<int32_t> qo(batch + 1); std::vector<int64_t> kvp(batch + 1);
   for (int r = 0; r <= batch; ++r) { qo[r] = r; kvp[r] = int64_t(r) * kv_len; }
   core::AttentionParams p;
