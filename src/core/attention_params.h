@@ -19,6 +19,10 @@ struct AttentionParams {
   int64_t out_stride_head = 0;
   float* lse = nullptr;  ///< [num_tokens, num_q_heads] natural-log LSE, optional
   DType io_dtype = DType::kBFloat16;
+  /// CUDA prefill kernel: out is fp32 instead of io_dtype (a partial state another kernel
+  /// merges: the ragged + prefix EXTEND keeps both partial outputs unrounded). The CPU kernels
+  /// take their output dtype as an argument instead.
+  bool out_fp32 = false;
 
   // ---- keys and values ---------------------------------------------------------------------
   /// Paged: [num_slots, num_kv_heads, dim] and kv_indices gives each token's slot.

@@ -269,6 +269,8 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
 void run_call(const CallState& call, const core::AttentionParams& params, int device,
               cudaStream_t stream) {
   const bool capturing = stream_is_capturing(stream);
+  check_arg(call.prefill || !params.out_fp32, "out",
+            "an fp32 partial output needs the prefill kernel");
   if (call.prefill) {
     // Only a padded plan (the graph pool) has an item count that covers every later plan of the
     // same batch size; an unpadded one captured now would replay wrong results later.
@@ -445,11 +447,11 @@ class CudaBackend final : public AttentionBackend {
       ragged.paged = false;
       ragged.custom_mask = nullptr;
       plan_call(ragged, false, 0);
+      // Both partial outputs (fp32, merged unrounded) and their LSEs.
       const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
-      const size_t out_bytes =
-          rows * size_t(config_.v_head_dim) * size_t(dtype_size(config_.q_dtype));
-      ensure_bytes(ragged_scratch_, align_region(out_bytes) + 2 * rows * sizeof(float), false,
-                   device_, "ragged extend scratch");
+      const size_t partial_bytes = align_region(rows * size_t(config_.v_head_dim) * sizeof(float));
+      ensure_bytes(ragged_scratch_, 2 * partial_bytes + 2 * rows * sizeof(float), false, device_,
+                   "ragged extend scratch");
     }
     // fp32 io in a step the tensor-core kernel runs: q/out (and the ragged k/v) go through
     // 16-bit copies.
@@ -769,28 +771,36 @@ class CudaBackend final : public AttentionBackend {
                stream);
       return;
     }
+    // Both partial states stay fp32 until the merge, so the output is rounded once (as by a
+    // one-pass kernel); rounding each partial to the io dtype first cost ~2x the error.
     const size_t rows = size_t(step_.num_tokens) * size_t(cfg.num_q_heads);
     char* scratch = static_cast<char*>(ragged_scratch_.data());
-    const size_t out_bytes = rows * size_t(cfg.v_head_dim) * size_t(dtype_size(cfg.q_dtype));
-    float* lse_prefix = reinterpret_cast<float*>(scratch + align_region(out_bytes));
+    const size_t partial_bytes = align_region(rows * size_t(cfg.v_head_dim) * sizeof(float));
+    float* lse_prefix = reinterpret_cast<float*>(scratch + 2 * partial_bytes);
     float* lse_new = lse_prefix + rows;
-    const TensorView new_out(scratch, cfg.q_dtype, device_,
+    const TensorView prefix_out(scratch, DType::kFloat32, device_,
+                                {step_.num_tokens, cfg.num_q_heads, cfg.v_head_dim});
+    const TensorView new_out(scratch + partial_bytes, DType::kFloat32, device_,
                              {step_.num_tokens, cfg.num_q_heads, cfg.v_head_dim});
-    run_call(paged, make_params(paged, cfg, layer, q, out, lse_prefix, {}, {}), device_.index,
-             stream);
-    run_call(ragged, make_params(ragged, cfg, layer, q, new_out, lse_new, k, v), device_.index,
-             stream);
+    core::AttentionParams prefix_params =
+        make_params(paged, cfg, layer, q, prefix_out, lse_prefix, {}, {});
+    core::AttentionParams new_params =
+        make_params(ragged, cfg, layer, q, new_out, lse_new, k, v);
+    prefix_params.out_fp32 = new_params.out_fp32 = true;
+    run_call(paged, prefix_params, device_.index, stream);
+    run_call(ragged, new_params, device_.index, stream);
     MergeStatesLaunch m;
     const HeadStrides os = head_strides(out, cfg.v_head_dim);
-    m.o_a = out.data();
+    m.o_a = prefix_out.data();
     m.lse_a = lse_prefix;
     m.o_b = new_out.data();
     m.lse_b = lse_new;
     m.out = out.data();
     m.stride_token = os.token;
     m.stride_head = os.head;
-    m.b_stride_token = int64_t(cfg.num_q_heads) * cfg.v_head_dim;
-    m.b_stride_head = cfg.v_head_dim;
+    m.a_stride_token = m.b_stride_token = int64_t(cfg.num_q_heads) * cfg.v_head_dim;
+    m.a_stride_head = m.b_stride_head = cfg.v_head_dim;
+    m.partial_dtype = DType::kFloat32;
     m.io_dtype = cfg.q_dtype;
     m.num_tokens = step_.num_tokens;
     m.num_heads = cfg.num_q_heads;

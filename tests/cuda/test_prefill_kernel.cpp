@@ -72,6 +72,7 @@ struct Case {
   bool shuffle = true;
   bool lse = true;
   int concurrent_ctas = 0;  // > 0: allow split-KV
+  bool out_fp32 = false;    // p.out_fp32: fp32 output (a partial state for a later merge)
   float k_scale = 1.f;
   float v_scale = 1.f;
   float input_range = 2.f;
@@ -263,7 +264,23 @@ void run_case(const Case& c) {
   // ---- device run ---------------------------------------------------------------------------
   std::vector<std::unique_ptr<DeviceBytes>> keep;
   const int64_t out_stride_token = hq * out_stride_head + 8;
-  std::vector<uint16_t> out_host(std::max<int64_t>(total_q * out_stride_token, 1), kPoison16);
+  // fp32 output: two 16-bit words per element (0xffff 0xffff is a NaN float too).
+  const int64_t out_words = c.out_fp32 ? 2 : 1;
+  std::vector<uint16_t> out_host(std::max<int64_t>(total_q * out_stride_token * out_words, 1),
+                                 kPoison16);
+  auto out_value = [&](int64_t element) -> double {
+    if (!c.out_fp32) return from_16bit(out_host[size_t(element)], c.io);
+    float value;
+    std::memcpy(&value, &out_host[size_t(element) * 2], sizeof value);
+    return value;
+  };
+  auto out_poisoned = [&](int64_t element) {
+    for (int64_t w = 0; w < out_words; ++w) {
+      if (out_host[size_t(element * out_words + w)] != kPoison16) return false;
+    }
+    return true;
+  };
+  int64_t unrounded = 0, written = 0;  // fp32 outputs that a 16-bit type could not hold
   std::vector<float> lse_host(std::max<int64_t>(total_q * hq, 1), std::nanf(""));
 
   core::AttentionParams p;
@@ -275,6 +292,7 @@ void run_case(const Case& c) {
   p.out_stride_head = out_stride_head;
   p.lse = c.lse ? static_cast<float*>(upload(keep, lse_host)) : nullptr;
   p.io_dtype = c.io;
+  p.out_fp32 = c.out_fp32;
   p.k = upload(keep, k_host);
   p.v = upload(keep, v_host);
   p.k_stride_token = kv_stride_token;
@@ -342,7 +360,11 @@ void run_case(const Case& c) {
       double scale = 1e-3;
       for (int e = 0; e < dv; ++e) scale = std::max(scale, std::abs(r[e]));
       for (int e = 0; e < dv; ++e) {
-        const double o = from_16bit(out_host[t * out_stride_token + h * out_stride_head + e], c.io);
+        const double o = out_value(t * out_stride_token + h * out_stride_head + e);
+        if (c.out_fp32 && std::isfinite(o) && o != 0.0) {
+          ++written;
+          if (float(from_16bit(to_16bit(float(o), c.io), c.io)) != float(o)) ++unrounded;
+        }
         const double err = std::abs(o - r[e]);
         diff2 += err * err;
         ref2 += r[e] * r[e];
@@ -371,11 +393,13 @@ void run_case(const Case& c) {
     // Padding (after each head's v_head_dim values, after the last head) must still be poison.
     for (int64_t e = 0; e < out_stride_token; ++e) {
       if (e < hq * out_stride_head && e % out_stride_head < dv) continue;
-      EXPECT_EQ(out_host[t * out_stride_token + e], kPoison16)
+      EXPECT_TRUE(out_poisoned(t * out_stride_token + e))
           << "wrote padding of token " << t << " at " << e;
     }
   }
   EXPECT_EQ(bad, 0) << bad << " elements off";
+  // An fp32 output that went through a 16-bit rounding would fit the 16-bit type exactly.
+  if (c.out_fp32) EXPECT_GT(unrounded, written * 9 / 10) << "of " << written << " fp32 outputs";
   const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
   EXPECT_LE(rel, 1e-2) << "relative L2 error";
   std::printf("  %-40s items %5zu partials %4d  rel_l2 %.2e  worst %.2e  lse %.2e\n",
@@ -655,6 +679,38 @@ TEST_F(PrefillKernel, NarrowVHeadDimCustomSoftCapLargeLogits) {
   c.q_lens = {40, 200};
   c.kv_lens = {300, 700};
   c.seed = 36;
+  run_case(c);
+}
+
+// fp32 output (the ragged + prefix EXTEND's partial states): the direct epilogue and the split
+// merge both write floats that no 16-bit rounding produced.
+TEST_F(PrefillKernel, Fp32Output) {
+  Case c;
+  c.out_fp32 = true;
+  c.name = "fp32 out causal paged p1 hd128 bf16";
+  c.q_lens = {37, 130, 1};
+  c.kv_lens = {37, 300, 77};
+  c.seed = 40;
+  run_case(c);
+  c.name = "fp32 out ragged none hd64 fp16";
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.paged = false;
+  c.mask = core::MaskMode::kNone;
+  c.q_lens = {129, 64, 5};
+  c.kv_lens = {129, 64, 5};
+  c.seed = 41;
+  run_case(c);
+  c.name = "fp32 out split prefill hd128 v96 bf16";
+  c.head_dim = 128;
+  c.v_head_dim = 96;
+  c.io = c.kv = DType::kBFloat16;
+  c.paged = true;
+  c.mask = core::MaskMode::kCausal;
+  c.q_lens = {70, 1};
+  c.kv_lens = {2500, 1800};
+  c.concurrent_ctas = 264;
+  c.seed = 42;
   run_case(c);
 }
 

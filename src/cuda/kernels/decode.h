@@ -60,20 +60,25 @@ void launch_decode(const DecodeLaunch& launch, int device, cudaStream_t stream);
 
 /// Ragged + paged-prefix merge of two attention states of the same rows (SPEC §3):
 /// out = (o_a * e^(lse_a - m) + o_b * e^(lse_b - m)) / (...), per (token, q head), through
-/// core::merge_weights. o_a / o_b / out are io_dtype with the given strides (elements); the
-/// LSEs are float [num_tokens, num_heads] natural log; lse_out is optional.
+/// core::merge_weights. o_a / o_b are partial_dtype, out is io_dtype, each with its strides
+/// (elements); the LSEs are float [num_tokens, num_heads] natural log; lse_out is optional.
+/// The backend keeps both partials in fp32, so the output is rounded once, as a one-pass kernel's.
 struct MergeStatesLaunch {
   const void* o_a = nullptr;  ///< [num_tokens, num_heads, v_head_dim]
   const float* lse_a = nullptr;
   const void* o_b = nullptr;  ///< [num_tokens, num_heads, v_head_dim]
   const float* lse_b = nullptr;
-  void* out = nullptr;       ///< [num_tokens, num_heads, v_head_dim] (may alias o_a)
+  void* out = nullptr;  ///< [num_tokens, num_heads, v_head_dim] (may alias o_a when the
+                        ///< dtypes and strides agree)
   float* lse_out = nullptr;  ///< [num_tokens, num_heads] or null
-  int64_t stride_token = 0;  ///< of o_a and out
+  int64_t stride_token = 0;  ///< of out
   int64_t stride_head = 0;
+  int64_t a_stride_token = 0;  ///< of o_a
+  int64_t a_stride_head = 0;
   int64_t b_stride_token = 0;  ///< of o_b
   int64_t b_stride_head = 0;
-  DType io_dtype = DType::kBFloat16;
+  DType partial_dtype = DType::kFloat32;  ///< of o_a and o_b
+  DType io_dtype = DType::kBFloat16;      ///< of out
   int64_t num_tokens = 0;
   int num_heads = 0;
   int v_head_dim = 0;

@@ -111,12 +111,13 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
   float w_a, w_b, lse;
   core::merge_weights(m.lse_a[row], m.lse_b[row], &w_a, &w_b, &lse);
   const int64_t base = token * m.stride_token + int64_t(head) * m.stride_head;
+  const int64_t base_a = token * m.a_stride_token + int64_t(head) * m.a_stride_head;
   const int64_t base_b = token * m.b_stride_token + int64_t(head) * m.b_stride_head;
   for (int dim = int(threadIdx.x % 32); dim < m.v_head_dim; dim += 32) {
     // An empty side has weight 0 but may hold anything (even NaN): never multiply it in.
     float out = 0.f;
-    if (w_a > 0.f) out += w_a * load_io(m.o_a, m.io_dtype, base + dim);
-    if (w_b > 0.f) out += w_b * load_io(m.o_b, m.io_dtype, base_b + dim);
+    if (w_a > 0.f) out += w_a * load_io(m.o_a, m.partial_dtype, base_a + dim);
+    if (w_b > 0.f) out += w_b * load_io(m.o_b, m.partial_dtype, base_b + dim);
     store_io(m.out, m.io_dtype, base + dim, out);
   }
   if (threadIdx.x % 32 == 0 && m.lse_out != nullptr) m.lse_out[row] = lse;
@@ -138,9 +139,13 @@ void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
 }  // namespace detail
 
 void launch_merge_states(const MergeStatesLaunch& m, cudaStream_t stream) {
-  check_arg(m.io_dtype == DType::kFloat32 || m.io_dtype == DType::kBFloat16 ||
-                m.io_dtype == DType::kFloat16,
-            "out", "dtype ", dtype_name(m.io_dtype), ", expected fp32, bf16 or fp16");
+  auto float_io = [](DType t) {
+    return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16;
+  };
+  check_arg(float_io(m.io_dtype), "out", "dtype ", dtype_name(m.io_dtype),
+            ", expected fp32, bf16 or fp16");
+  check_arg(float_io(m.partial_dtype), "o_a", "dtype ", dtype_name(m.partial_dtype),
+            ", expected fp32, bf16 or fp16");
   const int64_t rows = m.num_tokens * m.num_heads;
   if (rows == 0) return;
   const int64_t grid = (rows + detail::kRowsPerMergeCta - 1) / detail::kRowsPerMergeCta;

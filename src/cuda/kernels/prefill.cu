@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     if (packed >= rows_total) break;
     const int token = packed / group;
     const int head = merge.kv_head * group + packed % group;
-    T* out = static_cast<T*>(p.out) + (int64_t(q_begin) + token) * p.out_stride_token +
-             int64_t(head) * p.out_stride_head;
+    const int64_t out_row = (int64_t(q_begin) + token) * p.out_stride_token +
+                            int64_t(head) * p.out_stride_head;
     float merged_lse = -INFINITY;
     for (int d0 = lane * 4; d0 < dim; d0 += 128) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -63,10 +63,15 @@ __global__ void __launch_bounds__(kMergeThreads)
         acc.w = acc.w * w_acc + part.w * w_new;
         lse = lse_next;
       }
-      out[d0] = from_float<T>(acc.x);
-      out[d0 + 1] = from_float<T>(acc.y);
-      out[d0 + 2] = from_float<T>(acc.z);
-      out[d0 + 3] = from_float<T>(acc.w);
+      if (p.out_fp32) {
+        *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row + d0) = acc;
+      } else {
+        T* out = static_cast<T*>(p.out) + out_row;
+        out[d0] = from_float<T>(acc.x);
+        out[d0 + 1] = from_float<T>(acc.y);
+        out[d0 + 2] = from_float<T>(acc.z);
+        out[d0 + 3] = from_float<T>(acc.w);
+      }
       merged_lse = lse;
     }
     if (p.lse != nullptr && lane == 0) {

@@ -580,7 +580,31 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     }
   }
 
-  if (item.partial < 0) {
+  if (item.partial < 0 && p.out_fp32) {
+    // fp32 output (a partial state for a later merge): each lane's two columns as a float2.
+    float* out = static_cast<float*>(p.out);
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int packed = row0 + warp_row + a * 16 + (lane >> 2) + 8 * h;
+        if (packed >= rows_total) continue;
+        const int token = packed / group;
+        const int head = kv_head * group + packed % group;
+        float* dst = out + (int64_t(q_begin) + token) * p.out_stride_token +
+                     int64_t(head) * p.out_stride_head + (lane & 3) * 2;
+#pragma unroll
+        for (int d = 0; d < kDimTiles; ++d) {
+          if (kNarrowV && d * 8 >= v_dim) break;
+          *reinterpret_cast<float2*>(dst + d * 8) =
+              make_float2(o[a][d][2 * h] * inv_sum[a][h], o[a][d][2 * h + 1] * inv_sum[a][h]);
+        }
+        if (p.lse != nullptr && (lane & 3) == 0) {
+          p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse[a][h];
+        }
+      }
+    }
+  } else if (item.partial < 0) {
     // Stage the warp's rows of O in its own rows of the Q tile (no other warp reads them), then
     // store 16-byte chunks.
     unsigned char* s_out = smem;
