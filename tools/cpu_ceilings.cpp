@@ -55,36 +55,17 @@ __m256i read_range(const __m256i* begin, const __m256i* end) {
   return _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
 }
 
-}  // namespace
-
-double measure_cpu_read_gbps(int64_t bytes, int passes) {
+/// Read-only bandwidth over a `bytes` buffer on all cores. row_bytes == 0: each core reads its
+/// contiguous share front to back. Otherwise the buffer is rows of row_bytes (a multiple of 32)
+/// taken in one random order, each read front to back; each core takes its share of the order.
+double read_gbps(int64_t bytes, int64_t row_bytes, int passes) {
   const int threads = host_threads();
-  const int64_t num_vectors = bytes / 32;
+  const int64_t row_vectors = row_bytes > 0 ? row_bytes / 32 : 0;
+  const int64_t num_rows = row_bytes > 0 ? bytes / row_bytes : 0;
+  const int64_t num_vectors = row_bytes > 0 ? num_rows * row_vectors : bytes / 32;
   Buffer buffer = Buffer::allocate(Device::cpu(), size_t(num_vectors) * 32);
   // Random content written by all cores: pages are touched before timing, never zero pages.
   fill_random(buffer.view(DType::kFloat32, {num_vectors * 8}), 0x5eed, 1.f);
-  const auto* data = static_cast<const __m256i*>(buffer.data());
-  std::vector<uint64_t> sinks(size_t(threads) * 8);
-  std::vector<double> gbps;
-  for (int pass = 0; pass < passes + 1; ++pass) {
-    const double seconds = run_on_all_cores(threads, [&](int t) {
-      const int64_t chunk = (num_vectors + threads - 1) / threads;
-      const int64_t first = std::min(num_vectors, t * chunk);
-      const int64_t last = std::min(num_vectors, first + chunk);
-      const __m256i acc = read_range(data + first, data + last);
-      sinks[size_t(t) * 8] = uint64_t(_mm256_extract_epi64(acc, 0));
-    });
-    if (pass > 0) gbps.push_back(double(num_vectors) * 32 / seconds / 1e9);  // pass 0 warms up
-  }
-  return median(gbps);
-}
-
-double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes) {
-  const int threads = host_threads();
-  const int64_t row_vectors = row_bytes / 32;
-  const int64_t num_rows = bytes / row_bytes;
-  Buffer buffer = Buffer::allocate(Device::cpu(), size_t(num_rows * row_bytes));
-  fill_random(buffer.view(DType::kFloat32, {num_rows * row_bytes / 4}), 0x5eed, 1.f);
   const auto* data = static_cast<const __m256i*>(buffer.data());
   std::vector<int32_t> order(static_cast<size_t>(num_rows));
   std::iota(order.begin(), order.end(), 0);
@@ -93,19 +74,34 @@ double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes
   std::vector<double> gbps;
   for (int pass = 0; pass < passes + 1; ++pass) {
     const double seconds = run_on_all_cores(threads, [&](int t) {
-      const int64_t chunk = (num_rows + threads - 1) / threads;
-      const int64_t first = std::min(num_rows, t * chunk);
-      const int64_t last = std::min(num_rows, first + chunk);
+      const int64_t units = row_bytes > 0 ? num_rows : num_vectors;
+      const int64_t chunk = (units + threads - 1) / threads;
+      const int64_t first = std::min(units, t * chunk);
+      const int64_t last = std::min(units, first + chunk);
       __m256i acc = _mm256_setzero_si256();
-      for (int64_t i = first; i < last; ++i) {
-        const __m256i* row = data + int64_t(order[size_t(i)]) * row_vectors;
-        acc = _mm256_xor_si256(acc, read_range(row, row + row_vectors));
+      if (row_bytes == 0) {
+        acc = read_range(data + first, data + last);
+      } else {
+        for (int64_t i = first; i < last; ++i) {
+          const __m256i* row = data + int64_t(order[size_t(i)]) * row_vectors;
+          acc = _mm256_xor_si256(acc, read_range(row, row + row_vectors));
+        }
       }
       sinks[size_t(t) * 8] = uint64_t(_mm256_extract_epi64(acc, 0));
     });
-    if (pass > 0) gbps.push_back(double(num_rows * row_bytes) / seconds / 1e9);
+    if (pass > 0) gbps.push_back(double(num_vectors) * 32 / seconds / 1e9);  // pass 0 warms up
   }
   return median(gbps);
+}
+
+}  // namespace
+
+double measure_cpu_read_gbps(int64_t bytes, int passes) {
+  return read_gbps(bytes, 0, passes);
+}
+
+double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes) {
+  return read_gbps(bytes, row_bytes, passes);
 }
 
 double measure_cpu_fma_gflops(int passes) {
