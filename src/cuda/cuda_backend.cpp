@@ -449,9 +449,8 @@ class CudaBackend final : public AttentionBackend {
       plan_call(ragged, false, 0);
       // Both partial outputs (fp32, merged unrounded) and their LSEs.
       const size_t rows = size_t(step_.num_tokens) * size_t(config_.num_q_heads);
-      const size_t partial_bytes = align_region(rows * size_t(config_.v_head_dim) * sizeof(float));
-      ensure_bytes(ragged_scratch_, 2 * partial_bytes + 2 * rows * sizeof(float), false, device_,
-                   "ragged extend scratch");
+      ensure_bytes(ragged_scratch_, 2 * ragged_partial_bytes(config_) + 2 * rows * sizeof(float),
+                   false, device_, "ragged extend scratch");
     }
     // fp32 io in a step the tensor-core kernel runs: q/out (and the ragged k/v) go through
     // 16-bit copies.
@@ -727,6 +726,12 @@ class CudaBackend final : public AttentionBackend {
     convert_heads(out16, config_.v_head_dim, out, stream);
   }
 
+  // One fp32 partial output of the ragged + prefix EXTEND in ragged_scratch_ (aligned size).
+  size_t ragged_partial_bytes(const BackendConfig& cfg) const {
+    return align_region(size_t(step_.num_tokens) * size_t(cfg.num_q_heads) *
+                        size_t(cfg.v_head_dim) * sizeof(float));
+  }
+
   void convert_heads(const TensorView& src, int dim, const TensorView& dst,
                      cudaStream_t stream) const {
     ConvertRowsLaunch c;
@@ -775,7 +780,7 @@ class CudaBackend final : public AttentionBackend {
     // one-pass kernel); rounding each partial to the io dtype first cost ~2x the error.
     const size_t rows = size_t(step_.num_tokens) * size_t(cfg.num_q_heads);
     char* scratch = static_cast<char*>(ragged_scratch_.data());
-    const size_t partial_bytes = align_region(rows * size_t(cfg.v_head_dim) * sizeof(float));
+    const size_t partial_bytes = ragged_partial_bytes(cfg);
     float* lse_prefix = reinterpret_cast<float*>(scratch + 2 * partial_bytes);
     float* lse_new = lse_prefix + rows;
     const TensorView prefix_out(scratch, DType::kFloat32, device_,

@@ -580,31 +580,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     }
   }
 
-  if (item.partial < 0 && p.out_fp32) {
-    // fp32 output (a partial state for a later merge): each lane's two columns as a float2.
-    float* out = static_cast<float*>(p.out);
-#pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int packed = row0 + warp_row + a * 16 + (lane >> 2) + 8 * h;
-        if (packed >= rows_total) continue;
-        const int token = packed / group;
-        const int head = kv_head * group + packed % group;
-        float* dst = out + (int64_t(q_begin) + token) * p.out_stride_token +
-                     int64_t(head) * p.out_stride_head + (lane & 3) * 2;
-#pragma unroll
-        for (int d = 0; d < kDimTiles; ++d) {
-          if (kNarrowV && d * 8 >= v_dim) break;
-          *reinterpret_cast<float2*>(dst + d * 8) =
-              make_float2(o[a][d][2 * h] * inv_sum[a][h], o[a][d][2 * h + 1] * inv_sum[a][h]);
-        }
-        if (p.lse != nullptr && (lane & 3) == 0) {
-          p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse[a][h];
-        }
-      }
-    }
-  } else if (item.partial < 0) {
+  if (item.partial < 0 && !p.out_fp32) {
     // Stage the warp's rows of O in its own rows of the Q tile (no other warp reads them), then
     // store 16-byte chunks.
     unsigned char* s_out = smem;
@@ -656,22 +632,38 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       }
     }
   } else {
-    // A chunk of a split tile: fp32 partial output (already normalized) and its LSE.
-    const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows;
+    // fp32 rows, each lane's two columns as a float2: a chunk of a split tile (the partial output,
+    // already normalized, and its LSE in the tile's partial slots) or, with p.out_fp32, the
+    // output itself (a partial state another kernel merges).
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row + a * 16 + (lane >> 2) + 8 * h;
         if (row0 + r >= rows_total) continue;
-        float* dst = tiles.partial_out + (slot_row + r) * v_dim + (lane & 3) * 2;
+        float* dst;
+        float* lse_dst = nullptr;
+        if (item.partial >= 0) {
+          const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows + r;
+          dst = tiles.partial_out + slot_row * v_dim;
+          lse_dst = tiles.partial_lse + slot_row;
+        } else {
+          const int token = (row0 + r) / group;
+          const int head = kv_head * group + (row0 + r) % group;
+          dst = static_cast<float*>(p.out) + (int64_t(q_begin) + token) * p.out_stride_token +
+                int64_t(head) * p.out_stride_head;
+          if (p.lse != nullptr) {
+            lse_dst = p.lse + (int64_t(q_begin) + token) * p.num_q_heads + head;
+          }
+        }
+        dst += (lane & 3) * 2;
 #pragma unroll
         for (int d = 0; d < kDimTiles; ++d) {
           if (kNarrowV && d * 8 >= v_dim) break;
           *reinterpret_cast<float2*>(dst + d * 8) =
               make_float2(o[a][d][2 * h] * inv_sum[a][h], o[a][d][2 * h + 1] * inv_sum[a][h]);
         }
-        if ((lane & 3) == 0) tiles.partial_lse[slot_row + r] = lse[a][h];
+        if ((lane & 3) == 0 && lse_dst != nullptr) *lse_dst = lse[a][h];
       }
     }
   }
