@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "cli_args.h"
+#include "cpu/thread_pool.h"
 
 #if defined(KVATTN_WITH_CUDA)
 #include "cuda/bench_support.h"
@@ -55,9 +56,7 @@ std::string run_and_read_line(const std::string& command) {
 
 }  // namespace
 
-int host_threads() {
-  return int(std::max(1u, std::thread::hardware_concurrency()));
-}
+int host_threads() { return cpu::resolve_num_threads(0); }
 
 double median(std::vector<double> values) {
   if (values.empty()) return 0;

@@ -74,7 +74,8 @@ struct OwnedTensor {
 /// Copies a device tensor to a new host tensor (a view of the same buffer when already there).
 OwnedTensor to_host(const TensorView& tensor);
 
-/// Hardware threads of the host (at least 1).
+/// Threads the CPU backend uses by default (KVATTN_NUM_THREADS, else the CPUs this process may
+/// run on): the CPU ceilings are measured with as many, so a fraction compares like with like.
 int host_threads();
 
 /// The median of `values` (0 for none).

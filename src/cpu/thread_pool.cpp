@@ -1,5 +1,7 @@
 #include "cpu/thread_pool.h"
 
+#include <sched.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -13,6 +15,14 @@ int resolve_num_threads(int configured) {
     char* end = nullptr;
     const long value = std::strtol(env, &end, 10);
     if (end != env && *end == '\0' && value > 0 && value <= 4096) return int(value);
+  }
+  // The CPUs this process may run on: a container or `taskset` restricts them, and
+  // hardware_concurrency() would still count every CPU of the host.
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    const int count = CPU_COUNT(&allowed);
+    if (count > 0) return count;
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw > 0 ? int(hw) : 1;

@@ -15,7 +15,8 @@
 namespace kvattn::cpu {
 
 /// Threads to use: `configured` when > 0, else the environment variable KVATTN_NUM_THREADS when it
-/// holds a positive integer, else std::thread::hardware_concurrency() (at least 1).
+/// holds a positive integer, else the number of CPUs the process may run on (its affinity mask,
+/// which containers and `taskset` narrow; at least 1).
 int resolve_num_threads(int configured);
 
 class ThreadPool {

@@ -2,6 +2,7 @@
 // the KV write, and run_attention / merge_attention_states against small float64 formulas
 // written here. End-to-end mode x variant coverage lives in the scenario tests.
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <atomic>
 #include <cmath>
@@ -78,6 +79,20 @@ TEST(CpuThreadPool, ThreadCountResolution) {
   EXPECT_EQ(resolve_num_threads(2), 2);  // the config wins over the environment
   setenv("KVATTN_NUM_THREADS", "zero", 1);
   EXPECT_GE(resolve_num_threads(0), 1);
+  // Without the variable: the CPUs the affinity mask allows (as `taskset` or a container's cpuset
+  // narrow it), not every CPU of the host. Narrowed to one CPU here, on this thread only.
+  unsetenv("KVATTN_NUM_THREADS");
+  cpu_set_t before;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
+  EXPECT_EQ(resolve_num_threads(0), CPU_COUNT(&before));
+  int first_cpu = 0;
+  while (!CPU_ISSET(first_cpu, &before)) ++first_cpu;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first_cpu, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  EXPECT_EQ(resolve_num_threads(0), 1);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(before), &before), 0);
   if (old) setenv("KVATTN_NUM_THREADS", saved.c_str(), 1);
   else unsetenv("KVATTN_NUM_THREADS");
   EXPECT_THROW(ThreadPool(0), Error);
