@@ -463,9 +463,10 @@ void widen_block(const char* const* rows /*[nk]*/, int64_t head_offset, int nk, 
 }
 
 // Requests `bytes` from each of rows [0, nk) (each at rows[j] + offset) into L2. The T1 hint
-// matters: measured on the 2-core EPYC (Zen 4) dev VM, decode 16 x 4096 bf16 streamed at
-// 17-18 GB/s with T1 against 13-14 GB/s with T0 (and 12 with NTA): T0 requests hold the small
-// L1 miss queue and stall the core once a block's worth of rows is in flight.
+// matters: measured on the 2-core EPYC (Zen 3, family 25 model 1) dev VM, decode 16 x 4096
+// bf16 streamed at 17-18 GB/s with T1 against 13-14 GB/s with T0 (and 12 with NTA): T0
+// requests hold the small L1 miss queue and stall the core once a block's worth of rows is in
+// flight.
 void prefetch_rows(const char* const* rows, int nk, int64_t offset, int64_t bytes) {
   for (int j = 0; j < nk; ++j) {
     const char* row = rows[j] + offset;
