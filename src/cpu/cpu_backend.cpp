@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/params_fill.h"
 #include "core/validate.h"
 #include "cpu/kv_write.h"
 #include "kvattn/error.h"
@@ -51,47 +52,14 @@ void append_slots(const ReqToTokenPool& pool, int64_t row, int64_t start, int64_
   }
 }
 
-// Fills the query/output fields of kernel parameters from q and out views.
-void set_io(core::AttentionParams& p, const TensorView& q, const TensorView& out,
-            const AttentionLayer& layer) {
-  p.q = q.data();
-  p.q_stride_token = q.stride(0);
-  p.q_stride_head = q.ndim() == 3 ? q.stride(1) : layer.head_dim;
-  p.out = out.data();
-  p.out_stride_token = out.stride(0);
-  p.out_stride_head = out.ndim() == 3 ? out.stride(1) : layer.resolved_v_head_dim();
-  p.io_dtype = q.dtype();
-  p.num_q_heads = layer.num_q_heads;
-  p.num_kv_heads = layer.num_kv_heads;
-  p.head_dim = layer.head_dim;
-  p.v_head_dim = layer.resolved_v_head_dim();
-  p.sm_scale = layer.scaling;
-  p.logit_cap = layer.logit_cap;
-}
-
 // Points kernel parameters at one layer of the paged pool and one index set.
 void set_paged(core::AttentionParams& p, const KvCache& cache, const AttentionLayer& layer,
                const CpuIndexSet& set) {
-  const TensorView& k_buffer = cache.k_buffer(layer.layer_id);
-  const TensorView& v_buffer = cache.v_buffer(layer.layer_id);
-  p.k = k_buffer.data();
-  p.v = v_buffer.data();
-  p.k_stride_token = k_buffer.stride(0);
-  p.k_stride_head = k_buffer.stride(1);
-  p.v_stride_token = v_buffer.stride(0);
-  p.v_stride_head = v_buffer.stride(1);
-  p.kv_dtype = k_buffer.dtype();
-  p.k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
-  p.v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
-  if (!is_fp8_dtype(p.kv_dtype)) {
-    p.k_scale = 1.f;
-    p.v_scale = 1.f;
-  }
+  core::set_pool_fields(p, cache, layer);
   p.batch_size = set.layout.batch_size;
   p.qo_indptr = set.layout.qo_indptr.data();
   p.kv_indptr = set.layout.kv_indptr.data();
   p.kv_indices = set.kv_indices.data();
-  p.num_slots = cache.num_slots();
   p.mask = set.layout.mask;
   p.mask_indptr = set.layout.mask_indptr.empty() ? nullptr : set.layout.mask_indptr.data();
   p.window_left = set.layout.window_left;
@@ -100,19 +68,10 @@ void set_paged(core::AttentionParams& p, const KvCache& cache, const AttentionLa
 // K/V rows of one call's k and v views ([tokens, heads, dim] or flat).
 void set_ragged(core::AttentionParams& p, const TensorView& k, const TensorView& v,
                 const AttentionLayer& layer, const core::PagedLayout& layout) {
-  p.k = k.data();
-  p.v = v.data();
-  p.k_stride_token = k.stride(0);
-  p.k_stride_head = k.ndim() == 3 ? k.stride(1) : layer.head_dim;
-  p.v_stride_token = v.stride(0);
-  p.v_stride_head = v.ndim() == 3 ? v.stride(1) : layer.resolved_v_head_dim();
-  p.kv_dtype = k.dtype();
-  p.k_scale = 1.f;
-  p.v_scale = 1.f;
+  core::set_ragged_fields(p, k, v, layer);
   p.batch_size = layout.batch_size;
   p.qo_indptr = layout.qo_indptr.data();
   p.kv_indptr = layout.kv_indptr.data();
-  p.kv_indices = nullptr;
   p.mask = layout.mask;
   p.window_left = -1;
 }
@@ -120,8 +79,8 @@ void set_ragged(core::AttentionParams& p, const TensorView& k, const TensorView&
 void save_kv(const TensorView& k, const TensorView& v, const AttentionLayer& layer,
              const TensorView& loc, const char* loc_name, const KvCache& cache,
              ThreadPool& pool) {
-  const float k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
-  const float v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
+  const float k_scale = core::layer_k_scale(layer, cache);
+  const float v_scale = core::layer_v_scale(layer, cache);
   write_kv(k, v, loc, loc_name, cache.k_buffer(layer.layer_id), cache.v_buffer(layer.layer_id),
            k_scale, v_scale, pool);
 }
@@ -256,7 +215,7 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   if (plan_.num_tokens == 0) return;
 
   core::AttentionParams params;
-  set_io(params, q, out, layer);
+  core::set_query_fields(params, q, out, layer);
   if (!ragged) {
     set_paged(params, cache, layer, set);
     if (verify) {
@@ -287,7 +246,7 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   run_attention(params, DType::kFloat32, pool_, workspace_);
 
   core::AttentionParams prefix_params;
-  set_io(prefix_params, q, out, layer);
+  core::set_query_fields(prefix_params, q, out, layer);
   set_paged(prefix_params, cache, layer, plan_.prefix);
   prefix_params.out = out_prefix;
   prefix_params.out_stride_token = int64_t(heads) * dv;
@@ -295,9 +254,9 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   prefix_params.lse = lse_prefix;
   run_attention(prefix_params, DType::kFloat32, pool_, workspace_);
 
-  const int64_t out_stride_head = out.ndim() == 3 ? out.stride(1) : dv;
+  const core::HeadStrides os = core::head_strides(out, dv);
   merge_attention_states(out_new, lse_new, out_prefix, lse_prefix, plan_.num_tokens, heads, dv,
-                         out.data(), out.stride(0), out_stride_head, out.dtype(), nullptr, pool_);
+                         out.data(), os.token, os.head, out.dtype(), nullptr, pool_);
 }
 
 // ---- CpuDraftRunner ----------------------------------------------------------------------------
@@ -389,7 +348,7 @@ void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorVie
   if (save) save_kv(k, v, layer, out_cache_loc, "out_cache_loc", cache, pool_);
   if (num_queries_ == 0) return;
   core::AttentionParams params;
-  set_io(params, q, out, layer);
+  core::set_query_fields(params, q, out, layer);
   set_paged(params, cache, layer, steps_[size_t(step)]);
   // The step's keys are in position order (prefix, then the branch's drafts), so a window is
   // the usual bottom-right bound.

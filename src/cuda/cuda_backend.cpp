@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/backend_factory.h"
+#include "core/params_fill.h"
 #include "core/validate.h"
 #include "cuda/kernels/index.h"
 #include "cuda/kernels/kv_write.h"
@@ -197,72 +198,30 @@ void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
   call.frozen = true;
 }
 
-HeadStrides head_strides(const TensorView& t, int dim) {
-  HeadStrides s;
-  s.token = t.stride(0);
-  s.head = t.ndim() == 3 ? t.stride(1) : dim;
-  return s;
-}
-
 core::AttentionParams make_params(const CallState& call, const BackendConfig& config,
                                   const AttentionLayer& layer, const TensorView& q,
                                   const TensorView& out, float* lse, const TensorView& ragged_k,
                                   const TensorView& ragged_v) {
   const KvCache& cache = *config.kv_cache;
-  const int v_head_dim = layer.resolved_v_head_dim();
   core::AttentionParams p;
-  const HeadStrides qs = head_strides(q, layer.head_dim);
-  const HeadStrides os = head_strides(out, v_head_dim);
-  p.q = q.data();
-  p.q_stride_token = qs.token;
-  p.q_stride_head = qs.head;
-  p.out = out.data();
-  p.out_stride_token = os.token;
-  p.out_stride_head = os.head;
+  core::set_query_fields(p, q, out, layer);
   p.lse = lse;
-  p.io_dtype = config.q_dtype;
   if (call.paged) {
-    const TensorView& kb = cache.k_buffer(layer.layer_id);
-    const TensorView& vb = cache.v_buffer(layer.layer_id);
-    p.k = kb.data();
-    p.v = vb.data();
-    p.k_stride_token = kb.stride(0);
-    p.k_stride_head = kb.stride(1);
-    p.v_stride_token = vb.stride(0);
-    p.v_stride_head = vb.stride(1);
-    p.kv_dtype = cache.config().dtype;
-    if (is_fp8(p.kv_dtype)) {
-      p.k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
-      p.v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
-    }
+    core::set_pool_fields(p, cache, layer);
     p.kv_indices = static_cast<const int32_t*>(call.kv_indices.data());
   } else {
-    const HeadStrides ks = head_strides(ragged_k, layer.head_dim);
-    const HeadStrides vs = head_strides(ragged_v, v_head_dim);
-    p.k = ragged_k.data();
-    p.v = ragged_v.data();
-    p.k_stride_token = ks.token;
-    p.k_stride_head = ks.head;
-    p.v_stride_token = vs.token;
-    p.v_stride_head = vs.head;
-    p.kv_dtype = config.q_dtype;
+    core::set_ragged_fields(p, ragged_k, ragged_v, layer);
+    p.num_slots = cache.num_slots();
   }
   p.batch_size = call.layout.batch_size;
   p.qo_indptr = call.meta<int32_t>(call.offsets.qo_indptr);
   p.kv_indptr = call.meta<int64_t>(call.offsets.kv_indptr);
-  p.num_slots = cache.num_slots();
   p.mask = call.layout.mask;
   if (p.mask == core::MaskMode::kCustom) {
     p.custom_mask = call.custom_mask;
     p.mask_indptr = call.meta<int64_t>(call.offsets.mask_indptr);
   }
   p.window_left = call.layout.window_left;
-  p.sm_scale = layer.scaling;
-  p.logit_cap = layer.logit_cap;
-  p.num_q_heads = layer.num_q_heads;
-  p.num_kv_heads = layer.num_kv_heads;
-  p.head_dim = layer.head_dim;
-  p.v_head_dim = v_head_dim;
   return p;
 }
 
@@ -312,8 +271,8 @@ void save_kv(const BackendConfig& config, const AttentionLayer& layer, const Ten
   const TensorView& kb = cache.k_buffer(layer.layer_id);
   const TensorView& vb = cache.v_buffer(layer.layer_id);
   const int v_head_dim = layer.resolved_v_head_dim();
-  const HeadStrides ks = head_strides(k, layer.head_dim);
-  const HeadStrides vs = head_strides(v, v_head_dim);
+  const core::HeadStrides ks = core::head_strides(k, layer.head_dim);
+  const core::HeadStrides vs = core::head_strides(v, v_head_dim);
   KvWriteLaunch w;
   w.k = k.data();
   w.k_stride_token = ks.token;
@@ -333,8 +292,8 @@ void save_kv(const BackendConfig& config, const AttentionLayer& layer, const Ten
   w.v_cache_stride_head = vb.stride(1);
   w.kv_dtype = cache.config().dtype;
   if (is_fp8(w.kv_dtype)) {
-    w.k_scale = layer.k_scale > 0.f ? layer.k_scale : cache.k_scale(layer.layer_id);
-    w.v_scale = layer.v_scale > 0.f ? layer.v_scale : cache.v_scale(layer.layer_id);
+    w.k_scale = core::layer_k_scale(layer, cache);
+    w.v_scale = core::layer_v_scale(layer, cache);
   }
   w.num_kv_heads = layer.num_kv_heads;
   w.head_dim = layer.head_dim;
@@ -735,8 +694,8 @@ class CudaBackend final : public AttentionBackend {
   void convert_heads(const TensorView& src, int dim, const TensorView& dst,
                      cudaStream_t stream) const {
     ConvertRowsLaunch c;
-    const HeadStrides ss = head_strides(src, dim);
-    const HeadStrides ds = head_strides(dst, dim);
+    const core::HeadStrides ss = core::head_strides(src, dim);
+    const core::HeadStrides ds = core::head_strides(dst, dim);
     c.src = src.data();
     c.src_stride_token = ss.token;
     c.src_stride_head = ss.head;
@@ -795,7 +754,7 @@ class CudaBackend final : public AttentionBackend {
     run_call(paged, prefix_params, device_.index, stream);
     run_call(ragged, new_params, device_.index, stream);
     MergeStatesLaunch m;
-    const HeadStrides os = head_strides(out, cfg.v_head_dim);
+    const core::HeadStrides os = core::head_strides(out, cfg.v_head_dim);
     m.o_a = prefix_out.data();
     m.lse_a = lse_prefix;
     m.o_b = new_out.data();

@@ -108,13 +108,6 @@ void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
 /// kOutOfResources naming `what` instead (captured graphs hold its address).
 void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what);
 
-/// q/out (and the per-head strides of a [tokens, heads, dim] or [tokens, heads * dim] view).
-struct HeadStrides {
-  int64_t token = 0;
-  int64_t head = 0;
-};
-HeadStrides head_strides(const TensorView& t, int dim);
-
 /// The AttentionParams of one call for one layer: paged K/V from the cache (or the ragged new
 /// tokens k/v), the call's device metadata, the layer's scale / cap / fp8 scales.
 core::AttentionParams make_params(const CallState& call, const BackendConfig& config,
