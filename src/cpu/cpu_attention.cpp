@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -67,15 +68,35 @@ struct MergeItem {
   int32_t num_partials = 0;
 };
 
+// Cache-line aligned storage for per-thread scratch: with plain heap blocks, the end of one
+// thread's buffer and the start of the next thread's can share a line, and every write to it
+// then takes the line away from the other core.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = (n * sizeof(T) + kCacheLine - 1) / kCacheLine * kCacheLine;
+    return static_cast<T*>(::operator new(bytes, std::align_val_t(kCacheLine)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(kCacheLine)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+};
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+
 // A thread's tile buffers. Rows of an item: (kv head - head_begin) * tile_rows + token *
 // group + head in group.
 struct ThreadScratch {
-  std::vector<float> q;             // [item_rows, head_dim], pre-scaled
-  std::vector<float> o;             // [item_rows, v_head_dim], unnormalized
-  std::vector<float> s;             // [item_rows, kKvBlock] scores, then probabilities
-  std::vector<float> k;             // [kKvBlock, head_dim] widened keys (scratch path)
-  std::vector<float> v;             // [kKvBlock, v_head_dim] widened values
-  std::vector<SoftmaxState> state;  // [item_rows]
+  LineVector<float> q;             // [item_rows, head_dim], pre-scaled
+  LineVector<float> o;             // [item_rows, v_head_dim], unnormalized
+  LineVector<float> s;             // [item_rows, kKvBlock] scores, then probabilities
+  LineVector<float> k;             // [kKvBlock, head_dim] widened keys (scratch path)
+  LineVector<float> v;             // [kKvBlock, v_head_dim] widened values
+  LineVector<SoftmaxState> state;  // [item_rows]
 };
 
 }  // namespace
