@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/softmax_state.h"
+#include "cpu/decode_avx512.h"
 #include "cpu/row_convert.h"
 #include "cpu/simd.h"
 #include "kvattn/error.h"
@@ -92,6 +93,7 @@ using LineVector = std::vector<T, CacheLineAllocator<T>>;
 // group + head in group.
 struct ThreadScratch {
   LineVector<float> q;             // [item_rows, head_dim], pre-scaled
+  LineVector<uint16_t> q_bf16;     // [item_rows, head_dim], as given (the AVX-512 BF16 path)
   LineVector<float> o;             // [item_rows, v_head_dim], unnormalized
   LineVector<float> s;             // [item_rows, kKvBlock] scores, then probabilities
   LineVector<float> k;             // [kKvBlock, head_dim] widened keys (scratch path)
@@ -122,6 +124,7 @@ struct CallContext {
   int tile_tokens = 1;      // query tokens per tile
   int tile_rows = 1;        // tile_tokens * group: the rows one kv head serves
   bool direct = false;      // read K/V straight from the pool (see kDirectRows)
+  bool bf16_dot = false;    // direct path on the AVX-512 BF16 kernels (decode_avx512.h)
   int kv_block = kWidenKvBlock;  // keys per inner block
   int item_heads = 1;       // kv heads per work item
   int item_rows = 1;        // item_heads * tile_rows
@@ -635,6 +638,11 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         const int head = (item.head_begin + h) * group + g;
         const char* src = static_cast<const char*>(p.q) +
                           (token * p.q_stride_token + int64_t(head) * p.q_stride_head) * io_element;
+        if (ctx.bf16_dot) {  // bf16 q as given; the kernel scales the scores
+          std::memcpy(ws.q_bf16.data() + int64_t(row_of(h, t, g)) * dim, src,
+                      size_t(dim) * sizeof(uint16_t));
+          continue;
+        }
         float* qrow = ws.q.data() + int64_t(row_of(h, t, g)) * dim;
         load_row(src, p.io_dtype, dim, ctx.q_scale, qrow);
         if (permuted) permute_16(qrow, dim);
@@ -692,24 +700,29 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
     const char* const* values = v_rows[buffer];
 
     if (ctx.direct) {
-      // Keys two at a time across all heads: each key's row is read front to back. Alongside
-      // each head's pair of keys, ask for its values of this block (used after the softmax) and
-      // its keys of the next block: a few lines per step keeps the misses in flight without
-      // stalling on a burst of prefetches.
+      // Keys two (four on the BF16 kernels) at a time across all heads: each key's row is read
+      // front to back. Alongside each head's keys, ask for its values of this block (used after
+      // the softmax) and its keys of the next block: a few lines per step keeps the misses in
+      // flight without stalling on a burst of prefetches.
       const char* const* next_keys = k_rows[buffer ^ 1];
-      for (int j = 0; j < nk; j += 2) {
-        const int pair = std::min(2, nk - j);
-        const int next_pair = std::max(0, std::min(2, next_nk - j));
+      const int step = ctx.bf16_dot ? 4 : 2;
+      for (int j = 0; j < nk; j += step) {
+        const int count = std::min(step, nk - j);
+        const int next_count = std::max(0, std::min(step, next_nk - j));
         for (int h = 0; h < num_heads; ++h) {
-          prefetch_rows(values + j, pair, v_head_offset(h), v_row_bytes);
-          prefetch_rows(next_keys + j, next_pair, k_head_offset(h), k_row_bytes);
+          prefetch_rows(values + j, count, v_head_offset(h), v_row_bytes);
+          prefetch_rows(next_keys + j, next_count, k_head_offset(h), k_row_bytes);
           const int64_t first_row = int64_t(h) * ctx.tile_rows;
-          if (pairs) {
-            pair_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), pair,
-                        dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
+          float* s = ws.s.data() + first_row * kKvBlock + j;
+          if (ctx.bf16_dot) {
+            avx512::scores_bf16(ws.q_bf16.data() + first_row * dim, rows, keys + j,
+                                k_head_offset(h), count, dim, ctx.q_scale, s, kKvBlock);
+          } else if (pairs) {
+            pair_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), count,
+                        dim, s, kKvBlock, load);
           } else {
             compute_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h),
-                           pair, dim, ws.s.data() + first_row * kKvBlock + j, kKvBlock, load);
+                           count, dim, s, kKvBlock, load);
           }
         }
       }
@@ -717,7 +730,10 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         const int64_t first_row = int64_t(h) * ctx.tile_rows;
         mask_and_softmax(p, tile, block, nk, ws.s.data() + first_row * kKvBlock,
                          ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
-        if (pairs) {
+        if (ctx.bf16_dot) {
+          avx512::accumulate_pv_bf16(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
+                                     v_head_offset(h), nk, dv, ws.o.data() + first_row * dv);
+        } else if (pairs) {
           accumulate_pv<true>(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
                              v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
         } else {
@@ -879,6 +895,11 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   ctx.tile_tokens = int(std::min<int64_t>(std::max(1, kTileRows / ctx.group), max_q_len));
   ctx.tile_rows = ctx.tile_tokens * ctx.group;
   ctx.direct = ctx.tile_rows <= kDirectRows;
+  // The AVX-512 BF16 kernels take bf16 q and K/V (q used as given: its scores need no rounding
+  // the AVX2 path does not do), 4 rows at a time and 32 dims a step.
+  ctx.bf16_dot = ctx.direct && p.io_dtype == DType::kBFloat16 &&
+                 p.kv_dtype == DType::kBFloat16 && ctx.tile_rows % 4 == 0 &&
+                 p.head_dim % 32 == 0 && p.v_head_dim % 32 == 0 && avx512::bf16_available();
   ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;
   ctx.kv_block = ctx.direct ? kDirectKvBlock : kWidenKvBlock;
   ctx.item_rows = ctx.item_heads * ctx.tile_rows;
@@ -968,6 +989,7 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   if (int(w.threads.size()) < threads) w.threads.resize(size_t(threads));
   for (ThreadScratch& scratch : w.threads) {
     scratch.q.resize(size_t(ctx.item_rows) * dim);
+    if (ctx.bf16_dot) scratch.q_bf16.resize(size_t(ctx.item_rows) * dim);
     scratch.o.resize(size_t(ctx.item_rows) * dv);
     scratch.s.resize(size_t(ctx.item_rows) * kKvBlock);
     scratch.k.resize(size_t(kKvBlock) * dim);

@@ -19,6 +19,7 @@
 
 #include "core/attention_params.h"
 #include "cpu/cpu_attention.h"
+#include "cpu/decode_avx512.h"
 #include "cpu/kv_write.h"
 #include "cpu/row_convert.h"
 #include "cpu/simd.h"
@@ -334,6 +335,7 @@ struct KernelCase {
   int threads = 2;
   DType out_dtype = DType::kFloat32;
   int custom_mask_extra_cols = 0;  // custom masks wider than kv_len (the keys are the last cols)
+  double tol = 0;  // relative error bar; 0: 1e-5 for fp32 q and output, else 1e-2
   uint64_t seed = 1;
 };
 
@@ -520,7 +522,9 @@ KernelRun run_case(const KernelCase& c) {
 }
 
 void expect_matches(const KernelCase& c, const KernelRun& run) {
-  const double tol = c.out_dtype == DType::kFloat32 && c.io == DType::kFloat32 ? 1e-5 : 1e-2;
+  const double tol = c.tol > 0                                                 ? c.tol
+                     : c.out_dtype == DType::kFloat32 && c.io == DType::kFloat32 ? 1e-5
+                                                                                 : 1e-2;
   const int64_t rows = int64_t(run.ref_lse.size());
   int failures = 0;
   for (int64_t row = 0; row < rows && failures < 5; ++row) {
@@ -601,6 +605,121 @@ TEST(CpuAttention, DecodeHeadDimsOnTheDirectPath) {
           c.seed = uint64_t(++seed);
           check(c);
         }
+      }
+    }
+  }
+}
+
+TEST(CpuAttention, Bf16QueriesOnTheDirectPath) {
+  // bf16 q and K/V with an fp32 output: the reference sees the same bf16 inputs, so the bar is
+  // fp32's. On CPUs with AVX-512 BF16 the direct path runs decode_avx512's kernels where the
+  // rows per kv head are a multiple of 4 and both dims multiples of 32; other groups and dims,
+  // and CPUs without them, run the AVX2 kernels. Decode and verify-sized tiles, keys not a
+  // multiple of the 4-key step or the 64-key block, soft-cap, a window, split pieces.
+  uint64_t seed = 100;
+  for (int dim : {64, 128, 256}) {
+    for (int v_dim : {dim, 32, 48}) {
+      for (int group : {1, 4, 8}) {
+        KernelCase c;
+        c.name = "bf16 direct dims " + std::to_string(dim) + "/" + std::to_string(v_dim) +
+                 " group " + std::to_string(group);
+        c.io = DType::kBFloat16;
+        c.kv = DType::kBFloat16;
+        c.dim = dim;
+        c.v_dim = v_dim;
+        c.kv_heads = 2;
+        c.q_heads = 2 * group;
+        c.tol = 2e-5;
+        if (group == 4) c.cap = 3.f;
+        if (group == 8) c.window = 50;
+        c.q_lens = {1, 1, 1, 1};
+        c.kv_lens = {0, 1, 3, 130};
+        c.seed = ++seed;
+        check(c);
+        c.name += " verify";
+        c.q_lens = {3, 2};  // 3 x 4 rows per kv head at group 4 (direct); group 8 is not
+        c.kv_lens = {70, 5};
+        c.seed = ++seed;
+        check(c);
+      }
+    }
+  }
+  KernelCase split;
+  split.name = "bf16 direct split";
+  split.io = DType::kBFloat16;
+  split.dim = split.v_dim = 128;
+  split.q_heads = 8;
+  split.kv_heads = 2;
+  split.q_lens = {1};
+  split.kv_lens = {1501};
+  split.threads = 4;
+  split.tol = 2e-5;
+  check(split);
+}
+
+TEST(CpuAttention, Avx512Bf16KernelsMatchTheFormulas) {
+  if (!avx512::bf16_available()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto bf16 = [&](float x) { return float_to_bf16(x); };
+  for (int dim : {32, 128, 256}) {
+    const int rows = 8;
+    const int num_keys = 7;
+    const int64_t head_offset = 2 * dim;  // bytes: the keys' second "head"
+    std::vector<uint16_t> q(size_t(rows) * dim);
+    for (auto& x : q) x = bf16(normal(rng));
+    std::vector<uint16_t> pool(size_t(num_keys) * 2 * dim);
+    for (auto& x : pool) x = bf16(normal(rng));
+    std::vector<const char*> keys(num_keys);
+    for (int j = 0; j < num_keys; ++j) {
+      keys[size_t(j)] = reinterpret_cast<const char*>(pool.data() + size_t(num_keys - 1 - j) * 2 * dim);
+    }
+    const int ld = 16;
+    std::vector<float> s(size_t(rows) * ld, std::nanf(""));
+    const float scale = 0.3f;
+    avx512::scores_bf16(q.data(), rows, keys.data(), head_offset, 4, dim, scale, s.data(), ld);
+    avx512::scores_bf16(q.data(), rows, keys.data() + 4, head_offset, 3, dim, scale, s.data() + 4,
+                        ld);
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < num_keys; ++j) {
+        const uint16_t* k = reinterpret_cast<const uint16_t*>(keys[size_t(j)] + head_offset);
+        double ref = 0, mag = 0;
+        for (int d = 0; d < dim; ++d) {
+          const double term = double(bf16_to_float(q[size_t(r) * dim + d])) * bf16_to_float(k[d]);
+          ref += term;
+          mag += std::abs(term);
+        }
+        const double got = s[size_t(r) * ld + j];
+        EXPECT_NEAR(got, scale * ref, 1e-5 * scale * mag) << "dim " << dim << " row " << r << " key " << j;
+      }
+    }
+    // o += p v, o in the direct path's pair order (per 16 dims: the even elements, then the odd).
+    const int dv = dim;
+    const int nk = 37;
+    std::vector<uint16_t> v_pool(size_t(nk) * dv);
+    for (auto& x : v_pool) x = bf16(normal(rng));
+    std::vector<const char*> values(nk);
+    for (int j = 0; j < nk; ++j) values[size_t(j)] = reinterpret_cast<const char*>(v_pool.data() + size_t(j) * dv);
+    const int p_ld = 64;
+    std::vector<float> p(size_t(rows) * p_ld);
+    for (auto& x : p) x = std::abs(normal(rng));
+    std::vector<float> o0(size_t(rows) * dv);
+    for (auto& x : o0) x = normal(rng);
+    auto pair_index = [](int d) { return d / 16 * 16 + (d % 2) * 8 + d % 16 / 2; };
+    std::vector<float> o(o0.size());
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < dv; ++d) o[size_t(r) * dv + pair_index(d)] = o0[size_t(r) * dv + d];
+    }
+    avx512::accumulate_pv_bf16(p.data(), p_ld, rows, values.data(), 0, nk, dv, o.data());
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < dv; ++d) {
+        double ref = o0[size_t(r) * dv + d], mag = std::abs(ref);
+        for (int j = 0; j < nk; ++j) {
+          const double term = double(p[size_t(r) * p_ld + j]) * bf16_to_float(v_pool[size_t(j) * dv + d]);
+          ref += term;
+          mag += std::abs(term);
+        }
+        EXPECT_NEAR(o[size_t(r) * dv + pair_index(d)], ref, 1e-5 * mag) << "dim " << dv << " row " << r << " d " << d;
       }
     }
   }

@@ -1,0 +1,31 @@
+// AVX-512 BF16 kernels for the direct (decode / small verify) path of the CPU attention, picked
+// at run time on CPUs that have them (Intel Cooper Lake and Sapphire Rapids onward, AMD Zen 4
+// onward). The library's baseline stays AVX2 + FMA: these functions are compiled for the wider
+// ISA through function attributes only, and nothing calls them unless bf16_available().
+//
+// Both kernels work on bf16 K/V rows as the pool stores them: q . k with vdpbf16ps (products of
+// bf16 pairs are exact in fp32; bf16 queries are used as given, so the scores carry no rounding
+// that the AVX2 path does not), P . V with 16-lane fp32 FMAs on the widened values.
+#pragma once
+
+#include <cstdint>
+
+namespace kvattn::cpu::avx512 {
+
+/// True when the CPU (and the OS) support AVX-512 F/BW/VL/DQ and BF16, and the environment
+/// variable KVATTN_CPU_ISA is not "avx2" (which keeps the baseline kernels, e.g. to compare).
+bool bf16_available();
+
+/// s[r * ld + j] = scale * (q[r] . k_j) for r < rows, j < nk, with key j's bf16 row at
+/// keys[j] + head_offset bytes. q: [rows, dim] bf16 in natural order. rows % 4 == 0,
+/// dim % 32 == 0, 1 <= nk <= 4.
+void scores_bf16(const uint16_t* q, int rows, const char* const* keys, int64_t head_offset,
+                 int nk, int dim, float scale, float* s, int ld);
+
+/// o[r] += sum_j p[r * ld + j] * v_j for r < rows, j < nk (nk <= 64), with value j's bf16 row
+/// at values[j] + head_offset bytes. o: [rows, dv] fp32 in the direct path's pair order (per 16
+/// dims: the 8 even elements, then the 8 odd ones). rows % 4 == 0, dv % 32 == 0.
+void accumulate_pv_bf16(const float* p, int ld, int rows, const char* const* values,
+                        int64_t head_offset, int nk, int dv, float* o);
+
+}  // namespace kvattn::cpu::avx512
