@@ -191,6 +191,11 @@ std::string git_commit() {
 }
 
 bool git_dirty() {
+  // A binary told its commit was built from that commit; the tree it runs beside (a copy on the
+  // GPU machine, with a stale .git) says nothing about it.
+  if (const char* env = std::getenv("KVATTN_GIT_COMMIT"); env != nullptr && *env != '\0') {
+    return false;
+  }
   return !run_and_read_line("git -C '" + source_dir() +
                             "' status --porcelain --untracked-files=no 2>/dev/null")
               .empty();

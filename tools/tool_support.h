@@ -87,10 +87,12 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 /// The commit the binary runs from: the KVATTN_GIT_COMMIT environment variable, else
-/// `git rev-parse HEAD` in the source tree (or the working directory) at run time, else the
+/// The KVATTN_GIT_COMMIT environment variable when set (a binary carried away from its tree),
+/// else `git rev-parse HEAD` in the source tree (or the working directory) at run time, else the
 /// KVATTN_GIT_COMMIT define, else "unknown".
 std::string git_commit();
-/// Whether tracked files of the source tree differ from that commit.
+/// Whether tracked files of the source tree differ from that commit (false when
+/// KVATTN_GIT_COMMIT names the commit: a carried binary, see git_commit()).
 bool git_dirty();
 /// Today as "2026-12-01" (local time).
 std::string today_iso();
