@@ -628,7 +628,11 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   // The direct path works on 16-element pairs when both dims allow; with a permuting loader
   // (bf16), q and o are then in pair order until the output is normalized.
   const bool pairs = ctx.direct && dim % 16 == 0 && dv % 16 == 0;
-  const bool permuted = pairs && Load::kPermuted;
+  // The BF16 kernels keep o in the same pair order on both paths.
+  const bool permuted = (pairs && Load::kPermuted) || ctx.bf16_dot;
+  // They take rows 4 at a time: a tile's last rows up to the next multiple of 4 (still inside
+  // the kv head's tile_rows) get zero queries, and their scores and outputs are never read.
+  const int kernel_rows = ctx.bf16_dot ? (rows + 3) / 4 * 4 : rows;
 
   // Queries, pre-scaled so that q . k is the logit.
   for (int h = 0; h < num_heads; ++h) {
@@ -651,6 +655,10 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   }
   for (int h = 0; h < num_heads; ++h) {
     const int64_t first = int64_t(h) * ctx.tile_rows;
+    if (kernel_rows > rows) {
+      std::fill(ws.q_bf16.begin() + (first + rows) * dim,
+                ws.q_bf16.begin() + (first + kernel_rows) * dim, uint16_t(0));
+    }
     std::fill(ws.o.begin() + first * dv, ws.o.begin() + (first + rows) * dv, 0.f);
     std::fill(ws.state.begin() + first, ws.state.begin() + first + rows, SoftmaxState{});
   }
@@ -715,7 +723,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
           const int64_t first_row = int64_t(h) * ctx.tile_rows;
           float* s = ws.s.data() + first_row * kKvBlock + j;
           if (ctx.bf16_dot) {
-            avx512::scores_bf16(ws.q_bf16.data() + first_row * dim, rows, keys + j,
+            avx512::scores_bf16(ws.q_bf16.data() + first_row * dim, kernel_rows, keys + j,
                                 k_head_offset(h), count, dim, ctx.q_scale, s, kKvBlock);
           } else if (pairs) {
             pair_scores(ws.q.data() + first_row * dim, rows, keys + j, k_head_offset(h), count,
@@ -731,8 +739,9 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         mask_and_softmax(p, tile, block, nk, ws.s.data() + first_row * kKvBlock,
                          ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
         if (ctx.bf16_dot) {
-          avx512::accumulate_pv_bf16(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
-                                     v_head_offset(h), nk, dv, ws.o.data() + first_row * dv);
+          avx512::accumulate_pv_bf16(ws.s.data() + first_row * kKvBlock, kKvBlock, kernel_rows,
+                                     values, v_head_offset(h), nk, dv,
+                                     ws.o.data() + first_row * dv);
         } else if (pairs) {
           accumulate_pv<true>(ws.s.data() + first_row * kKvBlock, kKvBlock, rows, values,
                              v_head_offset(h), nk, dv, ws.o.data() + first_row * dv, load);
@@ -752,6 +761,18 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
       for (int h = 0; h < num_heads; ++h) {
         const int64_t first_row = int64_t(h) * ctx.tile_rows;
         float* s = ws.s.data() + first_row * kKvBlock;
+        if (ctx.bf16_dot) {  // straight from the pool: bf16 needs no widening for these kernels
+          for (int j = 0; j < nk; j += 4) {
+            avx512::scores_bf16(ws.q_bf16.data() + first_row * dim, kernel_rows, keys + j,
+                                k_head_offset(h), std::min(4, nk - j), dim, ctx.q_scale, s + j,
+                                kKvBlock);
+          }
+          mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
+                           ws.o.data() + first_row * dv, dv);
+          avx512::accumulate_pv_bf16(s, kKvBlock, kernel_rows, values, v_head_offset(h), nk, dv,
+                                     ws.o.data() + first_row * dv);
+          continue;
+        }
         widen_block(keys, k_head_offset(h), nk, dim, ws.k.data(), load);
         compute_scores(ws.q.data() + first_row * dim, rows, k_scratch_rows, 0, nk, dim, s,
                        kKvBlock, Fp32Rows{});
@@ -896,8 +917,8 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   ctx.tile_rows = ctx.tile_tokens * ctx.group;
   ctx.direct = ctx.tile_rows <= kDirectRows;
   // The AVX-512 BF16 kernels take bf16 q and K/V (q used as given: its scores need no rounding
-  // the AVX2 path does not do), 4 rows at a time and 32 dims a step.
-  ctx.bf16_dot = ctx.direct && p.io_dtype == DType::kBFloat16 &&
+  // the AVX2 path does not do), 4 rows at a time and 32 dims a step, on both paths.
+  ctx.bf16_dot = p.io_dtype == DType::kBFloat16 &&
                  p.kv_dtype == DType::kBFloat16 && ctx.tile_rows % 4 == 0 &&
                  p.head_dim % 32 == 0 && p.v_head_dim % 32 == 0 && avx512::bf16_available();
   ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;

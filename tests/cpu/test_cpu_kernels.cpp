@@ -610,12 +610,12 @@ TEST(CpuAttention, DecodeHeadDimsOnTheDirectPath) {
   }
 }
 
-TEST(CpuAttention, Bf16QueriesOnTheDirectPath) {
+TEST(CpuAttention, Bf16QueriesAndKv) {
   // bf16 q and K/V with an fp32 output: the reference sees the same bf16 inputs, so the bar is
-  // fp32's. On CPUs with AVX-512 BF16 the direct path runs decode_avx512's kernels where the
-  // rows per kv head are a multiple of 4 and both dims multiples of 32; other groups and dims,
-  // and CPUs without them, run the AVX2 kernels. Decode and verify-sized tiles, keys not a
-  // multiple of the 4-key step or the 64-key block, soft-cap, a window, split pieces.
+  // fp32's. On CPUs with AVX-512 BF16 both paths run decode_avx512's kernels where a kv head's
+  // tile rows are a multiple of 4 and both dims multiples of 32; other shapes, and CPUs without
+  // them, run the AVX2 kernels. Decode and verify-sized tiles, keys not a multiple of the 4-key
+  // step or the block, soft-cap, a window, split pieces, then prefill tiles.
   uint64_t seed = 100;
   for (int dim : {64, 128, 256}) {
     for (int v_dim : {dim, 32, 48}) {
@@ -637,8 +637,33 @@ TEST(CpuAttention, Bf16QueriesOnTheDirectPath) {
         c.seed = ++seed;
         check(c);
         c.name += " verify";
-        c.q_lens = {3, 2};  // 3 x 4 rows per kv head at group 4 (direct); group 8 is not
+        // Tiles of 4 tokens: direct at groups 1 and 4 (the 3-token tile pads rows at group 1),
+        // 32 rows at group 8 take the scratch path.
+        c.q_lens = {4, 3};
         c.kv_lens = {70, 5};
+        c.seed = ++seed;
+        check(c);
+      }
+    }
+  }
+  // Prefill tiles (the scratch path: 64 rows, 32-key blocks), a last tile whose rows are not a
+  // multiple of 4, the ragged layout, a window.
+  for (int dim : {64, 128}) {
+    for (int group : {1, 4}) {
+      for (bool ragged : {false, true}) {
+        KernelCase c;
+        c.name = std::string("bf16 prefill dim ") + std::to_string(dim) + " group " +
+                 std::to_string(group) + (ragged ? " ragged" : " paged");
+        c.io = DType::kBFloat16;
+        c.kv = DType::kBFloat16;
+        c.dim = c.v_dim = dim;
+        c.kv_heads = 2;
+        c.q_heads = 2 * group;
+        c.ragged = ragged;
+        c.q_lens = {70, 5, 1, 4, 3};
+        c.kv_lens = ragged ? std::vector<int>{70, 5, 1, 4, 3} : std::vector<int>{100, 5, 40, 4, 9};
+        if (group == 1 && !ragged) c.window = 33;
+        c.tol = 2e-5;
         c.seed = ++seed;
         check(c);
       }
