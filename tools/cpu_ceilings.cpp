@@ -1,16 +1,22 @@
 #include "cpu_ceilings.h"
 
 #include <immintrin.h>
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wuninitialized reports.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "cpu/decode_avx512.h"
 #include "kvattn/memory.h"
 #include "tool_support.h"
 
@@ -104,30 +110,66 @@ double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes
   return read_gbps(bytes, row_bytes, passes);
 }
 
-double measure_cpu_fma_gflops(int passes) {
+namespace {
+
+// Independent accumulator chains: enough to cover the latency (4-5 cycles) times two ports.
+constexpr int kChains = 12;
+constexpr int64_t kIterations = 20'000'000;
+
+// kChains AVX2 FMA chains for kIterations steps: kChains * 8 * 2 FLOP a step.
+float fma_chains(int t) {
+  __m256 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(float(c + t));
+  const __m256 mul = _mm256_set1_ps(0.999999f);
+  const __m256 add = _mm256_set1_ps(1e-7f);
+  for (int64_t i = 0; i < kIterations; ++i) {
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], mul, add);
+  }
+  __m256 total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[c]);
+  return _mm256_cvtss_f32(total);
+}
+
+// kChains vdpbf16ps chains (16 lanes x 2 products, a multiply and an add each): kChains * 64
+// FLOP a step. Compiled for AVX-512 BF16 through the attribute alone; called only where the CPU
+// has it.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) float bf16_dot_chains(int t) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(float(c + t));
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 6e-8
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+  for (int64_t i = 0; i < kIterations; ++i) {
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  }
+  __m512 total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, acc[c]);
+  return _mm512_reduce_add_ps(total);
+}
+
+// GFLOP/s of `chains` on all cores, median of `passes` after a warm-up pass.
+double chains_gflops(int passes, double flops_per_step, float (*chains)(int)) {
   const int threads = host_threads();
-  // 12 independent chains cover the FMA latency (4-5 cycles) times two FMA ports.
-  constexpr int kChains = 12;
-  constexpr int64_t kIterations = 20'000'000;
   std::vector<float> sinks(size_t(threads) * 16);
   std::vector<double> gflops;
   for (int pass = 0; pass < passes + 1; ++pass) {
     const double seconds = run_on_all_cores(threads, [&](int t) {
-      __m256 acc[kChains];
-      for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(float(c + t));
-      const __m256 mul = _mm256_set1_ps(0.999999f);
-      const __m256 add = _mm256_set1_ps(1e-7f);
-      for (int64_t i = 0; i < kIterations; ++i) {
-        for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], mul, add);
-      }
-      __m256 total = acc[0];
-      for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[c]);
-      sinks[size_t(t) * 16] = _mm256_cvtss_f32(total);
+      sinks[size_t(t) * 16] = chains(t);
     });
-    const double flops = double(threads) * kIterations * kChains * 8 * 2;
+    const double flops = double(threads) * kIterations * flops_per_step;
     if (pass > 0) gflops.push_back(flops / seconds / 1e9);
   }
   return median(gflops);
+}
+
+}  // namespace
+
+double measure_cpu_fma_gflops(int passes) {
+  return chains_gflops(passes, kChains * 8 * 2, fma_chains);
+}
+
+double measure_cpu_bf16_dot_gflops(int passes) {
+  if (!cpu::avx512::bf16_available()) return std::numeric_limits<double>::quiet_NaN();
+  return chains_gflops(passes, kChains * 16 * 2 * 2, bf16_dot_chains);
 }
 
 int64_t cpu_last_level_cache_bytes() {
