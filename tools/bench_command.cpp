@@ -134,12 +134,12 @@ struct Ceilings {
   double copy_gbps = kNaN;            ///< CUDA only
   double gemm_bf16_tflops = kNaN;     ///< CUDA only
   double cpu_fma_fp32_gflops = kNaN;  ///< CPU only
-  /// CPU only, where the AVX-512 BF16 kernels run: their dot-product rate, which then bounds
-  /// prefill and extend instead of the fp32 FMA rate.
-  double cpu_bf16_dot_gflops = kNaN;
+  /// CPU only, where the AVX-512 BF16 kernels run: the faster of their bf16 dot-product and
+  /// 16-lane FMA rates, which then bounds prefill and extend instead of the AVX2 FMA rate.
+  double cpu_avx512_gflops = kNaN;
   /// The rate a CPU prefill / extend row is a fraction of: the faster of the two above.
   double cpu_compute_gflops() const {
-    return std::isfinite(cpu_bf16_dot_gflops) ? std::max(cpu_fma_fp32_gflops, cpu_bf16_dot_gflops)
+    return std::isfinite(cpu_avx512_gflops) ? std::max(cpu_fma_fp32_gflops, cpu_avx512_gflops)
                                               : cpu_fma_fp32_gflops;
   }
   /// CPU only: reads of whole rows in a random order (measure_cpu_random_rows_gbps), with the
@@ -411,8 +411,8 @@ void write_json(const std::string& path, const std::string& device_name, const R
   if (std::isfinite(ceilings.cpu_fma_fp32_gflops)) {
     out << ", \"cpu_fma_fp32_tflops\": " << json_number(ceilings.cpu_fma_fp32_gflops / 1e3);
   }
-  if (std::isfinite(ceilings.cpu_bf16_dot_gflops)) {
-    out << ", \"cpu_bf16_dot_tflops\": " << json_number(ceilings.cpu_bf16_dot_gflops / 1e3);
+  if (std::isfinite(ceilings.cpu_avx512_gflops)) {
+    out << ", \"cpu_bf16_dot_tflops\": " << json_number(ceilings.cpu_avx512_gflops / 1e3);
   }
   if (std::isfinite(ceilings.cpu_random_slot_gbps)) {
     out << ", \"cpu_read_random_2kib_rows_gbps\": " << json_number(ceilings.cpu_random_slot_gbps)
@@ -508,7 +508,7 @@ std::string bench_usage() {
          "causal prefill (1,1024) (1,4096) (1,16384) (8,2048) at head_dim 128, 64 and 256;\n"
          "extend batch 8 x (4096 prefix + 512 new). The ceilings are measured first, in the same\n"
          "run: CPU read-only streaming bandwidth (1 GiB, all cores, AVX2) and the fp32 FMA rate\n"
-         "(and the AVX-512 bf16 dot-product rate where the CPU kernels use it);\n"
+         "(and the AVX-512 rate where the CPU kernels use it);\n"
          "CUDA read-only streaming (4 GiB), device copy and cuBLAS bf16 GEMM 8192^3. Decode\n"
          "reports GB/s of K+V read as a fraction of the read bandwidth; prefill and extend report\n"
          "FLOP/s (4*b*h*d*q*(prefix + q/2)) as a fraction of the matrix / FMA rate. Every row is\n"
@@ -552,7 +552,7 @@ int run_bench(const std::vector<std::string>& args) {
   if (cpu) {
     ceilings.read_gbps = measure_cpu_read_gbps(kGiB, quick ? 3 : 5);
     ceilings.cpu_fma_fp32_gflops = measure_cpu_fma_gflops(quick ? 3 : 5);
-    ceilings.cpu_bf16_dot_gflops = measure_cpu_bf16_dot_gflops(quick ? 3 : 5);
+    ceilings.cpu_avx512_gflops = measure_cpu_avx512_gflops(quick ? 3 : 5);
     const int64_t slot_bytes = int64_t(kKvHeads) * 128 * 2;  // decode rows: head_dim 128, bf16
     ceilings.cpu_random_slot_gbps = measure_cpu_random_rows_gbps(kGiB, slot_bytes, quick ? 3 : 5);
     ceilings.cpu_random_page16_gbps =
@@ -586,11 +586,11 @@ int run_bench(const std::vector<std::string>& args) {
         "ceilings (this run): read %.1f GB/s (1 GiB, %d threads, AVX2 loads); fp32 FMA "
         "%.1f GFLOP/s\n",
         ceilings.read_gbps, host_threads(), ceilings.cpu_fma_fp32_gflops);
-    if (std::isfinite(ceilings.cpu_bf16_dot_gflops)) {
+    if (std::isfinite(ceilings.cpu_avx512_gflops)) {
       std::printf(
-          "ceilings (this run): bf16 dot products %.1f GFLOP/s (AVX-512 vdpbf16ps: the kernels "
-          "run on it here, so prefill/extend are a fraction of this rate)\n",
-          ceilings.cpu_bf16_dot_gflops);
+          "ceilings (this run): AVX-512 %.1f GFLOP/s (the faster of vdpbf16ps and 16-lane FMA "
+          "chains: the kernels run on them here, so prefill/extend are a fraction of this)\n",
+          ceilings.cpu_avx512_gflops);
     }
     std::printf(
         "reference (this run, not a ceiling): whole rows read in a random order, the decode "
@@ -598,8 +598,8 @@ int run_bench(const std::vector<std::string>& args) {
         "16) %.1f GB/s\n",
         ceilings.cpu_random_slot_gbps, ceilings.cpu_random_page16_gbps);
     std::printf(
-        "fraction: decode of read GB/s; prefill/extend of the compute rate (fp32 FMA, or bf16 "
-        "dot products where those kernels run). Rows whose one call is estimated over %.1f s, "
+        "fraction: decode of read GB/s; prefill/extend of the compute rate (fp32 FMA, or AVX-512 "
+        "where those kernels run). Rows whose one call is estimated over %.1f s, "
         "or whose world needs over %.1f GiB, are skipped.\n",
         max_row_seconds, double(memory_limit) / double(kGiB));
   } else {

@@ -20,10 +20,11 @@ double measure_cpu_random_rows_gbps(int64_t bytes, int64_t row_bytes, int passes
 /// ceiling the CPU backend's prefill is held to. GFLOP/s, median of `passes`.
 double measure_cpu_fma_gflops(int passes);
 
-/// The bf16 dot-product rate of all cores (independent AVX-512 vdpbf16ps chains: 64 FLOP an
-/// instruction): the ceiling of the CPU backend's AVX-512 BF16 kernels. NaN where they do not run
-/// (no AVX-512 BF16, or KVATTN_CPU_ISA=avx2). GFLOP/s, median of `passes`.
-double measure_cpu_bf16_dot_gflops(int passes);
+/// The compute ceiling of the CPU backend's AVX-512 BF16 kernels (q . k on vdpbf16ps, 64 FLOP
+/// an instruction; P . V on 16-lane fp32 FMAs): the faster of the two rates on all cores. NaN
+/// where those kernels do not run (no AVX-512 BF16, or KVATTN_CPU_ISA=avx2). GFLOP/s, each the
+/// median of `passes`.
+double measure_cpu_avx512_gflops(int passes);
 
 /// Last-level cache size in bytes (32 MiB when the system does not say).
 int64_t cpu_last_level_cache_bytes();
