@@ -412,7 +412,7 @@ void write_json(const std::string& path, const std::string& device_name, const R
     out << ", \"cpu_fma_fp32_tflops\": " << json_number(ceilings.cpu_fma_fp32_gflops / 1e3);
   }
   if (std::isfinite(ceilings.cpu_avx512_gflops)) {
-    out << ", \"cpu_bf16_dot_tflops\": " << json_number(ceilings.cpu_avx512_gflops / 1e3);
+    out << ", \"cpu_avx512_tflops\": " << json_number(ceilings.cpu_avx512_gflops / 1e3);
   }
   if (std::isfinite(ceilings.cpu_random_slot_gbps)) {
     out << ", \"cpu_read_random_2kib_rows_gbps\": " << json_number(ceilings.cpu_random_slot_gbps)
