@@ -124,7 +124,7 @@ struct CallContext {
   int tile_tokens = 1;      // query tokens per tile
   int tile_rows = 1;        // tile_tokens * group: the rows one kv head serves
   bool direct = false;      // read K/V straight from the pool (see kDirectRows)
-  bool bf16_dot = false;    // direct path on the AVX-512 BF16 kernels (decode_avx512.h)
+  bool bf16_dot = false;    // q.k and P.V on the AVX-512 BF16 kernels (decode_avx512.h)
   int kv_block = kWidenKvBlock;  // keys per inner block
   int item_heads = 1;       // kv heads per work item
   int item_rows = 1;        // item_heads * tile_rows
@@ -634,7 +634,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   // the kv head's tile_rows) get zero queries, and their scores and outputs are never read.
   const int kernel_rows = ctx.bf16_dot ? (rows + 3) / 4 * 4 : rows;
 
-  // Queries, pre-scaled so that q . k is the logit.
+  // Queries, pre-scaled so that q . k is the logit (the BF16 kernels scale the scores instead).
   for (int h = 0; h < num_heads; ++h) {
     for (int t = 0; t < tile.tokens; ++t) {
       const int64_t token = q_start + item.q_begin + t;
