@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "cpu/decode_avx512.h"
+#include "cpu/bf16_avx512.h"
 #include "kvattn/memory.h"
 #include "tool_support.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/softmax_state.h"
-#include "cpu/decode_avx512.h"
+#include "cpu/bf16_avx512.h"
 #include "cpu/row_convert.h"
 #include "cpu/simd.h"
 #include "kvattn/error.h"
@@ -124,7 +124,7 @@ struct CallContext {
   int tile_tokens = 1;      // query tokens per tile
   int tile_rows = 1;        // tile_tokens * group: the rows one kv head serves
   bool direct = false;      // read K/V straight from the pool (see kDirectRows)
-  bool bf16_dot = false;    // q.k and P.V on the AVX-512 BF16 kernels (decode_avx512.h)
+  bool bf16_dot = false;    // q.k and P.V on the AVX-512 BF16 kernels (bf16_avx512.h)
   int kv_block = kWidenKvBlock;  // keys per inner block
   int item_heads = 1;       // kv heads per work item
   int item_rows = 1;        // item_heads * tile_rows

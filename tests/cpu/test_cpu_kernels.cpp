@@ -19,7 +19,7 @@
 
 #include "core/attention_params.h"
 #include "cpu/cpu_attention.h"
-#include "cpu/decode_avx512.h"
+#include "cpu/bf16_avx512.h"
 #include "cpu/kv_write.h"
 #include "cpu/row_convert.h"
 #include "cpu/simd.h"
@@ -612,7 +612,7 @@ TEST(CpuAttention, DecodeHeadDimsOnTheDirectPath) {
 
 TEST(CpuAttention, Bf16QueriesAndKv) {
   // bf16 q and K/V with an fp32 output: the reference sees the same bf16 inputs, so the bar is
-  // fp32's. On CPUs with AVX-512 BF16 both paths run decode_avx512's kernels where a kv head's
+  // fp32's. On CPUs with AVX-512 BF16 both paths run bf16_avx512's kernels where a kv head's
   // tile rows are a multiple of 4 and both dims multiples of 32; other shapes, and CPUs without
   // them, run the AVX2 kernels. Decode and verify-sized tiles, keys not a multiple of the 4-key
   // step or the block, soft-cap, a window, split pieces, then prefill tiles.

@@ -1,4 +1,4 @@
-#include "cpu/decode_avx512.h"
+#include "cpu/bf16_avx512.h"
 
 #include <immintrin.h>
 

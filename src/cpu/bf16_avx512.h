@@ -1,6 +1,6 @@
-// AVX-512 BF16 kernels for the direct (decode / small verify) path of the CPU attention, picked
-// at run time on CPUs that have them (Intel Cooper Lake and Sapphire Rapids onward, AMD Zen 4
-// onward). The library's baseline stays AVX2 + FMA: these functions are compiled for the wider
+// AVX-512 BF16 kernels of the CPU attention (scores and P . V of decode, verify and prefill
+// tiles when q and K/V are bf16), picked at run time on CPUs that have them (Intel Cooper Lake
+// and Sapphire Rapids onward, AMD Zen 4 onward). The library's baseline stays AVX2 + FMA: these functions are compiled for the wider
 // ISA through function attributes only, and nothing calls them unless bf16_available().
 //
 // Both kernels work on bf16 K/V rows as the pool stores them: q . k with vdpbf16ps (products of
