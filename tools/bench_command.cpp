@@ -140,7 +140,7 @@ struct Ceilings {
   /// The rate a CPU prefill / extend row is a fraction of: the faster of the two above.
   double cpu_compute_gflops() const {
     return std::isfinite(cpu_avx512_gflops) ? std::max(cpu_fma_fp32_gflops, cpu_avx512_gflops)
-                                              : cpu_fma_fp32_gflops;
+                                            : cpu_fma_fp32_gflops;
   }
   /// CPU only: reads of whole rows in a random order (measure_cpu_random_rows_gbps), with the
   /// grid's page-1 slot (8 kv heads x 128 x bf16 = 2 KiB) and page-16 page (32 KiB) as rows.

@@ -166,9 +166,8 @@ double chains_gflops(int passes, double flops_per_step, float (*chains)(int)) {
   std::vector<float> sinks(size_t(threads) * 16);
   std::vector<double> gflops;
   for (int pass = 0; pass < passes + 1; ++pass) {
-    const double seconds = run_on_all_cores(threads, [&](int t) {
-      sinks[size_t(t) * 16] = chains(t);
-    });
+    const double seconds =
+        run_on_all_cores(threads, [&](int t) { sinks[size_t(t) * 16] = chains(t); });
     const double flops = double(threads) * kIterations * flops_per_step;
     if (pass > 0) gflops.push_back(flops / seconds / 1e9);
   }

@@ -56,7 +56,9 @@ std::string run_and_read_line(const std::string& command) {
 
 }  // namespace
 
-int host_threads() { return cpu::resolve_num_threads(0); }
+int host_threads() {
+  return cpu::resolve_num_threads(0);
+}
 
 double median(std::vector<double> values) {
   if (values.empty()) return 0;
@@ -141,8 +143,7 @@ OwnedTensor OwnedTensor::make(Device device, DType dtype, std::initializer_list<
 }
 
 OwnedTensor to_host(const TensorView& tensor) {
-  check_arg(tensor.is_contiguous(), "tensor", "expected a contiguous tensor, got ",
-            tensor);
+  check_arg(tensor.is_contiguous(), "tensor", "expected a contiguous tensor, got ", tensor);
   OwnedTensor out;
   out.buffer = Buffer::allocate(Device::cpu(), size_t(std::max<int64_t>(tensor.nbytes(), 1)));
   const int ndim = tensor.ndim();

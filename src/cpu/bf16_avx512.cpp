@@ -35,8 +35,8 @@ KVATTN_AVX512 inline __m256 fold(__m512 a) {
 }
 
 // Lane i of the result is the sum of the lanes of a_i.
-KVATTN_AVX512 inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
-                                 __m256 a5, __m256 a6, __m256 a7) {
+KVATTN_AVX512 inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                                 __m256 a6, __m256 a7) {
   const __m256 t0 = _mm256_hadd_ps(a0, a1);
   const __m256 t1 = _mm256_hadd_ps(a2, a3);
   const __m256 t2 = _mm256_hadd_ps(a4, a5);
@@ -51,8 +51,8 @@ KVATTN_AVX512 inline __m512bh load_bf16x32(const void* p) {
 }
 
 // Rows r..r+3 x keys k0..k3: 16 accumulators, each dot product 32 dims per instruction.
-KVATTN_AVX512 void dot_4x4(const uint16_t* q, int dim, const char* const* k, float scale,
-                           float* s, int ld) {
+KVATTN_AVX512 void dot_4x4(const uint16_t* q, int dim, const char* const* k, float scale, float* s,
+                           int ld) {
   __m512 acc[4][4];
   for (int r = 0; r < 4; ++r) {
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -66,12 +66,12 @@ KVATTN_AVX512 void dot_4x4(const uint16_t* q, int dim, const char* const* k, flo
     }
   }
   const __m256 f = _mm256_set1_ps(scale);
-  const __m256 rows01 = _mm256_mul_ps(
-      f, sum8(fold(acc[0][0]), fold(acc[0][1]), fold(acc[0][2]), fold(acc[0][3]),
-              fold(acc[1][0]), fold(acc[1][1]), fold(acc[1][2]), fold(acc[1][3])));
-  const __m256 rows23 = _mm256_mul_ps(
-      f, sum8(fold(acc[2][0]), fold(acc[2][1]), fold(acc[2][2]), fold(acc[2][3]),
-              fold(acc[3][0]), fold(acc[3][1]), fold(acc[3][2]), fold(acc[3][3])));
+  const __m256 rows01 =
+      _mm256_mul_ps(f, sum8(fold(acc[0][0]), fold(acc[0][1]), fold(acc[0][2]), fold(acc[0][3]),
+                            fold(acc[1][0]), fold(acc[1][1]), fold(acc[1][2]), fold(acc[1][3])));
+  const __m256 rows23 =
+      _mm256_mul_ps(f, sum8(fold(acc[2][0]), fold(acc[2][1]), fold(acc[2][2]), fold(acc[2][3]),
+                            fold(acc[3][0]), fold(acc[3][1]), fold(acc[3][2]), fold(acc[3][3])));
   _mm_storeu_ps(s, _mm256_castps256_ps128(rows01));
   _mm_storeu_ps(s + ld, _mm256_extractf128_ps(rows01, 1));
   _mm_storeu_ps(s + 2 * ld, _mm256_castps256_ps128(rows23));
@@ -91,9 +91,9 @@ KVATTN_AVX512 void dot_4x1(const uint16_t* q, int dim, const char* k, float scal
   }
   const __m256 zero = _mm256_setzero_ps();
   alignas(32) float sums[8];
-  _mm256_store_ps(sums, _mm256_mul_ps(_mm256_set1_ps(scale),
-                                      sum8(fold(acc[0]), fold(acc[1]), fold(acc[2]),
-                                           fold(acc[3]), zero, zero, zero, zero)));
+  _mm256_store_ps(
+      sums, _mm256_mul_ps(_mm256_set1_ps(scale), sum8(fold(acc[0]), fold(acc[1]), fold(acc[2]),
+                                                      fold(acc[3]), zero, zero, zero, zero)));
   for (int r = 0; r < 4; ++r) s[r * ld] = sums[r];
 }
 
@@ -120,9 +120,8 @@ KVATTN_AVX512 void scores_bf16(const uint16_t* q, int rows, const char* const* k
   }
 }
 
-KVATTN_AVX512 void accumulate_pv_bf16(const float* p, int ld, int rows,
-                                      const char* const* values, int64_t head_offset, int nk,
-                                      int dv, float* o) {
+KVATTN_AVX512 void accumulate_pv_bf16(const float* p, int ld, int rows, const char* const* values,
+                                      int64_t head_offset, int nk, int dv, float* o) {
   const char* v[kMaxKeys];
   if (nk > kMaxKeys) nk = kMaxKeys;  // callers pass at most a block
   for (int j = 0; j < nk; ++j) v[j] = values[j] + head_offset;

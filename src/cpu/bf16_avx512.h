@@ -1,7 +1,8 @@
 // AVX-512 BF16 kernels of the CPU attention (scores and P . V of decode, verify and prefill
 // tiles when q and K/V are bf16), picked at run time on CPUs that have them (Intel Cooper Lake
-// and Sapphire Rapids onward, AMD Zen 4 onward). The library's baseline stays AVX2 + FMA: these functions are compiled for the wider
-// ISA through function attributes only, and nothing calls them unless bf16_available().
+// and Sapphire Rapids onward, AMD Zen 4 onward). The library's baseline stays AVX2 + FMA: these
+// functions are compiled for the wider ISA through function attributes only, and nothing calls them
+// unless bf16_available().
 //
 // Both kernels work on bf16 K/V rows as the pool stores them: q . k with vdpbf16ps (products of
 // bf16 pairs are exact in fp32; bf16 queries are used as given, so the scores carry no rounding
@@ -19,12 +20,12 @@ bool bf16_available();
 /// s[r * ld + j] = scale * (q[r] . k_j) for r < rows, j < nk, with key j's bf16 row at
 /// keys[j] + head_offset bytes. q: [rows, dim] bf16 in natural order. rows % 4 == 0,
 /// dim % 32 == 0, 1 <= nk <= 4.
-void scores_bf16(const uint16_t* q, int rows, const char* const* keys, int64_t head_offset,
-                 int nk, int dim, float scale, float* s, int ld);
+void scores_bf16(const uint16_t* q, int rows, const char* const* keys, int64_t head_offset, int nk,
+                 int dim, float scale, float* s, int ld);
 
 /// o[r] += sum_j p[r * ld + j] * v_j for r < rows, j < nk (nk <= 64), with value j's bf16 row
-/// at values[j] + head_offset bytes. o: [rows, dv] fp32 in the direct path's pair order (per 16
-/// dims: the 8 even elements, then the 8 odd ones). rows % 4 == 0, dv % 32 == 0.
+/// at values[j] + head_offset bytes. o: [rows, dv] fp32 in the AVX2 direct path's pair order (per
+/// 16 dims: the 8 even elements, then the 8 odd ones). rows % 4 == 0, dv % 32 == 0.
 void accumulate_pv_bf16(const float* p, int ld, int rows, const char* const* values,
                         int64_t head_offset, int nk, int dv, float* o);
 
