@@ -21,11 +21,15 @@ using core::MaskMode;
 using core::SoftmaxState;
 
 // Keys per inner block; the online-softmax rescale runs once per block. The scratch path widens
-// a block ([24, head_dim] floats, 12 KiB at head_dim 128) to stay in L1 while a tile's rows use
-// it; 24 keys are the three 8-key vectors of its score kernel (scores_transposed). The direct
-// path takes 64: its prefetches then run a whole block (~2 us of decode work) ahead, which
-// measured 18-19 GB/s against 16-18 with 32 on decode 16 x 4096 bf16.
-constexpr int kWidenKvBlock = 24;
+// 48 keys a block up to head_dim 128 (values: 24 KiB of floats at 128) and 24 above it, where
+// 48 rows of values no longer stay close (in-process A/B on the dev VM, prefill 1 x 1024: 48
+// against 24 keys 1.05-1.22x at head_dim 64/128, 0.87-0.97x at 256); its score kernel takes
+// kKtKeys = 24 keys at a time (three 8-key vectors, scores_transposed). The direct path takes
+// 64: its prefetches then run a whole block (~2 us of decode work) ahead, which measured 18-19
+// GB/s against 16-18 with 32 on decode 16 x 4096 bf16.
+constexpr int kWidenKvBlock = 48;
+constexpr int kWideDimWidenKvBlock = 24;  // head_dim or v_head_dim above 128
+constexpr int kKtKeys = 24;
 constexpr int kDirectKvBlock = 64;
 constexpr int kKvBlock = 64;  // the larger of the two: sizes the per-block arrays
 // Packed query rows per tile (tokens x group heads): 64 rows of head_dim 128 are 32 KiB of q,
@@ -97,7 +101,7 @@ struct ThreadScratch {
   LineVector<uint16_t> q_bf16;     // [item_rows, head_dim], as given (the AVX-512 BF16 path)
   LineVector<float> o;             // [item_rows, v_head_dim], unnormalized
   LineVector<float> s;             // [item_rows, kKvBlock] scores, then probabilities
-  LineVector<float> k;             // [head_dim, kWidenKvBlock] widened keys, transposed
+  LineVector<float> k;             // [head_dim, kKtKeys] widened keys, transposed
   LineVector<float> v;             // [kKvBlock, v_head_dim] widened values
   LineVector<SoftmaxState> state;  // [item_rows]
 };
@@ -477,7 +481,7 @@ inline void pair_scores(const float* q /*[rows, dim]*/, int rows, const char* co
 }
 
 // The scratch path's scores with keys in lanes: the block's keys transposed to kt [dim,
-// kWidenKvBlock] (key j of dim d at kt[d * kWidenKvBlock + j]), so s[r][8 keys] accumulates
+// kKtKeys] (key j of dim d at kt[d * kKtKeys + j]), so s[r][8 keys] accumulates
 // broadcast(q[r][d]) * kt[d][8 keys] with no horizontal sums at the end. 4 rows x 3 vectors of
 // keys are 12 accumulators, the 3 key vectors and the broadcast fill the other 4 registers; on
 // the Zen 3 dev VM this ran 73-93 GFLOP/s a core against 47-55 for the 4 x 2 dot-product kernel.
@@ -502,7 +506,7 @@ inline void transpose8(__m256 (&r)[8]) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// Widens keys [0, nk) (nk <= kWidenKvBlock) of one kv head into kt, keys up to the next
+// Widens keys [0, nk) (nk <= kKtKeys) of one kv head into kt, keys up to the next
 // multiple of 8 as zeros.
 template <typename Load>
 void widen_keys_transposed(const char* const* rows /*[nk]*/, int64_t head_offset, int nk,
@@ -515,7 +519,7 @@ void widen_keys_transposed(const char* const* rows /*[nk]*/, int64_t head_offset
         r[i] = i < n ? load(rows[j0 + i] + head_offset, d0) : _mm256_setzero_ps();
       }
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kWidenKvBlock + j0, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kKtKeys + j0, r[i]);
     }
   }
 }
@@ -533,7 +537,7 @@ void scores_kt(const float* q /*[kRows, dim]*/, int dim, const float* kt, float*
   const float* q2 = q + (kRows > 2 ? 2 * dim : 0);
   const float* q3 = q + (kRows > 3 ? 3 * dim : 0);
   for (int d = 0; d < dim; ++d) {
-    const float* kd = kt + d * kWidenKvBlock;
+    const float* kd = kt + d * kKtKeys;
     const __m256 k0 = _mm256_loadu_ps(kd);
     const __m256 k1 = kGroups > 1 ? _mm256_loadu_ps(kd + 8) : zero;
     const __m256 k2 = kGroups > 2 ? _mm256_loadu_ps(kd + 16) : zero;
@@ -888,8 +892,12 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
                                      ws.o.data() + first_row * dv);
           continue;
         }
-        widen_keys_transposed(keys, k_head_offset(h), nk, dim, ws.k.data(), load);
-        scores_transposed(ws.q.data() + first_row * dim, rows, ws.k.data(), nk, dim, s, kKvBlock);
+        for (int j = 0; j < nk; j += kKtKeys) {
+          const int count = std::min(kKtKeys, nk - j);
+          widen_keys_transposed(keys + j, k_head_offset(h), count, dim, ws.k.data(), load);
+          scores_transposed(ws.q.data() + first_row * dim, rows, ws.k.data(), count, dim, s + j,
+                            kKvBlock);
+        }
         mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
                          ws.o.data() + first_row * dv, dv);
         widen_block(values, v_head_offset(h), nk, dv, ws.v.data(), load);
@@ -1036,7 +1044,9 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
                  p.kv_dtype == DType::kBFloat16 && ctx.tile_rows % 4 == 0 &&
                  p.head_dim % 32 == 0 && p.v_head_dim % 32 == 0 && avx512::bf16_available();
   ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;
-  ctx.kv_block = ctx.direct ? kDirectKvBlock : kWidenKvBlock;
+  ctx.kv_block = ctx.direct                                 ? kDirectKvBlock
+                 : std::max(p.head_dim, p.v_head_dim) > 128 ? kWideDimWidenKvBlock
+                                                            : kWidenKvBlock;
   ctx.item_rows = ctx.item_heads * ctx.tile_rows;
   ctx.q_scale = p.sm_scale * (is_fp8_dtype(p.kv_dtype) ? p.k_scale : 1.f);
   ctx.fp8_table = fp8_value_table(p.kv_dtype);
@@ -1127,7 +1137,7 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
     if (ctx.bf16_dot) scratch.q_bf16.resize(size_t(ctx.item_rows) * dim);
     scratch.o.resize(size_t(ctx.item_rows) * dv);
     scratch.s.resize(size_t(ctx.item_rows) * kKvBlock);
-    scratch.k.resize(size_t(dim) * kWidenKvBlock);
+    scratch.k.resize(size_t(dim) * kKtKeys);
     scratch.v.resize(size_t(kKvBlock) * dv);
     scratch.state.resize(size_t(ctx.item_rows));
   }
