@@ -6,7 +6,7 @@
 # process is what makes two versions comparable.
 #
 #   bash tests/cpu/microbench/ab/build.sh [BASE_REV]     (from the repo root; builds build-cpu)
-#   /tmp/kvattn_ab/ab BATCH LEN THREADS REPS [HEAD_DIM]
+#   /tmp/kvattn_ab/ab BATCH LEN THREADS REPS [HEAD_DIM] [prefill|decode1|decode16|hot]
 set -euo pipefail
 base=${1:-HEAD}
 out=/tmp/kvattn_ab
