@@ -97,7 +97,84 @@ KVATTN_AVX512 void dot_4x1(const uint16_t* q, int dim, const char* k, float scal
   for (int r = 0; r < 4; ++r) s[r * ld] = sums[r];
 }
 
+// Rows r..r+kRows-1 x kGroups vectors of 16 keys. Named accumulators (GCC keeps an array of them
+// on the stack).
+template <int kRows, int kGroups>
+KVATTN_AVX512 void kt_block(const float* q, int dim, const float* kt, int kt_stride, float* s,
+                            int ld) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 a00 = zero, a01 = zero, a02 = zero, a10 = zero, a11 = zero, a12 = zero;
+  __m512 a20 = zero, a21 = zero, a22 = zero, a30 = zero, a31 = zero, a32 = zero;
+  const float* q0 = q;
+  const float* q1 = q + (kRows > 1 ? dim : 0);
+  const float* q2 = q + (kRows > 2 ? 2 * dim : 0);
+  const float* q3 = q + (kRows > 3 ? 3 * dim : 0);
+  for (int d = 0; d < dim; ++d) {
+    const float* kd = kt + int64_t(d) * kt_stride;
+    const __m512 k0 = _mm512_loadu_ps(kd);
+    const __m512 k1 = kGroups > 1 ? _mm512_loadu_ps(kd + 16) : zero;
+    const __m512 k2 = kGroups > 2 ? _mm512_loadu_ps(kd + 32) : zero;
+    __m512 b = _mm512_set1_ps(q0[d]);
+    a00 = _mm512_fmadd_ps(b, k0, a00);
+    if (kGroups > 1) a01 = _mm512_fmadd_ps(b, k1, a01);
+    if (kGroups > 2) a02 = _mm512_fmadd_ps(b, k2, a02);
+    if (kRows > 1) {
+      b = _mm512_set1_ps(q1[d]);
+      a10 = _mm512_fmadd_ps(b, k0, a10);
+      if (kGroups > 1) a11 = _mm512_fmadd_ps(b, k1, a11);
+      if (kGroups > 2) a12 = _mm512_fmadd_ps(b, k2, a12);
+    }
+    if (kRows > 2) {
+      b = _mm512_set1_ps(q2[d]);
+      a20 = _mm512_fmadd_ps(b, k0, a20);
+      if (kGroups > 1) a21 = _mm512_fmadd_ps(b, k1, a21);
+      if (kGroups > 2) a22 = _mm512_fmadd_ps(b, k2, a22);
+    }
+    if (kRows > 3) {
+      b = _mm512_set1_ps(q3[d]);
+      a30 = _mm512_fmadd_ps(b, k0, a30);
+      if (kGroups > 1) a31 = _mm512_fmadd_ps(b, k1, a31);
+      if (kGroups > 2) a32 = _mm512_fmadd_ps(b, k2, a32);
+    }
+  }
+  const __m512 rows[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+  for (int r = 0; r < kRows; ++r) {
+    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(s + int64_t(r) * ld + 16 * g, rows[r][g]);
+  }
+}
+
+template <int kRows>
+KVATTN_AVX512 void kt_rows(int groups, const float* q, int dim, const float* kt, int kt_stride,
+                           float* s, int ld) {
+  if (groups == 1) {
+    kt_block<kRows, 1>(q, dim, kt, kt_stride, s, ld);
+  } else if (groups == 2) {
+    kt_block<kRows, 2>(q, dim, kt, kt_stride, s, ld);
+  } else {
+    kt_block<kRows, 3>(q, dim, kt, kt_stride, s, ld);
+  }
+}
+
 }  // namespace
+
+KVATTN_AVX512 void scores_keys_in_lanes(const float* q, int rows, const float* kt,
+                                        int kt_stride, int nk, int dim, float* s, int ld) {
+  const int groups = (nk + 15) / 16;  // <= 3
+  for (int r = 0; r < rows; r += 4) {
+    const float* qr = q + int64_t(r) * dim;
+    float* sr = s + int64_t(r) * ld;
+    const int n = rows - r < 4 ? rows - r : 4;
+    if (n == 1) {
+      kt_rows<1>(groups, qr, dim, kt, kt_stride, sr, ld);
+    } else if (n == 2) {
+      kt_rows<2>(groups, qr, dim, kt, kt_stride, sr, ld);
+    } else if (n == 3) {
+      kt_rows<3>(groups, qr, dim, kt, kt_stride, sr, ld);
+    } else {
+      kt_rows<4>(groups, qr, dim, kt, kt_stride, sr, ld);
+    }
+  }
+}
 
 bool bf16_available() {
   static const bool available = detect();

@@ -23,6 +23,13 @@ bool bf16_available();
 void scores_bf16(const uint16_t* q, int rows, const char* const* keys, int64_t head_offset, int nk,
                  int dim, float scale, float* s, int ld);
 
+/// s[r * ld + j] = q[r] . k_j for r < rows, j < nk (<= kt_stride), keys in 16 lanes: kt is the
+/// keys transposed, [dim, kt_stride] fp32 (key j of dim d at kt[d * kt_stride + j]), zero up to
+/// the next multiple of 16 keys; q: [rows, dim] fp32, already scaled. Columns up to that multiple
+/// of 16 are written too. No horizontal sums: 4 rows x 3 key vectors of accumulators.
+void scores_keys_in_lanes(const float* q, int rows, const float* kt, int kt_stride, int nk,
+                          int dim, float* s, int ld);
+
 /// o[r] += sum_j p[r * ld + j] * v_j for r < rows, j < nk (nk <= 64), with value j's bf16 row
 /// at values[j] + head_offset bytes. o: [rows, dv] fp32 in the AVX2 direct path's pair order (per
 /// 16 dims: the 8 even elements, then the 8 odd ones). rows % 4 == 0, dv % 32 == 0.

@@ -101,7 +101,7 @@ struct ThreadScratch {
   LineVector<uint16_t> q_bf16;     // [item_rows, head_dim], as given (the AVX-512 BF16 path)
   LineVector<float> o;             // [item_rows, v_head_dim], unnormalized
   LineVector<float> s;             // [item_rows, kKvBlock] scores, then probabilities
-  LineVector<float> k;             // [head_dim, kKtKeys] widened keys, transposed
+  LineVector<float> k;             // [head_dim, kKtKeys or kWidenKvBlock] keys, transposed
   LineVector<float> v;             // [kKvBlock, v_head_dim] widened values
   LineVector<SoftmaxState> state;  // [item_rows]
 };
@@ -506,20 +506,21 @@ inline void transpose8(__m256 (&r)[8]) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// Widens keys [0, nk) (nk <= kKtKeys) of one kv head into kt, keys up to the next
-// multiple of 8 as zeros.
+// Widens keys [0, nk) (nk <= kt_stride) of one kv head into kt [dim, kt_stride], keys up to
+// the next multiple of `pad` (8 or 16: the score kernel's vector) as zeros.
 template <typename Load>
 void widen_keys_transposed(const char* const* rows /*[nk]*/, int64_t head_offset, int nk,
-                           int dim, float* kt, const Load& load) {
-  for (int j0 = 0; j0 < nk; j0 += 8) {
-    const int n = std::min(8, nk - j0);
+                           int dim, float* kt, int kt_stride, int pad, const Load& load) {
+  const int padded = (nk + pad - 1) / pad * pad;
+  for (int j0 = 0; j0 < padded; j0 += 8) {
+    const int n = std::max(0, std::min(8, nk - j0));
     for (int d0 = 0; d0 < dim; d0 += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; ++i) {
         r[i] = i < n ? load(rows[j0 + i] + head_offset, d0) : _mm256_setzero_ps();
       }
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kKtKeys + j0, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kt_stride + j0, r[i]);
     }
   }
 }
@@ -763,7 +764,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         const int head = (item.head_begin + h) * group + g;
         const char* src = static_cast<const char*>(p.q) +
                           (token * p.q_stride_token + int64_t(head) * p.q_stride_head) * io_element;
-        if (ctx.bf16_dot) {  // bf16 q as given; the kernel scales the scores
+        if (ctx.bf16_dot && ctx.direct) {  // bf16 q as given; the kernel scales the scores
           std::memcpy(ws.q_bf16.data() + int64_t(row_of(h, t, g)) * dim, src,
                       size_t(dim) * sizeof(uint16_t));
           continue;
@@ -776,7 +777,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   }
   for (int h = 0; h < num_heads; ++h) {
     const int64_t first = int64_t(h) * ctx.tile_rows;
-    if (kernel_rows > rows) {
+    if (ctx.bf16_dot && ctx.direct && kernel_rows > rows) {
       std::fill(ws.q_bf16.begin() + (first + rows) * dim,
                 ws.q_bf16.begin() + (first + kernel_rows) * dim, uint16_t(0));
     }
@@ -880,21 +881,23 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
       for (int h = 0; h < num_heads; ++h) {
         const int64_t first_row = int64_t(h) * ctx.tile_rows;
         float* s = ws.s.data() + first_row * kKvBlock;
-        if (ctx.bf16_dot) {  // straight from the pool: bf16 needs no widening for these kernels
-          for (int j = 0; j < nk; j += 4) {
-            avx512::scores_bf16(ws.q_bf16.data() + first_row * dim, kernel_rows, keys + j,
-                                k_head_offset(h), std::min(4, nk - j), dim, ctx.q_scale, s + j,
-                                kKvBlock);
-          }
+        if (ctx.bf16_dot) {  // keys in 16 lanes; values straight from the pool
+          widen_keys_transposed(keys, k_head_offset(h), nk, dim, ws.k.data(), kWidenKvBlock, 16,
+                                load);
+          avx512::scores_keys_in_lanes(ws.q.data() + first_row * dim, rows, ws.k.data(),
+                                       kWidenKvBlock, nk, dim, s, kKvBlock);
           mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
                            ws.o.data() + first_row * dv, dv);
+          // P.V takes rows 4 at a time: the padding rows weigh nothing.
+          std::fill(s + int64_t(rows) * kKvBlock, s + int64_t(kernel_rows) * kKvBlock, 0.f);
           avx512::accumulate_pv_bf16(s, kKvBlock, kernel_rows, values, v_head_offset(h), nk, dv,
                                      ws.o.data() + first_row * dv);
           continue;
         }
         for (int j = 0; j < nk; j += kKtKeys) {
           const int count = std::min(kKtKeys, nk - j);
-          widen_keys_transposed(keys + j, k_head_offset(h), count, dim, ws.k.data(), load);
+          widen_keys_transposed(keys + j, k_head_offset(h), count, dim, ws.k.data(), kKtKeys, 8,
+                                load);
           scores_transposed(ws.q.data() + first_row * dim, rows, ws.k.data(), count, dim, s + j,
                             kKvBlock);
         }
@@ -1137,7 +1140,7 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
     if (ctx.bf16_dot) scratch.q_bf16.resize(size_t(ctx.item_rows) * dim);
     scratch.o.resize(size_t(ctx.item_rows) * dv);
     scratch.s.resize(size_t(ctx.item_rows) * kKvBlock);
-    scratch.k.resize(size_t(dim) * kKtKeys);
+    scratch.k.resize(size_t(dim) * kWidenKvBlock);
     scratch.v.resize(size_t(kKvBlock) * dv);
     scratch.state.resize(size_t(ctx.item_rows));
   }
