@@ -718,6 +718,31 @@ TEST(CpuAttention, Avx512Bf16KernelsMatchTheFormulas) {
         EXPECT_NEAR(got, scale * ref, 1e-5 * scale * mag) << "dim " << dim << " row " << r << " key " << j;
       }
     }
+    // Keys in 16 lanes: kt [dim, 48] fp32, zero past nk up to a multiple of 16; 6 rows (a
+    // remainder of 2 after a block of 4), 37 keys (3 vectors, the last partly zero).
+    {
+      const int kt_rows = 6, kt_keys = 37, stride = 48;
+      std::vector<float> qf(size_t(kt_rows) * dim), kt(size_t(dim) * stride, 0.f);
+      for (auto& x : qf) x = normal(rng);
+      for (int j = 0; j < kt_keys; ++j) {
+        for (int d = 0; d < dim; ++d) kt[size_t(d) * stride + j] = normal(rng);
+      }
+      std::vector<float> st(size_t(kt_rows) * 64, std::nanf(""));
+      avx512::scores_keys_in_lanes(qf.data(), kt_rows, kt.data(), stride, kt_keys, dim, st.data(),
+                                   64);
+      for (int r = 0; r < kt_rows; ++r) {
+        for (int j = 0; j < 48; ++j) {
+          double ref = 0, mag = 0;
+          for (int d = 0; d < dim; ++d) {
+            const double term = double(qf[size_t(r) * dim + d]) * kt[size_t(d) * stride + j];
+            ref += term;
+            mag += std::abs(term);
+          }
+          EXPECT_NEAR(st[size_t(r) * 64 + j], ref, 1e-5 * mag + 1e-30)
+              << "keys in lanes, dim " << dim << " row " << r << " key " << j;
+        }
+      }
+    }
     // o += p v, o in the direct path's pair order (per 16 dims: the even elements, then the odd).
     const int dv = dim;
     const int nk = 37;
