@@ -750,10 +750,13 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   // The direct path works on 16-element pairs when both dims allow; with a permuting loader
   // (bf16), q and o are then in pair order until the output is normalized.
   const bool pairs = ctx.direct && dim % 16 == 0 && dv % 16 == 0;
-  // The BF16 kernels keep o in the same pair order on both paths.
-  const bool permuted = (pairs && Load::kPermuted) || ctx.bf16_dot;
-  // They take rows 4 at a time: a tile's last rows up to the next multiple of 4 (still inside
-  // the kv head's tile_rows) get zero queries, and their scores and outputs are never read.
+  // q in pair order feeds the AVX2 pair kernels only; o is in pair order for them and for the
+  // BF16 kernels' P.V on both paths (undone at normalization).
+  const bool q_pair_order = pairs && Load::kPermuted;
+  const bool o_pair_order = q_pair_order || ctx.bf16_dot;
+  // The BF16 kernels take rows 4 at a time: a tile's last rows up to the next multiple of 4
+  // (still inside the kv head's tile_rows) get zero queries on the direct path and zero weights
+  // in P on the scratch path; their outputs are never read.
   const int kernel_rows = ctx.bf16_dot ? (rows + 3) / 4 * 4 : rows;
 
   // Queries, pre-scaled so that q . k is the logit (the BF16 kernels scale the scores instead).
@@ -771,7 +774,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         }
         float* qrow = ws.q.data() + int64_t(row_of(h, t, g)) * dim;
         load_row(src, p.io_dtype, dim, ctx.q_scale, qrow);
-        if (permuted) permute_16(qrow, dim);
+        if (q_pair_order) permute_16(qrow, dim);
       }
     }
   }
@@ -922,7 +925,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         float* orow = ws.o.data() + int64_t(row) * dv;
         const SoftmaxState& state = ws.state[size_t(row)];
         const float lse = state.lse();
-        if (permuted) unpermute_16(orow, dv);
+        if (o_pair_order) unpermute_16(orow, dv);
         const __m256 inv = _mm256_set1_ps(state.sum > 0.f ? p.v_scale / state.sum : 0.f);
         for (int c = 0; c < dv; c += 8) {
           _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), inv));
