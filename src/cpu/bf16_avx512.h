@@ -4,9 +4,10 @@
 // functions are compiled for the wider ISA through function attributes only, and nothing calls them
 // unless bf16_available().
 //
-// Both kernels work on bf16 K/V rows as the pool stores them: q . k with vdpbf16ps (products of
-// bf16 pairs are exact in fp32; bf16 queries are used as given, so the scores carry no rounding
-// that the AVX2 path does not), P . V with 16-lane fp32 FMAs on the widened values.
+// Decode and verify tiles (few rows) score with vdpbf16ps on bf16 q and K as the pool stores
+// them (products of bf16 pairs are exact in fp32; q is used as given, so the scores carry no
+// rounding that the AVX2 path does not). Prefill tiles score with keys in 16 lanes (the block's
+// keys transposed in fp32, no horizontal sums). P . V is 16-lane fp32 FMAs on the widened values.
 #pragma once
 
 #include <cstdint>
