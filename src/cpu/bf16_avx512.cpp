@@ -97,6 +97,15 @@ KVATTN_AVX512 void dot_4x1(const uint16_t* q, int dim, const char* k, float scal
   for (int r = 0; r < 4; ++r) s[r * ld] = sums[r];
 }
 
+// One query row's step: a_g += b * k_g for the kGroups key vectors.
+template <int kGroups>
+KVATTN_AVX512 inline void kt_row(__m512 b, __m512 k0, __m512 k1, __m512 k2, __m512& a0,
+                                 __m512& a1, __m512& a2) {
+  a0 = _mm512_fmadd_ps(b, k0, a0);
+  if (kGroups > 1) a1 = _mm512_fmadd_ps(b, k1, a1);
+  if (kGroups > 2) a2 = _mm512_fmadd_ps(b, k2, a2);
+}
+
 // Rows r..r+kRows-1 x kGroups vectors of 16 keys. Named accumulators (GCC keeps an array of them
 // on the stack).
 template <int kRows, int kGroups>
@@ -114,28 +123,10 @@ KVATTN_AVX512 void kt_block(const float* q, int dim, const float* kt, int kt_str
     const __m512 k0 = _mm512_loadu_ps(kd);
     const __m512 k1 = kGroups > 1 ? _mm512_loadu_ps(kd + 16) : zero;
     const __m512 k2 = kGroups > 2 ? _mm512_loadu_ps(kd + 32) : zero;
-    __m512 b = _mm512_set1_ps(q0[d]);
-    a00 = _mm512_fmadd_ps(b, k0, a00);
-    if (kGroups > 1) a01 = _mm512_fmadd_ps(b, k1, a01);
-    if (kGroups > 2) a02 = _mm512_fmadd_ps(b, k2, a02);
-    if (kRows > 1) {
-      b = _mm512_set1_ps(q1[d]);
-      a10 = _mm512_fmadd_ps(b, k0, a10);
-      if (kGroups > 1) a11 = _mm512_fmadd_ps(b, k1, a11);
-      if (kGroups > 2) a12 = _mm512_fmadd_ps(b, k2, a12);
-    }
-    if (kRows > 2) {
-      b = _mm512_set1_ps(q2[d]);
-      a20 = _mm512_fmadd_ps(b, k0, a20);
-      if (kGroups > 1) a21 = _mm512_fmadd_ps(b, k1, a21);
-      if (kGroups > 2) a22 = _mm512_fmadd_ps(b, k2, a22);
-    }
-    if (kRows > 3) {
-      b = _mm512_set1_ps(q3[d]);
-      a30 = _mm512_fmadd_ps(b, k0, a30);
-      if (kGroups > 1) a31 = _mm512_fmadd_ps(b, k1, a31);
-      if (kGroups > 2) a32 = _mm512_fmadd_ps(b, k2, a32);
-    }
+    kt_row<kGroups>(_mm512_set1_ps(q0[d]), k0, k1, k2, a00, a01, a02);
+    if (kRows > 1) kt_row<kGroups>(_mm512_set1_ps(q1[d]), k0, k1, k2, a10, a11, a12);
+    if (kRows > 2) kt_row<kGroups>(_mm512_set1_ps(q2[d]), k0, k1, k2, a20, a21, a22);
+    if (kRows > 3) kt_row<kGroups>(_mm512_set1_ps(q3[d]), k0, k1, k2, a30, a31, a32);
   }
   const __m512 rows[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
   for (int r = 0; r < kRows; ++r) {

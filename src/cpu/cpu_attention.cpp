@@ -525,6 +525,15 @@ void widen_keys_transposed(const char* const* rows /*[nk]*/, int64_t head_offset
   }
 }
 
+// One query row's step: a_g += b * k_g for the kGroups key vectors.
+template <int kGroups>
+inline void kt_row(__m256 b, __m256 k0, __m256 k1, __m256 k2, __m256& a0, __m256& a1,
+                   __m256& a2) {
+  a0 = _mm256_fmadd_ps(b, k0, a0);
+  if (kGroups > 1) a1 = _mm256_fmadd_ps(b, k1, a1);
+  if (kGroups > 2) a2 = _mm256_fmadd_ps(b, k2, a2);
+}
+
 // s[r][8g, 8g + 8) for kRows rows and kGroups key vectors. Named accumulators: with arrays GCC
 // kept them on the stack.
 template <int kRows, int kGroups>
@@ -542,28 +551,10 @@ void scores_kt(const float* q /*[kRows, dim]*/, int dim, const float* kt, float*
     const __m256 k0 = _mm256_loadu_ps(kd);
     const __m256 k1 = kGroups > 1 ? _mm256_loadu_ps(kd + 8) : zero;
     const __m256 k2 = kGroups > 2 ? _mm256_loadu_ps(kd + 16) : zero;
-    __m256 b = _mm256_broadcast_ss(q0 + d);
-    a00 = _mm256_fmadd_ps(b, k0, a00);
-    if (kGroups > 1) a01 = _mm256_fmadd_ps(b, k1, a01);
-    if (kGroups > 2) a02 = _mm256_fmadd_ps(b, k2, a02);
-    if (kRows > 1) {
-      b = _mm256_broadcast_ss(q1 + d);
-      a10 = _mm256_fmadd_ps(b, k0, a10);
-      if (kGroups > 1) a11 = _mm256_fmadd_ps(b, k1, a11);
-      if (kGroups > 2) a12 = _mm256_fmadd_ps(b, k2, a12);
-    }
-    if (kRows > 2) {
-      b = _mm256_broadcast_ss(q2 + d);
-      a20 = _mm256_fmadd_ps(b, k0, a20);
-      if (kGroups > 1) a21 = _mm256_fmadd_ps(b, k1, a21);
-      if (kGroups > 2) a22 = _mm256_fmadd_ps(b, k2, a22);
-    }
-    if (kRows > 3) {
-      b = _mm256_broadcast_ss(q3 + d);
-      a30 = _mm256_fmadd_ps(b, k0, a30);
-      if (kGroups > 1) a31 = _mm256_fmadd_ps(b, k1, a31);
-      if (kGroups > 2) a32 = _mm256_fmadd_ps(b, k2, a32);
-    }
+    kt_row<kGroups>(_mm256_broadcast_ss(q0 + d), k0, k1, k2, a00, a01, a02);
+    if (kRows > 1) kt_row<kGroups>(_mm256_broadcast_ss(q1 + d), k0, k1, k2, a10, a11, a12);
+    if (kRows > 2) kt_row<kGroups>(_mm256_broadcast_ss(q2 + d), k0, k1, k2, a20, a21, a22);
+    if (kRows > 3) kt_row<kGroups>(_mm256_broadcast_ss(q3 + d), k0, k1, k2, a30, a31, a32);
   }
   const __m256 rows[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
   for (int r = 0; r < kRows; ++r) {
@@ -758,6 +749,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   // (still inside the kv head's tile_rows) get zero queries on the direct path and zero weights
   // in P on the scratch path; their outputs are never read.
   const int kernel_rows = ctx.bf16_dot ? (rows + 3) / 4 * 4 : rows;
+  const bool q_as_bf16 = ctx.bf16_dot && ctx.direct;  // the direct path's vdpbf16ps scores
 
   // Queries, pre-scaled so that q . k is the logit (the BF16 kernels scale the scores instead).
   for (int h = 0; h < num_heads; ++h) {
@@ -767,7 +759,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         const int head = (item.head_begin + h) * group + g;
         const char* src = static_cast<const char*>(p.q) +
                           (token * p.q_stride_token + int64_t(head) * p.q_stride_head) * io_element;
-        if (ctx.bf16_dot && ctx.direct) {  // bf16 q as given; the kernel scales the scores
+        if (q_as_bf16) {  // bf16 q as given; the kernel scales the scores
           std::memcpy(ws.q_bf16.data() + int64_t(row_of(h, t, g)) * dim, src,
                       size_t(dim) * sizeof(uint16_t));
           continue;
@@ -780,7 +772,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   }
   for (int h = 0; h < num_heads; ++h) {
     const int64_t first = int64_t(h) * ctx.tile_rows;
-    if (ctx.bf16_dot && ctx.direct && kernel_rows > rows) {
+    if (q_as_bf16 && kernel_rows > rows) {
       std::fill(ws.q_bf16.begin() + (first + rows) * dim,
                 ws.q_bf16.begin() + (first + kernel_rows) * dim, uint16_t(0));
     }
@@ -1140,7 +1132,7 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   if (int(w.threads.size()) < threads) w.threads.resize(size_t(threads));
   for (ThreadScratch& scratch : w.threads) {
     scratch.q.resize(size_t(ctx.item_rows) * dim);
-    if (ctx.bf16_dot) scratch.q_bf16.resize(size_t(ctx.item_rows) * dim);
+    if (ctx.bf16_dot && ctx.direct) scratch.q_bf16.resize(size_t(ctx.item_rows) * dim);
     scratch.o.resize(size_t(ctx.item_rows) * dv);
     scratch.s.resize(size_t(ctx.item_rows) * kKvBlock);
     scratch.k.resize(size_t(dim) * kWidenKvBlock);
