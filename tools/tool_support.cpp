@@ -173,13 +173,17 @@ std::string source_dir() {
   return dir;
 }
 
+// The commit a binary run away from its source tree (e.g. carried to the GPU machine) is told
+// through KVATTN_GIT_COMMIT; null when it is not set.
+const char* told_commit() {
+  const char* env = std::getenv("KVATTN_GIT_COMMIT");
+  return env != nullptr && *env != '\0' ? env : nullptr;
+}
+
 }  // namespace
 
 std::string git_commit() {
-  // A binary run away from its source tree (e.g. carried to the GPU machine) is told its commit.
-  if (const char* env = std::getenv("KVATTN_GIT_COMMIT"); env != nullptr && *env != '\0') {
-    return env;
-  }
+  if (const char* told = told_commit()) return told;
   for (const std::string& dir : {source_dir(), std::string(".")}) {
     const std::string sha = run_and_read_line("git -C '" + dir + "' rev-parse HEAD 2>/dev/null");
     if (sha.size() == 40) return sha;
@@ -194,9 +198,7 @@ std::string git_commit() {
 bool git_dirty() {
   // A binary told its commit was built from that commit; the tree it runs beside (a copy on the
   // GPU machine, with a stale .git) says nothing about it.
-  if (const char* env = std::getenv("KVATTN_GIT_COMMIT"); env != nullptr && *env != '\0') {
-    return false;
-  }
+  if (told_commit() != nullptr) return false;
   return !run_and_read_line("git -C '" + source_dir() +
                             "' status --porcelain --untracked-files=no 2>/dev/null")
               .empty();
