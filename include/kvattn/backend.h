@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "kvattn/error.h"
 #include "kvattn/forward_batch.h"
 #include "kvattn/kv_cache.h"
 #include "kvattn/tensor.h"
@@ -54,13 +56,54 @@ struct BackendConfig {
   void* cuda_stream = nullptr;  ///< CUDA backend: the cudaStream_t kernels run on (null = default)
 };
 
+/// A step the backend refused after the calls that planned and ran it had returned: a bad index
+/// that only the device could see (CUDA backend; see AttentionBackend::check_errors). Nothing of
+/// the step was written: the KV pool is as it was before the step, and the step's outputs were
+/// not computed (`out` and lse hold whatever they held before).
+struct StepError {
+  uint64_t step = 0;  ///< step_id() of the refused step
+  ErrorKind kind = ErrorKind::kInvalidArgument;
+  std::string argument;  ///< the first bad index, e.g. "out_cache_loc[17]" or "req_to_token[5][3]"
+  std::string message;   ///< the full text: argument, step, value and the expected range
+};
+
 /// The backend interface. Methods throw kvattn::Error on bad input; a failed call leaves the KV
 /// pool as it was.
+///
+/// Bad indices (SPEC §5) are refused as a whole step, never half: on the CPU backend the call
+/// that meets them throws before anything is written; on the CUDA backend, where index tensors
+/// live on the device and reading them on the host would cost a sync per step, the step's
+/// device work validates them first (in init_forward_metadata_in_graph) and every kernel of the
+/// step that writes (K/V saves, attention outputs) then does nothing. The engine learns of such
+/// a step from check_errors() (or take_step_errors()), which it calls where it synchronises
+/// anyway (e.g. after reading the sampled tokens); each refused step is reported exactly once,
+/// with its step_id(), and a later step that is itself good is never failed by it. Both
+/// backends report the same bad index with the same ErrorKind (kInvalidArgument) and the same
+/// argument name.
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
   virtual BackendKind kind() const = 0;
   virtual Device device() const = 0;
+
+  /// The number of the step the latest init_forward_metadata_out_graph began: 1 for the first
+  /// call, one more for each later call (whether it succeeded or threw); 0 before any.
+  virtual uint64_t step_id() const = 0;
+  /// The steps refused on the device since the last call, oldest first; each is returned once.
+  /// Does not wait: a step whose device work has not finished yet is reported by a later call
+  /// (call it after a point where the engine has synchronised with the step, or pass
+  /// synchronize = true to wait for the backend's stream first). Always empty on the CPU
+  /// backend, which throws from the call itself.
+  virtual std::vector<StepError> take_step_errors(bool synchronize = false) {
+    (void)synchronize;
+    return {};
+  }
+  /// take_step_errors(), thrown: kvattn::Error (kind, argument and step() of the oldest refused
+  /// step; the message names every refused step it reports), or nothing when no step was
+  /// refused. What an engine does on it: drop the refused step's results (sampled tokens,
+  /// outputs), free or fix the requests named, and go on; the KV pool and the backend are as
+  /// they were before that step.
+  void check_errors(bool synchronize = false);
   /// CUDA backend: the cudaStream_t later calls run on (an engine switches streams, e.g. for
   /// graph capture on a side stream). Set it before init_forward_metadata of a step, not between
   /// a step's metadata and its forward calls. Ignored by the CPU backend.
@@ -149,6 +192,12 @@ class MultiStepDraftBackend {
   void init_cuda_graph_state(int max_bs);
   /// As AttentionBackend::set_cuda_stream.
   void set_cuda_stream(void* stream);
+  /// As AttentionBackend: one step is one init_forward_metadata (all its draft steps). A bad
+  /// out_cache_loc given to forward_step refuses that draft step and every later one of the
+  /// step (earlier draft steps, which the engine ran with good slots, stay written).
+  uint64_t step_id() const;
+  std::vector<StepError> take_step_errors(bool synchronize = false);
+  void check_errors(bool synchronize = false);
 
  private:
   struct Impl;

@@ -4,6 +4,7 @@
 // input or on a device failure. The library never calls exit() or abort().
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -22,16 +23,20 @@ enum class ErrorKind {
 /// The library's error: names the argument, the value seen and what was expected.
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, std::string argument, const std::string& message)
-      : std::runtime_error(message), kind_(kind), argument_(std::move(argument)) {}
+  Error(ErrorKind kind, std::string argument, const std::string& message, int64_t step = -1)
+      : std::runtime_error(message), kind_(kind), argument_(std::move(argument)), step_(step) {}
 
   ErrorKind kind() const noexcept { return kind_; }
   /// The argument at fault, e.g. "seq_lens[3]" (empty where no single argument is at fault).
   const std::string& argument() const noexcept { return argument_; }
+  /// The step a device-detected error belongs to (AttentionBackend::check_errors: the
+  /// step_id() of the refused step); -1 for an error about the call that threw it.
+  int64_t step() const noexcept { return step_; }
 
  private:
   ErrorKind kind_;
   std::string argument_;
+  int64_t step_;
 };
 
 namespace detail {

@@ -57,6 +57,18 @@ struct AttentionParams {
   int num_kv_heads = 0;
   int head_dim = 0;
   int v_head_dim = 0;
+
+  // ---- the step's error word (CUDA; null on the CPU backend, which validates on the host) ----
+  /// Device pointer to the step's error word (cuda::StepState::error, cuda/kernels/step_check.h),
+  /// or null (no check). Contract for every CUDA kernel that receives these params: read the word
+  /// once at the start of each CTA, before any global write (in a kernel launched as a
+  /// programmatic dependent: after griddepcontrol.wait, since earlier kernels of the step set
+  /// it), with a load that bypasses L1 (cuda::detail::step_refused does both the null test and
+  /// the __ldcg); when it is not 0, return at once and write nothing: no out, no lse, no
+  /// partial-state scratch, no K/V. The word does not change while a step's attention kernels run
+  /// (only the step-check kernel and the K/V save before them set it), so all CTAs of a launch
+  /// agree. The caller then discards out/lse: they hold what they held before the call.
+  const uint32_t* step_error = nullptr;
 };
 
 }  // namespace kvattn::core

@@ -65,6 +65,31 @@ void AttentionBackend::forward(const TensorView& q, const TensorView& k, const T
   }
 }
 
+namespace {
+
+// check_errors of both backends: the oldest refused step is the error (kind, argument, step);
+// its message lists every refused step taken with it, so each is reported exactly once.
+void throw_step_errors(const std::vector<StepError>& errors) {
+  if (errors.empty()) return;
+  const StepError& first = errors.front();
+  std::string message = first.message;
+  if (errors.size() > 1) {
+    message += " [" + std::to_string(errors.size() - 1) + " more refused step" +
+               (errors.size() > 2 ? "s" : "") + ":";
+    for (size_t i = 1; i < errors.size(); ++i) {
+      message += (i > 1 ? "; " : " ") + errors[i].message;
+    }
+    message += "]";
+  }
+  throw Error(first.kind, first.argument, message, int64_t(first.step));
+}
+
+}  // namespace
+
+void AttentionBackend::check_errors(bool synchronize) {
+  throw_step_errors(take_step_errors(synchronize));
+}
+
 void AttentionBackend::update_verify_buffers_to_fill_after_draft(const ForwardBatch&, int) {
   // Nothing to redo: every backend of kvattn reads the tree mask at init_forward_metadata.
 }
@@ -177,5 +202,15 @@ void MultiStepDraftBackend::init_cuda_graph_state(int max_bs) {
 }
 
 void MultiStepDraftBackend::set_cuda_stream(void* stream) { impl_->runner->set_cuda_stream(stream); }
+
+uint64_t MultiStepDraftBackend::step_id() const { return impl_->runner->step_id(); }
+
+std::vector<StepError> MultiStepDraftBackend::take_step_errors(bool synchronize) {
+  return impl_->runner->take_step_errors(synchronize);
+}
+
+void MultiStepDraftBackend::check_errors(bool synchronize) {
+  throw_step_errors(take_step_errors(synchronize));
+}
 
 }  // namespace kvattn

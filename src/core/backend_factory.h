@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "kvattn/backend.h"
 
@@ -27,6 +28,12 @@ class DraftRunner {
                             const AttentionLayer& layer, const TensorView& out_cache_loc) = 0;
   virtual void init_cuda_graph_state(int max_bs) = 0;
   virtual void set_cuda_stream(void* stream) { (void)stream; }
+  /// As AttentionBackend::step_id / take_step_errors (one step per init_forward_metadata).
+  virtual uint64_t step_id() const = 0;
+  virtual std::vector<StepError> take_step_errors(bool synchronize) {
+    (void)synchronize;
+    return {};
+  }
 };
 
 }  // namespace kvattn::core

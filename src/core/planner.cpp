@@ -271,6 +271,7 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
   const size_t bs = size_t(capacity.batch_size);
   CallMetadataLayout out;
   BufferCursor meta;
+  out.step_state = meta.take(kStepStateBytes);
   out.qo_indptr = meta.take((bs + 1) * sizeof(int32_t));
   out.kv_indptr = meta.take((bs + 1) * sizeof(int64_t));
   out.kv_start = meta.take(bs * sizeof(int32_t));

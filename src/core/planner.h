@@ -101,10 +101,16 @@ struct CallCapacity {
   int v_head_dim = 0;
 };
 
+/// Bytes at the start of every call's metadata for the CUDA backend's per-step error state
+/// (cuda::StepState in cuda/kernels/step_check.h): the host writes zeros and the step number
+/// there, so the metadata copy that starts each step also resets the step's error word.
+constexpr size_t kStepStateBytes = 32;
+
 /// Byte offsets of every array of one attention call's metadata. [0, metadata_bytes) is filled
 /// on the host and copied to the device in one go; the partial states live in a separate
 /// device scratch buffer of scratch_bytes (nothing copies it).
 struct CallMetadataLayout {
+  size_t step_state = 0;    ///< kStepStateBytes, zero-filled (see kStepStateBytes)
   size_t qo_indptr = 0;     ///< int32 [batch_size + 1]
   size_t kv_indptr = 0;     ///< int64 [batch_size + 1]
   size_t kv_start = 0;      ///< int32 [batch_size]

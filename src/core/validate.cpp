@@ -186,6 +186,18 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
   }
 }
 
+void validate_step_slots(const ForwardBatch& b, int64_t num_slots, Device device) {
+  if (b.mode == ForwardMode::kIdle) return;
+  const TensorView* tensors[2] = {&b.out_cache_loc, &b.encoder_out_cache_loc};
+  const char* names[2] = {"out_cache_loc", "encoder_out_cache_loc"};
+  for (int i = 0; i < 2; ++i) {
+    const TensorView& loc = *tensors[i];
+    if (!loc.defined()) continue;
+    check_index_tensor(loc, names[i], loc.ndim() == 1 ? loc.size(0) : -1, device);
+    check_slots_on_host(loc, names[i], num_slots);
+  }
+}
+
 void validate_forward_tensors(const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& out, const AttentionLayer& layer,
                               const ForwardBatch& b, const BackendConfig& c, Device device,

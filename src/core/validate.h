@@ -25,6 +25,12 @@ void validate_forward_tensors(const TensorView& q, const TensorView& k, const Te
                               const ForwardBatch& batch, const BackendConfig& config,
                               Device device, int64_t num_tokens, bool save_kv_cache);
 
+/// The step's slot tensors, when given: out_cache_loc and encoder_out_cache_loc must be 1-D
+/// int32/int64 tensors on `device`, and host ones hold slots in [0, num_slots) (named
+/// "out_cache_loc[i]" like the device check of the CUDA backend). Runs in
+/// init_forward_metadata, so a bad slot refuses the step before any layer saves K/V.
+void validate_step_slots(const ForwardBatch& batch, int64_t num_slots, Device device);
+
 /// A 1-D index tensor of `length` int32/int64 elements on `device` (throws naming `name`).
 void check_index_tensor(const TensorView& t, const char* name, int64_t length, Device device);
 

@@ -106,8 +106,10 @@ void CpuBackend::build_index_set(CpuIndexSet& target, const ForwardBatch& batch)
 }
 
 void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool) {
+  ++step_id_;
   plan_.ready = false;
   core::validate_batch(batch, config_, Device::cpu());
+  core::validate_step_slots(batch, config_.kv_cache->num_slots(), Device::cpu());
   const core::HostLengths lens = core::read_host_lengths(batch, config_.is_encoder_decoder);
   StepPlan plan;
   plan.mode = batch.mode;
@@ -275,6 +277,7 @@ CpuDraftRunner::CpuDraftRunner(const BackendConfig& config, int topk, int num_st
 }
 
 void CpuDraftRunner::init_forward_metadata(const ForwardBatch& batch) {
+  ++step_id_;
   ready_ = false;
   check_arg(batch.mode == ForwardMode::kDecode, "mode", "got ", forward_mode_name(batch.mode),
             ", the multi-step draft backend runs DECODE batches");

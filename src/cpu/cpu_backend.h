@@ -29,6 +29,7 @@ class CpuBackend final : public AttentionBackend {
 
   BackendKind kind() const override { return BackendKind::kCpu; }
   Device device() const override { return Device::cpu(); }
+  uint64_t step_id() const override { return step_id_; }
 
   void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) override;
   void init_forward_metadata_in_graph(const ForwardBatch&) override {}
@@ -75,6 +76,7 @@ class CpuBackend final : public AttentionBackend {
   AttentionWorkspace workspace_;
   StepPlan plan_;
   std::vector<float> merge_buffers_;  // ragged path: two fp32 outputs and two LSE arrays
+  uint64_t step_id_ = 0;
 };
 
 /// The CPU half of MultiStepDraftBackend (see its doc in kvattn/backend.h).
@@ -86,6 +88,7 @@ class CpuDraftRunner final : public core::DraftRunner {
                     const TensorView& out, const AttentionLayer& layer,
                     const TensorView& out_cache_loc) override;
   void init_cuda_graph_state(int) override {}
+  uint64_t step_id() const override { return step_id_; }
 
  private:
   BackendConfig config_;
@@ -96,6 +99,7 @@ class CpuDraftRunner final : public core::DraftRunner {
   bool ready_ = false;
   int num_queries_ = 0;  // batch_size * topk
   std::vector<CpuIndexSet> steps_;  // one per draft step
+  uint64_t step_id_ = 0;
 };
 
 }  // namespace kvattn::cpu

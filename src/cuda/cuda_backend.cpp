@@ -13,6 +13,7 @@
 #include "cuda/kernels/index.h"
 #include "cuda/kernels/kv_write.h"
 #include "cuda/kernels/prefill.h"
+#include "cuda/step_guard.h"
 #include "kvattn/error.h"
 #include "kvattn/kv_cache.h"
 
@@ -128,7 +129,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
 }
 
 void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv_indices_capacity,
-                 int v_head_dim, Device device, cudaStream_t stream) {
+                 int v_head_dim, uint64_t step, Device device, cudaStream_t stream) {
   if (!call.fence) call.fence = std::make_unique<CopyFence>();
   call.fence->wait();  // the previous step's copy out of staging must be done
   call.capacity = capacity;
@@ -163,6 +164,11 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   }
   core::write_call_metadata(capacity, &call.layout, call.prefill ? nullptr : &call.decode_plan,
                             call.staging.data(), call.staging.bytes());
+  // The step's error state starts at zero (write_call_metadata zeroed it) with this step's number.
+  StepState state;
+  state.step = step;
+  std::memcpy(static_cast<char*>(call.staging.data()) + call.offsets.step_state, &state,
+              sizeof(state));
   if (call.prefill) {
     char* base = static_cast<char*>(call.metadata.data()) + prefill_offset;
     core::write_prefill_buffer(call.prefill_plan, v_head_dim,
@@ -198,12 +204,27 @@ void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
   call.frozen = true;
 }
 
+StepState* step_state_of(const CallState& first_call) {
+  return reinterpret_cast<StepState*>(static_cast<char*>(first_call.metadata.data()) +
+                                      first_call.offsets.step_state);
+}
+
+DeviceIndexArray device_index_array(const TensorView& t) {
+  DeviceIndexArray a;
+  if (!t.defined() || t.ndim() != 1) return a;
+  a.data = t.data();
+  a.int64 = t.dtype() == DType::kInt64;
+  a.length = t.size(0);
+  return a;
+}
+
 core::AttentionParams make_params(const CallState& call, const BackendConfig& config,
                                   const AttentionLayer& layer, const TensorView& q,
                                   const TensorView& out, float* lse, const TensorView& ragged_k,
-                                  const TensorView& ragged_v) {
+                                  const TensorView& ragged_v, const StepState* state) {
   const KvCache& cache = *config.kv_cache;
   core::AttentionParams p;
+  p.step_error = state != nullptr ? &state->error : nullptr;
   core::set_query_fields(p, q, out, layer);
   p.lse = lse;
   if (call.paged) {
@@ -265,7 +286,7 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
 }
 
 void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
-             const TensorView& v, const TensorView& loc, uint32_t* error_word,
+             const TensorView& v, const TensorView& loc, const SaveGuard& guard,
              cudaStream_t stream) {
   const KvCache& cache = *config.kv_cache;
   const TensorView& kb = cache.k_buffer(layer.layer_id);
@@ -299,7 +320,10 @@ void save_kv(const BackendConfig& config, const AttentionLayer& layer, const Ten
   w.head_dim = layer.head_dim;
   w.v_head_dim = v_head_dim;
   w.num_slots = cache.num_slots();
-  w.error_word = error_word;
+  w.step_state = guard.state;
+  w.check_loc = guard.check_loc;
+  w.reports = guard.reports;
+  w.loc_argument = guard.loc_argument;
   launch_kv_write(w, stream);
 }
 
@@ -322,8 +346,11 @@ ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool,
 class CudaBackend final : public AttentionBackend {
  public:
   explicit CudaBackend(const BackendConfig& config)
-      : config_(config), device_(config.kv_cache->config().device) {
-    set_device();
+      : config_(config),
+        device_(config.kv_cache->config().device),
+        guard_((check_cuda(cudaSetDevice(device_.index), "cudaSetDevice"),
+                config.kv_cache->num_slots()),
+               config.req_to_token_pool->max_reqs()) {
     if (config_.v_head_dim == 0) config_.v_head_dim = config_.head_dim;
     setup_ = make_decode_setup(config_, device_.index);
     if (config_.is_encoder_decoder) {
@@ -338,12 +365,22 @@ class CudaBackend final : public AttentionBackend {
   BackendKind kind() const override { return BackendKind::kCuda; }
   Device device() const override { return device_; }
   void set_cuda_stream(void* stream) override { config_.cuda_stream = stream; }
+  uint64_t step_id() const override { return guard_.step_id(); }
+
+  std::vector<StepError> take_step_errors(bool synchronize) override {
+    set_device();
+    if (synchronize) {
+      check_cuda(cudaStreamSynchronize(as_stream(config_.cuda_stream)), "cudaStreamSynchronize");
+    }
+    return guard_.take();
+  }
 
   void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) override {
     set_device();
-    errors_.check_and_clear("init_forward_metadata");
     step_ = Step();
+    step_.id = guard_.begin_step(batch.mode, batch.batch_size);
     core::validate_batch(batch, config_, device_);
+    core::validate_step_slots(batch, config_.kv_cache->num_slots(), device_);
     const core::HostLengths lens = core::read_host_lengths(batch, config_.is_encoder_decoder);
     step_.mode = batch.mode;
     step_.batch_size = batch.batch_size;
@@ -445,7 +482,7 @@ class CudaBackend final : public AttentionBackend {
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
       const int64_t keys = step_.graph_pool ? graph_kv_capacity_ : call.layout.total_kv();
-      upload_call(call, cap, keys, config_.v_head_dim, device_, stream);
+      upload_call(call, cap, keys, config_.v_head_dim, step_.id, device_, stream);
     }
     step_.ready = true;
     step_.indices_built = false;
@@ -483,11 +520,26 @@ class CudaBackend final : public AttentionBackend {
       build.batch_size = call.layout.batch_size;
       build.kv_indices = static_cast<int32_t*>(call.kv_indices.data());
       build.num_slots = config_.kv_cache->num_slots();
-      build.error_word = errors_.device_ptr();
+      build.step_state = step_state_of(pool[0]);
       // A captured launch must cover any later replay's lengths.
       build.max_kv_len = capturing ? max_context : call.max_kv_len;
       launch_build_kv_indices(build, stream);
     }
+    // Last: every index the step reads or writes is checked before any layer runs; a bad one
+    // sets the step's error word (no kernel of the step writes) and is reported to the host.
+    StepCheckLaunch check;
+    check.state = step_state_of(pool[0]);
+    check.reports = guard_.device_reports();
+    check.req_pool_indices = device_index_array(batch.req_pool_indices);
+    check.max_reqs = config_.req_to_token_pool->max_reqs();
+    check.out_cache_loc = device_index_array(batch.out_cache_loc);
+    check.encoder_out_cache_loc = device_index_array(batch.encoder_out_cache_loc);
+    check.num_slots = config_.kv_cache->num_slots();
+    check.req_to_token = config_.req_to_token_pool->table().data_as<const int32_t>();
+    check.req_to_token_row_stride = config_.req_to_token_pool->table().stride(0);
+    launch_step_check(check, stream);
+    step_.checked_loc = check.out_cache_loc;
+    step_.checked_encoder_loc = check.encoder_out_cache_loc;
     step_.indices_built = true;
   }
 
@@ -571,9 +623,18 @@ class CudaBackend final : public AttentionBackend {
     bool ragged = false;
     bool any_prefix = false;
     bool convert_io = false;  ///< fp32 io through 16-bit copies (setup_.compute_dtype)
+    uint64_t id = 0;          ///< guard_'s number of this step
+    /// The slot tensors the step-check kernel checked (a forward given others checks its own).
+    DeviceIndexArray checked_loc;
+    DeviceIndexArray checked_encoder_loc;
   };
 
   void set_device() const { check_cuda(cudaSetDevice(device_.index), "cudaSetDevice"); }
+
+  // The current step's error state (the first call of its pool).
+  StepState* step_state() const {
+    return step_state_of(step_.graph_pool ? graph_calls_[0] : eager_calls_[0]);
+  }
 
   core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left) const {
     core::PrefillTileShape shape;
@@ -638,7 +699,6 @@ class CudaBackend final : public AttentionBackend {
                    const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
                    bool save_kv_cache, const char* where) {
     set_device();
-    errors_.check_and_clear(where);
     require_step(batch, where);
     check_arg(step_.indices_built, where,
               "call init_forward_metadata_in_graph (or init_forward_metadata) first");
@@ -646,9 +706,17 @@ class CudaBackend final : public AttentionBackend {
                                    save_kv_cache);
     const cudaStream_t stream = as_stream(config_.cuda_stream);
     if (save_kv_cache && k.defined()) {
-      const TensorView& loc =
-          layer.is_cross_attention ? batch.encoder_out_cache_loc : batch.out_cache_loc;
-      save_kv(config_, layer, k, v, loc, errors_.device_ptr(), stream);
+      const bool cross = layer.is_cross_attention;
+      const TensorView& loc = cross ? batch.encoder_out_cache_loc : batch.out_cache_loc;
+      const DeviceIndexArray checked = cross ? step_.checked_encoder_loc : step_.checked_loc;
+      const DeviceIndexArray given = device_index_array(loc);
+      SaveGuard guard;
+      guard.state = step_state();
+      guard.check_loc = given.data != checked.data || given.int64 != checked.int64 ||
+                        given.length != checked.length;
+      guard.reports = guard_.device_reports();
+      guard.loc_argument = cross ? kArgEncoderOutCacheLoc : kArgOutCacheLoc;
+      save_kv(config_, layer, k, v, loc, guard, stream);
     }
     if (step_.num_tokens == 0) return;
     if (!step_.convert_io) {
@@ -707,6 +775,7 @@ class CudaBackend final : public AttentionBackend {
     c.rows = src.size(0);
     c.heads = int(src.ndim() == 3 ? src.size(1) : src.size(1) / dim);
     c.dim = dim;
+    c.step_error = &step_state()->error;
     launch_convert_rows(c, stream);
   }
 
@@ -720,8 +789,9 @@ class CudaBackend final : public AttentionBackend {
     while (slot < model_sets_.size() && model_sets_[slot] != set) ++slot;
     check_arg(slot < model_sets_.size(), "layer", "needs an index set this model does not keep");
     const CallState& paged = pool[slot];
+    const StepState* state = step_state();
     if (!step_.ragged) {
-      run_call(paged, make_params(paged, cfg, layer, q, out, nullptr, {}, {}), device_.index,
+      run_call(paged, make_params(paged, cfg, layer, q, out, nullptr, {}, {}, state), device_.index,
                stream);
       return;
     }
@@ -731,7 +801,7 @@ class CudaBackend final : public AttentionBackend {
               "the ragged EXTEND path attends to this step's k/v directly: pass them");
     const CallState& ragged = pool[kRaggedSlot];
     if (!step_.any_prefix) {
-      run_call(ragged, make_params(ragged, cfg, layer, q, out, nullptr, k, v), device_.index,
+      run_call(ragged, make_params(ragged, cfg, layer, q, out, nullptr, k, v, state), device_.index,
                stream);
       return;
     }
@@ -747,9 +817,9 @@ class CudaBackend final : public AttentionBackend {
     const TensorView new_out(scratch + partial_bytes, DType::kFloat32, device_,
                              {step_.num_tokens, cfg.num_q_heads, cfg.v_head_dim});
     core::AttentionParams prefix_params =
-        make_params(paged, cfg, layer, q, prefix_out, lse_prefix, {}, {});
+        make_params(paged, cfg, layer, q, prefix_out, lse_prefix, {}, {}, state);
     core::AttentionParams new_params =
-        make_params(ragged, cfg, layer, q, new_out, lse_new, k, v);
+        make_params(ragged, cfg, layer, q, new_out, lse_new, k, v, state);
     prefix_params.out_fp32 = new_params.out_fp32 = true;
     run_call(paged, prefix_params, device_.index, stream);
     run_call(ragged, new_params, device_.index, stream);
@@ -769,6 +839,7 @@ class CudaBackend final : public AttentionBackend {
     m.num_tokens = step_.num_tokens;
     m.num_heads = cfg.num_q_heads;
     m.v_head_dim = cfg.v_head_dim;
+    m.step_error = &state->error;
     launch_merge_states(m, stream);
   }
 
@@ -776,7 +847,7 @@ class CudaBackend final : public AttentionBackend {
   Device device_;
   DecodeSetup setup_;
   std::vector<core::IndexSet> model_sets_;
-  ErrorWord errors_;
+  StepGuard guard_;
   Step step_;
   CallState eager_calls_[3];
   CallState graph_calls_[3];

@@ -37,6 +37,7 @@
 #include "core/prefill_tiles.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/decode.h"
+#include "cuda/kernels/step_check.h"
 #include "kvattn/backend.h"
 #include "kvattn/memory.h"
 
@@ -93,10 +94,15 @@ struct CallState {
 };
 
 /// Sizes `call`'s buffers for `capacity` (and kv_indices for `kv_indices_capacity` keys),
-/// writes its metadata into staging and queues one async copy on `stream`. Throws
-/// kOutOfResources when a frozen (graph) buffer is too small.
+/// writes its metadata into staging and queues one async copy on `stream`. The copy also resets
+/// the call's StepState (zeros, `step`): the first call of a step's pool holds the step's error
+/// word (step_state_of). Throws kOutOfResources when a frozen (graph) buffer is too small.
 void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv_indices_capacity,
-                 int v_head_dim, Device device, cudaStream_t stream);
+                 int v_head_dim, uint64_t step, Device device, cudaStream_t stream);
+
+/// The step's error state (kernels/step_check.h): in the metadata of the first call of the pool
+/// the step runs on (device memory; reset by that call's upload_call).
+StepState* step_state_of(const CallState& first_call);
 
 /// Preallocates `call` for graph replays of up to `capacity` (and a prefill plan region of
 /// `prefill_region`'s size: zero for none) and freezes its buffers, pinned staging included.
@@ -109,19 +115,32 @@ void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
 void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what);
 
 /// The AttentionParams of one call for one layer: paged K/V from the cache (or the ragged new
-/// tokens k/v), the call's device metadata, the layer's scale / cap / fp8 scales.
+/// tokens k/v), the call's device metadata, the layer's scale / cap / fp8 scales, and the step's
+/// error word (`state`, see step_state_of).
 core::AttentionParams make_params(const CallState& call, const BackendConfig& config,
                                   const AttentionLayer& layer, const TensorView& q,
                                   const TensorView& out, float* lse, const TensorView& ragged_k,
-                                  const TensorView& ragged_v);
+                                  const TensorView& ragged_v, const StepState* state);
 
 /// Runs one call (decode kernel or prefill kernel) with `params`.
 void run_call(const CallState& call, const core::AttentionParams& params, int device,
               cudaStream_t stream);
 
-/// Saves k/v at `loc` in the layer's cache (device kernel; bad slots are flagged, not written).
+/// How a K/V save meets the step's error state (kernels/kv_write.h).
+struct SaveGuard {
+  StepState* state = nullptr;     ///< the step's error word: nothing is written when set
+  bool check_loc = false;         ///< the step-check kernel did not see `loc`: check it here
+  StepReport* reports = nullptr;  ///< where check_loc publishes a bad slot
+  StepArgument loc_argument = kArgOutCacheLoc;
+};
+
+/// Saves k/v at `loc` in the layer's cache (device kernel; a refused step writes nothing).
 void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
-             const TensorView& v, const TensorView& loc, uint32_t* error_word, cudaStream_t stream);
+             const TensorView& v, const TensorView& loc, const SaveGuard& guard,
+             cudaStream_t stream);
+
+/// `t` (a 1-D int32 / int64 device tensor, or absent) as the step-check kernel reads it.
+DeviceIndexArray device_index_array(const TensorView& t);
 
 namespace debug {
 /// Device and pinned-host allocations the CUDA backend and the draft runner have made in this

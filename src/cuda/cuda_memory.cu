@@ -8,6 +8,7 @@ namespace {
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
+    cudaGetLastError();  // reported here: not again by a later call's check_launch
     throw_error(status == cudaErrorMemoryAllocation ? ErrorKind::kOutOfResources
                                                     : ErrorKind::kDeviceError,
                 what, cudaGetErrorString(status));

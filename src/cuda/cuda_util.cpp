@@ -12,6 +12,7 @@ namespace kvattn::cuda {
 
 void check_cuda(cudaError_t status, const char* what) {
   if (status == cudaSuccess) return;
+  cudaGetLastError();  // reported here: not again by a later call's check_launch
   const ErrorKind kind =
       status == cudaErrorMemoryAllocation ? ErrorKind::kOutOfResources : ErrorKind::kDeviceError;
   throw_error(kind, what, cudaGetErrorName(status), ": ", cudaGetErrorString(status));
@@ -55,42 +56,6 @@ const DeviceInfo& device_info(int device) {
         "cudaDeviceGetAttribute(computeCapabilityMajor)");
   }
   return info;
-}
-
-// ---- ErrorWord -----------------------------------------------------------------------------
-
-ErrorWord::ErrorWord() {
-  void* host = nullptr;
-  check_cuda(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
-             "cudaHostAlloc(error word)");
-  host_ = static_cast<volatile uint32_t*>(host);
-  *host_ = 0;
-  void* device = nullptr;
-  const cudaError_t status = cudaHostGetDevicePointer(&device, host, 0);
-  if (status != cudaSuccess) {
-    cudaFreeHost(host);
-    check_cuda(status, "cudaHostGetDevicePointer(error word)");
-  }
-  device_ = static_cast<uint32_t*>(device);
-}
-
-ErrorWord::~ErrorWord() {
-  if (host_ != nullptr) cudaFreeHost(const_cast<uint32_t*>(host_));
-}
-
-void ErrorWord::check_and_clear(const char* where) {
-  const uint32_t bits = *host_;
-  if (bits == 0) return;
-  *host_ = 0;
-  std::string what;
-  if (bits & kBadKvSlot) what += " req_to_token held a slot outside the KV pool (read as slot 0);";
-  if (bits & kBadCacheLoc) what += " out_cache_loc held a slot outside the KV pool (not written);";
-  if (bits & kBadRequestIndex) {
-    what += " req_pool_indices held a row outside req_to_token (treated as empty);";
-  }
-  throw_error(ErrorKind::kInvalidArgument, where,
-              "a device kernel of an earlier call met bad indices:", what,
-              " outputs of that step are not valid");
 }
 
 // ---- PinnedBuffer --------------------------------------------------------------------------

@@ -11,7 +11,9 @@
 namespace kvattn::cuda {
 
 /// Throws kvattn::Error (kOutOfResources for an allocation failure, else kDeviceError) naming
-/// `what` when `status` is not cudaSuccess.
+/// `what` when `status` is not cudaSuccess. Clears the runtime's last error first, so a failure
+/// that leaves the context usable (an allocation too large) is not met again by the next
+/// check_launch of a later, good step.
 void check_cuda(cudaError_t status, const char* what);
 
 /// Call right after a kernel launch: turns a launch failure (bad configuration, missing image,
@@ -32,33 +34,6 @@ struct DeviceInfo {
   int compute_major = 0;
 };
 const DeviceInfo& device_info(int device);
-
-/// Bits of the device error word (see ErrorWord).
-enum DeviceErrorBits : uint32_t {
-  kBadKvSlot = 1u,        ///< req_to_token held a slot outside [0, num_slots): read as slot 0
-  kBadCacheLoc = 2u,      ///< out_cache_loc held a slot outside the pool: that K/V was not written
-  kBadRequestIndex = 4u,  ///< req_pool_indices held a row outside req_to_token: treated as empty
-};
-
-/// A word that kernels set bits in when they meet bad indices on the device (which the host
-/// could not validate). It lives in mapped pinned host memory, so kernels write it directly and
-/// the host reads it without a copy or a sync; the backend checks it at its next host call and
-/// throws kvattn::Error(kInvalidArgument) there (the failing kernel itself never read or wrote
-/// outside the pool).
-class ErrorWord {
- public:
-  ErrorWord();
-  ~ErrorWord();
-  ErrorWord(const ErrorWord&) = delete;
-  ErrorWord& operator=(const ErrorWord&) = delete;
-  uint32_t* device_ptr() const { return device_; }
-  /// Throws (and clears the word) when a kernel has set a bit since the last check.
-  void check_and_clear(const char* where);
-
- private:
-  volatile uint32_t* host_ = nullptr;
-  uint32_t* device_ = nullptr;
-};
 
 /// Page-locked host memory (the staging buffer of async host-to-device copies).
 class PinnedBuffer {

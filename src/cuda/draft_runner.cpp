@@ -7,6 +7,7 @@
 #include "core/validate.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels/index.h"
+#include "cuda/step_guard.h"
 #include "kvattn/error.h"
 #include "kvattn/kv_cache.h"
 
@@ -26,7 +27,19 @@ class CudaDraftRunner final : public core::DraftRunner {
               "the multi-step draft backend serves decoder-only models");
     if (config_.v_head_dim == 0) config_.v_head_dim = config_.head_dim;
     setup_ = make_decode_setup(config_, device_.index);
-    errors_ = std::make_unique<ErrorWord>();
+    guard_ = std::make_unique<StepGuard>(config.kv_cache->num_slots(),
+                                         config.req_to_token_pool->max_reqs());
+  }
+
+  uint64_t step_id() const override { return guard_->step_id(); }
+
+  std::vector<StepError> take_step_errors(bool synchronize) override {
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    if (synchronize) {
+      check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(config_.cuda_stream)),
+                 "cudaStreamSynchronize");
+    }
+    return guard_->take();
   }
 
   void init_forward_metadata(const ForwardBatch& batch) override {
@@ -36,7 +49,7 @@ class CudaDraftRunner final : public core::DraftRunner {
 
   void init_forward_metadata_out_graph(const ForwardBatch& batch, bool in_capture) override {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
-    errors_->check_and_clear("MultiStepDraftBackend::init_forward_metadata");
+    step_ = guard_->begin_step(batch.mode, batch.batch_size);
     ready_ = false;
     indices_built_ = false;
     core::validate_batch(batch, config_, device_);
@@ -90,7 +103,7 @@ class CudaDraftRunner final : public core::DraftRunner {
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
       const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
-      upload_call(call, cap, keys, config_.v_head_dim, device_, stream);
+      upload_call(call, cap, keys, config_.v_head_dim, step_, device_, stream);
     }
     ready_ = true;
   }
@@ -123,10 +136,21 @@ class CudaDraftRunner final : public core::DraftRunner {
         build.kv_indices[i] = static_cast<int32_t*>(steps_[size_t(first + i)].kv_indices.data());
       }
       build.num_slots = config_.kv_cache->num_slots();
-      build.error_word = errors_->device_ptr();
+      build.step_state = step_state_of(steps_[0]);
       build.max_kv_len = stream_is_capturing(stream) ? p.max_context_len() : max_kv_len_;
       launch_build_draft_kv_indices(build, stream);
     }
+    // The requests' rows and the req_to_token reads, checked before any draft step runs (each
+    // draft step's out_cache_loc comes with forward_step and is checked by its K/V save).
+    StepCheckLaunch check;
+    check.state = step_state_of(steps_[0]);
+    check.reports = guard_->device_reports();
+    check.req_pool_indices = device_index_array(batch.req_pool_indices);
+    check.max_reqs = config_.req_to_token_pool->max_reqs();
+    check.num_slots = config_.kv_cache->num_slots();
+    check.req_to_token = config_.req_to_token_pool->table().data_as<const int32_t>();
+    check.req_to_token_row_stride = config_.req_to_token_pool->table().stride(0);
+    launch_step_check(check, stream);
     indices_built_ = true;
   }
 
@@ -134,7 +158,6 @@ class CudaDraftRunner final : public core::DraftRunner {
                     const TensorView& out, const AttentionLayer& layer,
                     const TensorView& out_cache_loc) override {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
-    errors_->check_and_clear("MultiStepDraftBackend::forward_step");
     check_arg(ready_ && indices_built_, "forward_step",
               "call init_forward_metadata (out_graph and in_graph) first");
     check_arg(!layer.is_cross_attention, "layer.is_cross_attention",
@@ -146,11 +169,21 @@ class CudaDraftRunner final : public core::DraftRunner {
     const bool save = out_cache_loc.defined() && k.defined();
     core::validate_forward_tensors(q, k, v, out, layer, view, config_, device_, entries_, save);
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
-    if (save) save_kv(config_, layer, k, v, out_cache_loc, errors_->device_ptr(), stream);
+    StepState* state = step_state_of(steps_[0]);
+    if (save) {
+      // Every CTA of the save checks all of this draft step's slots first (the step-check
+      // kernel never saw them): a bad one refuses this draft step and the later ones.
+      SaveGuard guard;
+      guard.state = state;
+      guard.check_loc = true;
+      guard.reports = guard_->device_reports();
+      guard.loc_argument = kArgOutCacheLoc;
+      save_kv(config_, layer, k, v, out_cache_loc, guard, stream);
+    }
     if (entries_ == 0) return;
     const CallState& call = steps_[size_t(step)];
-    run_call(call, make_params(call, config_, layer, q, out, nullptr, {}, {}), device_.index,
-             stream);
+    run_call(call, make_params(call, config_, layer, q, out, nullptr, {}, {}, state),
+             device_.index, stream);
   }
 
   void set_cuda_stream(void* stream) override { config_.cuda_stream = stream; }
@@ -176,7 +209,8 @@ class CudaDraftRunner final : public core::DraftRunner {
   int topk_;
   int num_steps_;
   DecodeSetup setup_;
-  std::unique_ptr<ErrorWord> errors_;
+  std::unique_ptr<StepGuard> guard_;
+  uint64_t step_ = 0;  ///< guard_'s number of the current step
   std::vector<CallState> steps_;
   bool ready_ = false;          ///< out_graph planned the current batch
   bool indices_built_ = false;  ///< in_graph built its index sets

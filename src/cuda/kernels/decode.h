@@ -82,6 +82,7 @@ struct MergeStatesLaunch {
   int64_t num_tokens = 0;
   int num_heads = 0;
   int v_head_dim = 0;
+  const uint32_t* step_error = nullptr;  ///< the step's error word: nothing is written when set
 };
 void launch_merge_states(const MergeStatesLaunch& launch, cudaStream_t stream);
 

@@ -13,6 +13,7 @@
 #include "cuda/kernels/decode.h"
 #include "cuda/kernels/decode_numerics.cuh"
 #include "cuda/kernels/launch.cuh"
+#include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda::detail {
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   // Launched as a programmatic dependent (launch_decode): the CTA may start while the previous
   // kernel of the stream drains, so nothing global is read before that kernel has completed.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
   // The item count and the item load together (item_index < grid_items <= the buffer's
   // capacity, so the read is in bounds even for a graph's padding CTAs).
   const int num_items = *launch.num_items;

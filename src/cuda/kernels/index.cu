@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/index.h"
+#include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -17,37 +18,29 @@ constexpr int kKeysPerIndexCta = 4 * kIndexThreads;
 // More CTAs per entry than this only adds launch size (a 32K-key row needs 32).
 constexpr int kMaxIndexCtasPerEntry = 64;
 
-__device__ __forceinline__ void flag(uint32_t* word, uint32_t bit) {
-  // The word lives in mapped host memory: a plain read-modify-write (no system-scope atomics
-  // needed); a racing writer can at worst drop another writer's bit, never clear the word.
-  volatile uint32_t* w = word;
-  *w = *w | bit;
-}
-
-// The req_to_token row of entry `request`, or null (flagged) when the row index is outside.
-__device__ __forceinline__ const int32_t* source_row(const ReqToTokenSource& s, int request,
-                                                     uint32_t* error_word) {
+// The req_to_token row of entry `request`, or null when the row index is outside (the
+// step-check kernel reports that; the entry then reads as an empty row).
+__device__ __forceinline__ const int32_t* source_row(const ReqToTokenSource& s, int request) {
   const int64_t row = s.req_pool_indices_int64
                           ? static_cast<const int64_t*>(s.req_pool_indices)[request]
                           : static_cast<const int32_t*>(s.req_pool_indices)[request];
-  if (row < 0 || row >= s.max_reqs) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) flag(error_word, kBadRequestIndex);
-    return nullptr;
-  }
+  if (row < 0 || row >= s.max_reqs) return nullptr;
   return s.table + row * s.row_stride;
 }
 
+// The slot at `position` of `row`; a slot outside the pool (or a position outside the row, which
+// the host's length checks rule out) reads as slot 0 and is flagged for batch entry `entry`.
 __device__ __forceinline__ int32_t checked_slot(const int32_t* row, int64_t position,
                                                 const ReqToTokenSource& s, int64_t num_slots,
-                                                uint32_t* error_word) {
+                                                StepState* state, int64_t entry) {
   if (row == nullptr) return 0;
   if (position < 0 || position >= s.max_context_len) {
-    flag(error_word, kBadRequestIndex);
+    detail::flag_bad_req_to_token(state, entry, position < 0 ? 0 : s.max_context_len - 1);
     return 0;
   }
   const int32_t slot = row[position];
   if (slot < 0 || slot >= num_slots) {
-    flag(error_word, kBadKvSlot);
+    detail::flag_bad_req_to_token(state, entry, position);
     return 0;
   }
   return slot;
@@ -55,13 +48,13 @@ __device__ __forceinline__ int32_t checked_slot(const int32_t* row, int64_t posi
 
 __global__ void __launch_bounds__(kIndexThreads) build_kv_indices_kernel(const KvIndexBuild b) {
   const int request = int(blockIdx.y);
-  const int32_t* row = source_row(b.source, request, b.error_word);
+  const int32_t* row = source_row(b.source, request);
   const int64_t start = b.kv_start[request];
   const int64_t len = b.kv_len[request];
   int32_t* out = b.kv_indices + b.kv_indptr[request];
   for (int64_t i = int64_t(blockIdx.x) * kIndexThreads + threadIdx.x; i < len;
        i += int64_t(gridDim.x) * kIndexThreads) {
-    out[i] = checked_slot(row, start + i, b.source, b.num_slots, b.error_word);
+    out[i] = checked_slot(row, start + i, b.source, b.num_slots, b.step_state, request);
   }
 }
 
@@ -72,7 +65,7 @@ __global__ void __launch_bounds__(kIndexThreads)
   const int step = b.first_step + local_step;
   const int request = entry / b.topk;
   const int branch = entry % b.topk;
-  const int32_t* row = source_row(b.source, request, b.error_word);
+  const int32_t* row = source_row(b.source, request);
   const int64_t len = b.kv_len[local_step][entry];
   const int64_t prefix = len - step - 1;
   int32_t* out = b.kv_indices[local_step] + b.kv_indptr[local_step][entry];
@@ -80,7 +73,7 @@ __global__ void __launch_bounds__(kIndexThreads)
        i += int64_t(gridDim.x) * kIndexThreads) {
     // Key i: a prefix token, or the branch's draft token of step i - prefix.
     const int64_t position = i < prefix ? i : prefix + (i - prefix) * b.topk + branch;
-    out[i] = checked_slot(row, position, b.source, b.num_slots, b.error_word);
+    out[i] = checked_slot(row, position, b.source, b.num_slots, b.step_state, request);
   }
 }
 

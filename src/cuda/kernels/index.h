@@ -2,13 +2,16 @@
 // init_forward_metadata): each batch entry's slots are copied from its req_to_token row. The
 // host already placed kv_start / kv_len / kv_indptr in the call's metadata; the kernels only
 // copy rows, so they record into a CUDA graph with fixed launch sizes. A slot outside
-// [0, num_slots) is written as slot 0 and flagged in the error word; a request row outside
-// req_to_token likewise. No kernel downstream ever reads outside the pool.
+// [0, num_slots) is written as slot 0 and flagged in the step's error word (step_check.h); a
+// request row outside req_to_token is read as an empty row (the step-check kernel reports it).
+// No kernel downstream ever reads outside the pool, and the flagged step writes nothing.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "cuda/kernels/step_check.h"
 
 namespace kvattn::cuda {
 
@@ -32,7 +35,7 @@ struct KvIndexBuild {
   int batch_size = 0;
   int32_t* kv_indices = nullptr;  ///< [kv_indptr[batch_size]] device
   int64_t num_slots = 0;
-  uint32_t* error_word = nullptr;  ///< device-visible ErrorWord
+  StepState* step_state = nullptr;  ///< the step's error state (bad slots are flagged there)
   /// Keys the grid is sized for per entry (the step's longest; graph capture: max_context_len).
   int max_kv_len = 0;
 };
@@ -57,7 +60,7 @@ struct DraftIndexBuild {
   const int64_t* kv_indptr[kMaxDraftStepsPerLaunch] = {};
   int32_t* kv_indices[kMaxDraftStepsPerLaunch] = {};
   int64_t num_slots = 0;
-  uint32_t* error_word = nullptr;
+  StepState* step_state = nullptr;  ///< flagged entries name the request (not the branch)
   int max_kv_len = 0;  ///< grid sizing, as in KvIndexBuild
 };
 void launch_build_draft_kv_indices(const DraftIndexBuild& build, cudaStream_t stream);

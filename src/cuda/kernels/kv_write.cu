@@ -7,6 +7,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/decode_numerics.cuh"
 #include "cuda/kernels/kv_write.h"
+#include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -20,8 +21,42 @@ constexpr int kWriteThreads = 256;
 constexpr int64_t kMaxWriteCtas = 132 * 16;
 
 // One thread per element of a (token, kv head) row of K followed by V.
+// check_loc: true when every slot of loc is inside the pool, else (block 0) the step is refused
+// and the first bad slot published. Every CTA reads all of loc, so all agree.
+__device__ bool loc_all_valid(const KvWriteLaunch& w) {
+  const DeviceIndexArray loc{w.loc, w.loc_int64, w.num_tokens};
+  bool bad = false;
+  for (int64_t t = threadIdx.x; t < w.num_tokens && !bad; t += kWriteThreads) {
+    const int64_t slot = detail::index_at(loc, t);
+    bad = slot < 0 || slot >= w.num_slots;
+  }
+  if (!__syncthreads_or(bad)) return true;
+  if (blockIdx.x == 0) {
+    __shared__ unsigned long long scratch;
+    const int64_t first = detail::first_out_of_range(loc, w.num_slots, &scratch);
+    if (threadIdx.x == 0 && w.step_state != nullptr) {
+      const uint32_t bit = 1u << w.loc_argument;
+      const uint32_t error = atomicOr(&w.step_state->error, bit) | bit;
+      StepReport report;
+      report.step = w.step_state->step;
+      report.error = error;
+      for (int a = 0; a < kNumStepArguments; ++a) {
+        report.position[a] = report.value[a] = report.entry[a] = report.row[a] = -1;
+      }
+      report.position[w.loc_argument] = report.entry[w.loc_argument] = first;
+      report.value[w.loc_argument] = detail::index_at(loc, first);
+      detail::publish_step_report(w.reports, report);
+    }
+  }
+  return false;
+}
+
 template <DType kKv>
 __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(const KvWriteLaunch w) {
+  // Block-uniform: with check_loc, block 0 of this very launch may set the word meanwhile.
+  const uint32_t* word = w.step_state != nullptr ? &w.step_state->error : nullptr;
+  if (__syncthreads_or(threadIdx.x == 0 && detail::step_refused(word))) return;
+  if (w.check_loc && !loc_all_valid(w)) return;
   const int64_t row_elems = int64_t(w.head_dim) + w.v_head_dim;
   const int64_t total = w.num_tokens * w.num_kv_heads * row_elems;
   const bool fp8 = kKv == DType::kFloat8E4M3 || kKv == DType::kFloat8E5M2;
@@ -33,13 +68,7 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(const KvWriteLa
     const int64_t head = row % w.num_kv_heads;
     const int64_t slot = w.loc_int64 ? static_cast<const int64_t*>(w.loc)[token]
                                      : static_cast<const int32_t*>(w.loc)[token];
-    if (slot < 0 || slot >= w.num_slots) {
-      if (e == 0 && head == 0) {
-        volatile uint32_t* word = w.error_word;
-        *word = *word | kBadCacheLoc;
-      }
-      continue;
-    }
+    if (slot < 0 || slot >= w.num_slots) continue;  // checked before: never reached
     if (e < w.head_dim) {
       const float x =
           load_io(w.k, w.io_dtype, token * w.k_stride_token + head * w.k_stride_head + e);
@@ -89,6 +118,7 @@ namespace kvattn::cuda {
 namespace {
 
 __global__ void __launch_bounds__(kWriteThreads) convert_rows_kernel(const ConvertRowsLaunch c) {
+  if (detail::step_refused(c.step_error)) return;
   const int64_t total = c.rows * c.heads * c.dim;
   for (int64_t index = int64_t(blockIdx.x) * kWriteThreads + threadIdx.x; index < total;
        index += int64_t(gridDim.x) * kWriteThreads) {

@@ -1,12 +1,13 @@
 // Writing a step's new K/V into the paged cache on the device (set_kv_buffer). fp8 storage holds
-// k / k_scale and v / v_scale, saturated to the largest finite value. A slot outside the pool is
-// skipped and flagged in the error word (the backend reports it at its next host call).
+// k / k_scale and v / v_scale, saturated to the largest finite value. Nothing is written when the
+// step's error word is set (step_check.h); a slot outside the pool is never written.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "cuda/kernels/step_check.h"
 #include "kvattn/dtype.h"
 
 namespace kvattn::cuda {
@@ -35,7 +36,15 @@ struct KvWriteLaunch {
   int head_dim = 0;
   int v_head_dim = 0;
   int64_t num_slots = 0;
-  uint32_t* error_word = nullptr;
+  /// The step's error state: the launch writes nothing when its word is set.
+  StepState* step_state = nullptr;
+  /// true when the step-check kernel did not see `loc` (the draft runner's per-step slots, or a
+  /// forward given other slots than its init_forward_metadata): every CTA then checks all of loc
+  /// before writing, so one bad slot means no CTA writes; it sets the step's word (refusing the
+  /// rest of the step) and publishes the first bad slot as `loc_argument` into `reports`.
+  bool check_loc = false;
+  StepReport* reports = nullptr;  ///< [kStepReportRing] mapped host memory
+  StepArgument loc_argument = kArgOutCacheLoc;
 };
 
 /// Asynchronous on `stream`; throws kDeviceError when the launch fails.
@@ -60,6 +69,7 @@ struct ConvertRowsLaunch {
   int64_t rows = 0;
   int heads = 0;
   int dim = 0;
+  const uint32_t* step_error = nullptr;  ///< the step's error word: nothing is written when set
 };
 void launch_convert_rows(const ConvertRowsLaunch& launch, cudaStream_t stream);
 

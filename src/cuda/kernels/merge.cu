@@ -10,6 +10,7 @@
 #include "cuda/kernels/decode.h"
 #include "cuda/kernels/decode_numerics.cuh"
 #include "cuda/kernels/launch.cuh"
+#include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kDecodeMergeThreads, kMaxDimsPerLane == 4 ? 4 
   // The next kernel (the next layer's decode, also a programmatic dependent) may be scheduled
   // now; it waits for this grid's completion before reading anything.
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
-  if (first == last) return;
+  if (first == last || step_refused(p.step_error)) return;
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   float lse = -INFINITY;
@@ -104,6 +105,7 @@ constexpr int kRowsPerMergeCta = kMergeThreads / 32;
 
 // One warp per (token, head) row.
 __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const MergeStatesLaunch m) {
+  if (step_refused(m.step_error)) return;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerMergeCta + threadIdx.x / 32;
   if (row >= m.num_tokens * m.num_heads) return;
   const int64_t token = row / m.num_heads;

@@ -32,6 +32,7 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     prefill_merge_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
+  if (detail::step_refused(p.step_error)) return;
   const core::PrefillMergeItem merge = tiles.merges[blockIdx.x];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;

@@ -29,6 +29,7 @@
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
 #include "cuda/kernels/prefill.h"
+#include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
 #ifndef KVATTN_CUDA_HEAD_DIMS
@@ -189,6 +190,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   const uint32_t s_q = smem_address(smem);
   const uint32_t s_kv = s_q + Tr::kQBytes;
 
+  if (detail::step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
   const core::PrefillWorkItem item = tiles.items[blockIdx.x];
   const int tid = threadIdx.x;
   const int lane = tid & 31;

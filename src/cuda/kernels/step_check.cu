@@ -1,0 +1,71 @@
+// The step-check kernel (see step_check.h).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/cuda_util.h"
+#include "cuda/kernels/step_check.cuh"
+
+namespace kvattn::cuda {
+namespace {
+
+// One CTA: a decode step checks a few hundred indices, a 16K-token prefill 32 per thread
+// (a few microseconds, once per step).
+constexpr int kStepCheckThreads = 512;
+
+__global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const StepCheckLaunch c) {
+  __shared__ unsigned long long scratch;
+  using detail::first_out_of_range;
+  using detail::index_at;
+  const int64_t bad_row = first_out_of_range(c.req_pool_indices, c.max_reqs, &scratch);
+  const int64_t bad_loc = first_out_of_range(c.out_cache_loc, c.num_slots, &scratch);
+  const int64_t bad_encoder_loc =
+      first_out_of_range(c.encoder_out_cache_loc, c.num_slots, &scratch);
+  if (threadIdx.x != 0) return;
+
+  StepState* state = c.state;
+  StepReport report;
+  report.step = __ldcg(reinterpret_cast<const unsigned long long*>(&state->step));
+  for (int a = 0; a < kNumStepArguments; ++a) {
+    report.position[a] = report.value[a] = report.entry[a] = report.row[a] = -1;
+  }
+  uint32_t error = __ldcg(&state->error);  // the index kernels' req_to_token flags
+  auto record = [&](StepArgument argument, const DeviceIndexArray& a, int64_t first) {
+    if (first == INT64_MAX) return;
+    error |= 1u << argument;
+    report.position[argument] = report.entry[argument] = first;
+    report.value[argument] = index_at(a, first);
+  };
+  record(kArgReqPoolIndices, c.req_pool_indices, bad_row);
+  record(kArgOutCacheLoc, c.out_cache_loc, bad_loc);
+  record(kArgEncoderOutCacheLoc, c.encoder_out_cache_loc, bad_encoder_loc);
+  if (error & (1u << kArgReqToToken)) {
+    // The index kernels read only rows inside req_to_token, so the entry's row is valid here.
+    const unsigned long long key =
+        ~__ldcg(reinterpret_cast<const unsigned long long*>(&state->req_to_token_key));
+    const int64_t entry = int64_t(key >> 32);
+    const int64_t position = int64_t(key & 0xffffffffull);
+    const int64_t row = c.req_pool_indices.data != nullptr && entry < c.req_pool_indices.length
+                            ? index_at(c.req_pool_indices, entry)
+                            : -1;
+    report.entry[kArgReqToToken] = entry;
+    report.position[kArgReqToToken] = position;
+    report.row[kArgReqToToken] = row;
+    if (c.req_to_token != nullptr && row >= 0 && row < c.max_reqs) {
+      report.value[kArgReqToToken] = c.req_to_token[row * c.req_to_token_row_stride + position];
+    }
+  }
+  if (error == 0) return;
+  state->error = error;  // every later kernel of the step sees it (a kernel boundary apart)
+  report.error = error;
+  detail::publish_step_report(c.reports, report);
+}
+
+}  // namespace
+
+void launch_step_check(const StepCheckLaunch& launch, cudaStream_t stream) {
+  step_check_kernel<<<1, kStepCheckThreads, 0, stream>>>(launch);
+  check_launch("step_check_kernel");
+}
+
+}  // namespace kvattn::cuda

@@ -1,0 +1,87 @@
+// The device half of "a bad index refuses the whole step" (kvattn/backend.h, check_errors).
+//
+// The CUDA backend cannot read a step's index tensors on the host without a sync, so the step's
+// device work checks them, before anything of the step is written:
+//   1. out_graph's metadata copy (one per call, already there) writes a zeroed StepState and the
+//      step number at the start of call 0's metadata: the step's error word starts at 0.
+//   2. in_graph: the index kernels (build_kv_indices, build_draft_kv_indices) flag req_to_token
+//      entries outside the pool in the word; then the step-check kernel (one CTA, the last
+//      launch of in_graph) checks req_pool_indices, out_cache_loc and encoder_out_cache_loc,
+//      sets the word and, when it is not 0, publishes a StepReport to the host (mapped pinned
+//      memory, no copy, no sync).
+//   3. Every kernel of the step that writes (K/V save, attention, merges, io conversions) reads
+//      the word at its start (after griddepcontrol.wait where it is a programmatic dependent)
+//      and returns without writing anything when it is not 0 (step_refused in step_check.cuh).
+// The host reads the reports when the engine calls check_errors() (cuda/step_guard.h). Captured
+// in a CUDA graph, steps 2-3 replay as recorded and step 1 runs in the out_graph before each
+// replay, so a replayed step is checked exactly like an eager one.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvattn::cuda {
+
+/// The index tensors the device checks, in the order a report names them (the CPU backend
+/// checks them in the same order, so both name the same first argument).
+enum StepArgument : int {
+  kArgReqPoolIndices = 0,      ///< req_pool_indices[i] outside [0, max_reqs)
+  kArgOutCacheLoc = 1,         ///< out_cache_loc[i] outside [0, num_slots)
+  kArgEncoderOutCacheLoc = 2,  ///< encoder_out_cache_loc[i] outside [0, num_slots)
+  kArgReqToToken = 3,          ///< req_to_token[row][position] outside [0, num_slots)
+  kNumStepArguments = 4,
+};
+
+/// The step's error state on the device: kStepStateBytes (core/planner.h) at the start of call
+/// 0's metadata, written by the host (zeros + step) at every out_graph.
+struct alignas(16) StepState {
+  /// The step error word: bit (1 << StepArgument) for each kind of bad index seen; 0 = the step
+  /// may write. Kernels read it through AttentionParams::step_error.
+  uint32_t error = 0;
+  uint32_t reserved = 0;
+  uint64_t step = 0;  ///< the host's step number (AttentionBackend::step_id)
+  /// The first bad req_to_token read, as ~((batch entry << 32) | position): the index kernels
+  /// keep the smallest (entry, position) with an atomicMax on the complement (0 = none).
+  uint64_t req_to_token_key = 0;
+  uint64_t reserved2 = 0;
+};
+static_assert(sizeof(StepState) == 32, "StepState must fit core::kStepStateBytes");
+
+/// What the device tells the host about one refused step: a record of a ring in mapped pinned
+/// host memory, at index step % kStepReportRing. `step` is written last, after a system fence.
+struct alignas(16) StepReport {
+  uint64_t step = 0;  ///< 0 = empty
+  uint32_t error = 0;
+  uint32_t reserved = 0;
+  int64_t position[kNumStepArguments] = {};  ///< first bad index (req_to_token: the position)
+  int64_t value[kNumStepArguments] = {};     ///< the value found there
+  int64_t entry[kNumStepArguments] = {};     ///< req_to_token: the batch entry that read it
+  int64_t row[kNumStepArguments] = {};       ///< req_to_token: req_pool_indices[entry]
+};
+/// Refused steps whose reports the host can hold between two check_errors (older ones are
+/// overwritten: the host then says so).
+constexpr int kStepReportRing = 256;
+
+/// A (possibly absent) 1-D int32 / int64 index tensor on the device.
+struct DeviceIndexArray {
+  const void* data = nullptr;
+  bool int64 = false;
+  int64_t length = 0;
+};
+
+/// The step-check kernel's arguments (one CTA; launched last in in_graph).
+struct StepCheckLaunch {
+  StepState* state = nullptr;
+  StepReport* reports = nullptr;  ///< [kStepReportRing], device view of mapped host memory
+  DeviceIndexArray req_pool_indices;
+  int64_t max_reqs = 0;
+  DeviceIndexArray out_cache_loc;
+  DeviceIndexArray encoder_out_cache_loc;
+  int64_t num_slots = 0;
+  const int32_t* req_to_token = nullptr;  ///< [max_reqs, max_context_len]: re-reads the bad slot
+  int64_t req_to_token_row_stride = 0;
+};
+void launch_step_check(const StepCheckLaunch& launch, cudaStream_t stream);
+
+}  // namespace kvattn::cuda
