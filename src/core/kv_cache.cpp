@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "core/size_check.h"
 #include "kvattn/error.h"
 
 namespace kvattn {
@@ -53,14 +54,25 @@ void KvCacheConfig::validate() const {
 
 KvCache KvCache::allocate(const KvCacheConfig& config) {
   config.validate();
+  // Every byte count first, overflow-checked, against what the device can hold: an impossible
+  // pool is refused at once with the numbers, before anything is allocated.
+  const int vd = config.resolved_v_head_dim();
+  const int64_t elem = dtype_size(config.dtype);
+  const size_t k_bytes = core::checked_bytes(
+      {config.num_slots, config.num_kv_heads, config.head_dim, elem}, "KvCache K buffer");
+  const size_t v_bytes =
+      core::checked_bytes({config.num_slots, config.num_kv_heads, vd, elem}, "KvCache V buffer");
+  const size_t layer_bytes = core::checked_sum(k_bytes, v_bytes, "KvCache layer");
+  core::check_fits(config.device,
+                   core::checked_bytes({config.num_layers, int64_t(layer_bytes)}, "KvCache"),
+                   "KvCache (" + std::to_string(config.num_layers) + " layers of K and V)");
+  // All or nothing: a failed allocation unwinds `cache`, which frees every buffer made so far.
   KvCache cache;
   cache.config_ = config;
-  const int vd = config.resolved_v_head_dim();
+  cache.owned_.reserve(size_t(config.num_layers) * 2);
+  cache.k_.reserve(size_t(config.num_layers));
+  cache.v_.reserve(size_t(config.num_layers));
   for (int l = 0; l < config.num_layers; ++l) {
-    const size_t k_bytes =
-        size_t(config.num_slots) * config.num_kv_heads * config.head_dim * dtype_size(config.dtype);
-    const size_t v_bytes = size_t(config.num_slots) * config.num_kv_heads * vd *
-                           dtype_size(config.dtype);
     Buffer k = Buffer::allocate(config.device, k_bytes);
     Buffer v = Buffer::allocate(config.device, v_bytes);
     fill_bytes(k.data(), config.device, 0, k_bytes);
@@ -136,7 +148,11 @@ ReqToTokenPool ReqToTokenPool::allocate(int max_reqs, int max_context_len, Devic
   check_arg(max_context_len >= 1, "max_context_len", "got ", max_context_len,
             ", expected >= 1");
   ReqToTokenPool pool;
-  const size_t bytes = size_t(max_reqs) * max_context_len * sizeof(int32_t);
+  const size_t bytes = core::checked_bytes({max_reqs, max_context_len, int64_t(sizeof(int32_t))},
+                                           "req_to_token");
+  core::check_fits(device, bytes,
+                   "req_to_token [" + std::to_string(max_reqs) + ", " +
+                       std::to_string(max_context_len) + "]");
   pool.owned_ = Buffer::allocate(device, bytes);
   fill_bytes(pool.owned_.data(), device, 0, bytes);  // unused positions point at padding slot 0
   pool.table_ = pool.owned_.view(DType::kInt32, {max_reqs, max_context_len});

@@ -1,5 +1,6 @@
 #include "kvattn/memory.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -35,6 +36,10 @@ Buffer Buffer::allocate(Device device, size_t bytes) {
     constexpr size_t kAlignment = 64;
     constexpr size_t kHugePage = size_t(2) << 20;
     const size_t align = bytes >= kHugePage ? kHugePage : kAlignment;
+    if (bytes > SIZE_MAX / 2) {  // the rounding below would wrap
+      throw_error(ErrorKind::kOutOfResources, "bytes", "host allocation of ", bytes,
+                  " bytes is larger than any host");
+    }
     const size_t rounded = (bytes + align - 1) / align * align;
     b.data_ = std::aligned_alloc(align, rounded == 0 ? align : rounded);
     if (b.data_ == nullptr) {

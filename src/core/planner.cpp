@@ -65,6 +65,8 @@ int decode_item_capacity(int batch_size, const DecodePlanConfig& config) {
   const int64_t extra = config.concurrent_ctas > 0
                             ? ceil_div(2 * int64_t(config.concurrent_ctas), config.ctas_per_item)
                             : 0;
+  check_arg(batch_size + extra <= INT32_MAX, "batch_size", "got ", batch_size,
+            ": the decode plan would exceed 2^31 items");
   return int(std::max<int64_t>(1, batch_size + extra));
 }
 

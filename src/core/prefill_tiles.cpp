@@ -5,6 +5,7 @@
 #include <numeric>
 #include <string>
 
+#include "core/size_check.h"
 #include "kvattn/error.h"
 
 namespace kvattn::core {
@@ -15,7 +16,8 @@ namespace {
 constexpr size_t kBufferAlignment = 256;
 
 size_t align_up(size_t bytes) {
-  return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+  return checked_sum(bytes, kBufferAlignment - 1, "prefill plan buffer") / kBufferAlignment *
+         kBufferAlignment;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) {
@@ -142,20 +144,66 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   return plan;
 }
 
+namespace {
+
+// Every offset of a plan buffer, from the counts alone, overflow-checked.
+struct PrefillBufferOffsets {
+  size_t items = 0;
+  size_t merges = 0;
+  size_t metadata_bytes = 0;
+  size_t partial_out = 0;
+  size_t partial_lse = 0;
+  size_t total_bytes = 0;
+};
+
+PrefillBufferOffsets prefill_buffer_offsets(int64_t items, int64_t merges, int64_t partials,
+                                            int tile_rows, int v_head_dim) {
+  check_arg(v_head_dim > 0, "v_head_dim", "got ", v_head_dim, ", expected > 0");
+  check_arg(items >= 0 && merges >= 0 && partials >= 0 && tile_rows >= 0, "prefill plan",
+            "negative counts: ", items, " items, ", merges, " merges, ", partials,
+            " partials, tile_rows ", tile_rows);
+  const std::string what = "prefill plan buffer";
+  PrefillBufferOffsets o;
+  const size_t items_bytes = checked_bytes({items, int64_t(sizeof(PrefillWorkItem))}, what);
+  o.merges = align_up(checked_sum(o.items, items_bytes, what));
+  const size_t merges_bytes = checked_bytes({merges, int64_t(sizeof(PrefillMergeItem))}, what);
+  o.metadata_bytes = align_up(checked_sum(o.merges, merges_bytes, what));
+  const size_t rows = checked_bytes({partials, tile_rows}, what);
+  o.partial_out = o.metadata_bytes;
+  const size_t out_bytes =
+      checked_bytes({int64_t(rows), v_head_dim, int64_t(sizeof(float))}, what);
+  o.partial_lse = align_up(checked_sum(o.partial_out, out_bytes, what));
+  const size_t lse_bytes = checked_bytes({int64_t(rows), int64_t(sizeof(float))}, what);
+  o.total_bytes = align_up(checked_sum(o.partial_lse, lse_bytes, what));
+  return o;
+}
+
+}  // namespace
+
+PrefillBufferLayout prefill_buffer_layout(int64_t items, int64_t merges, int64_t partials,
+                                          int tile_rows, int v_head_dim) {
+  const PrefillBufferOffsets o =
+      prefill_buffer_offsets(items, merges, partials, tile_rows, v_head_dim);
+  PrefillBufferLayout layout;
+  layout.metadata_bytes = o.metadata_bytes;
+  layout.total_bytes = o.total_bytes;
+  return layout;
+}
+
 PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head_dim,
                                          void* host_metadata, size_t host_capacity,
                                          void* device_base, PrefillTiles* view) {
-  check_arg(v_head_dim > 0, "v_head_dim", "got ", v_head_dim, ", expected > 0");
-  const size_t items_offset = 0;
+  const PrefillBufferOffsets o =
+      prefill_buffer_offsets(int64_t(plan.items.size()), int64_t(plan.merges.size()),
+                             plan.num_partials, plan.tile_rows, v_head_dim);
+  const size_t items_offset = o.items;
   const size_t items_bytes = plan.items.size() * sizeof(PrefillWorkItem);
-  const size_t merges_offset = align_up(items_offset + items_bytes);
+  const size_t merges_offset = o.merges;
   const size_t merges_bytes = plan.merges.size() * sizeof(PrefillMergeItem);
-  const size_t metadata_bytes = align_up(merges_offset + merges_bytes);
-  const size_t rows = size_t(plan.num_partials) * size_t(plan.tile_rows);
-  const size_t partial_out_offset = metadata_bytes;
-  const size_t partial_lse_offset =
-      align_up(partial_out_offset + rows * size_t(v_head_dim) * sizeof(float));
-  const size_t total_bytes = align_up(partial_lse_offset + rows * sizeof(float));
+  const size_t metadata_bytes = o.metadata_bytes;
+  const size_t partial_out_offset = o.partial_out;
+  const size_t partial_lse_offset = o.partial_lse;
+  const size_t total_bytes = o.total_bytes;
 
   PrefillBufferLayout layout;
   layout.metadata_bytes = metadata_bytes;

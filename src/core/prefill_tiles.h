@@ -99,6 +99,12 @@ struct PrefillBufferLayout {
   size_t total_bytes = 0;     ///< bytes the device buffer needs
 };
 
+/// The layout write_prefill_buffer gives a plan of these counts (a padded CUDA-graph plan is
+/// sized from its capacity this way, without building it). Throws kOutOfResources when the
+/// bytes overflow.
+PrefillBufferLayout prefill_buffer_layout(int64_t items, int64_t merges, int64_t partials,
+                                          int tile_rows, int v_head_dim);
+
 /// The one routine that sizes and fills the plan buffer. Always returns the layout; with
 /// host_metadata != nullptr (capacity >= layout.metadata_bytes) also writes the metadata there,
 /// and with device_base != nullptr fills *view with pointers into the device buffer.

@@ -9,6 +9,7 @@
 
 #include "core/backend_factory.h"
 #include "core/params_fill.h"
+#include "core/size_check.h"
 #include "core/validate.h"
 #include "cuda/kernels/index.h"
 #include "cuda/kernels/kv_write.h"
@@ -70,17 +71,80 @@ uint64_t allocation_count() {
 }
 }  // namespace debug
 
-// Grows by half again, so a slowly growing batch reallocates rarely.
+// Grows by half again, so a slowly growing batch reallocates rarely; the new buffer is made
+// before the old one goes, so a growth that fails changes nothing.
 void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what) {
   if (buffer.bytes() >= bytes && buffer.data() != nullptr) return;
   if (frozen) {
     throw_error(ErrorKind::kOutOfResources, what, "needs ", bytes, " bytes, the CUDA-graph buffer ",
                 "sized by init_cuda_graph_state holds ", buffer.bytes());
   }
-  const size_t grown = std::max<size_t>(bytes + bytes / 2, 256);
-  buffer = Buffer();  // free first: the old contents are not needed
-  buffer = Buffer::allocate(device, grown);
+  const size_t wanted = std::max<size_t>(bytes, 256);
+  const size_t grown = wanted <= SIZE_MAX / 3 ? std::max(wanted, bytes + bytes / 2) : wanted;
+  Buffer fresh;
+  try {
+    fresh = Buffer::allocate(device, grown);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kOutOfResources || grown == wanted) throw;
+    try {
+      fresh = Buffer::allocate(device, wanted);  // the headroom does not fit: exactly, then
+    } catch (const Error& again) {
+      if (again.kind() != ErrorKind::kOutOfResources) throw;
+      throw_error(ErrorKind::kOutOfResources, what, "cannot grow from ", buffer.bytes(), " to ",
+                  wanted, " bytes on ", device, ": ", again.what(),
+                  " (the step was refused; the backend keeps its buffers and stays usable)");
+    }
+  }
+  buffer = std::move(fresh);
   allocations.fetch_add(1, std::memory_order_relaxed);
+}
+
+void BufferGrowth::need(Buffer& target, size_t bytes) {
+  if (target.data() != nullptr && target.bytes() >= bytes) return;
+  device_.push_back({&target, std::max<size_t>(bytes, 256)});
+}
+
+void BufferGrowth::need(PinnedBuffer& target, size_t bytes) {
+  if (target.bytes() >= bytes) return;
+  pinned_.push_back({&target, bytes});
+}
+
+void BufferGrowth::need(std::unique_ptr<CopyFence>& fence) {
+  if (!fence) fences_.push_back(&fence);
+}
+
+size_t BufferGrowth::device_bytes() const {
+  size_t total = 0;
+  for (const DeviceNeed& n : device_) total = core::checked_sum(total, n.bytes, "device buffers");
+  return total;
+}
+
+size_t BufferGrowth::pinned_bytes() const {
+  size_t total = 0;
+  for (const PinnedNeed& n : pinned_) total = core::checked_sum(total, n.bytes, "pinned buffers");
+  return total;
+}
+
+void BufferGrowth::apply(Device device, const std::string& what) {
+  core::check_fits(device, device_bytes(), what);
+  core::check_fits(Device::cpu(), pinned_bytes(), what + " (pinned host staging)");
+  // Phase 1: everything new, next to the old buffers. A throw unwinds these vectors, freeing
+  // what was made; no target has changed yet.
+  std::vector<Buffer> fresh;
+  fresh.reserve(device_.size());
+  for (const DeviceNeed& n : device_) fresh.push_back(Buffer::allocate(device, n.bytes));
+  std::vector<PinnedBuffer> fresh_pinned(pinned_.size());
+  for (size_t i = 0; i < pinned_.size(); ++i) fresh_pinned[i].reserve(pinned_[i].bytes);
+  std::vector<std::unique_ptr<CopyFence>> fresh_fences;
+  for (size_t i = 0; i < fences_.size(); ++i) fresh_fences.push_back(std::make_unique<CopyFence>());
+  // Phase 2: swap in (nothing below throws); the old buffers are freed as they are replaced.
+  for (size_t i = 0; i < device_.size(); ++i) *device_[i].target = std::move(fresh[i]);
+  for (size_t i = 0; i < pinned_.size(); ++i) *pinned_[i].target = std::move(fresh_pinned[i]);
+  for (size_t i = 0; i < fences_.size(); ++i) *fences_[i] = std::move(fresh_fences[i]);
+  allocations.fetch_add(device_.size() + pinned_.size(), std::memory_order_relaxed);
+  device_.clear();
+  pinned_.clear();
+  fences_.clear();
 }
 
 DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
@@ -181,28 +245,24 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   call.fence->record(stream);
 }
 
-void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
-                         int64_t kv_indices_capacity,
-                         const core::PrefillBufferLayout& prefill_region, Device device) {
-  call.frozen = false;
+void plan_frozen_call(CallState& call, const core::CallCapacity& capacity,
+                      int64_t kv_indices_capacity, const core::PrefillBufferLayout& prefill_region,
+                      BufferGrowth& growth) {
   const core::CallMetadataLayout offsets =
       core::write_call_metadata(capacity, nullptr, nullptr, nullptr, 0);
   const size_t prefill_offset = align_region(offsets.metadata_bytes);
-  ensure_bytes(call.metadata, prefill_offset + prefill_region.total_bytes, false, device,
-               "call metadata");
-  if (offsets.scratch_bytes > 0) {
-    ensure_bytes(call.scratch, offsets.scratch_bytes, false, device, "decode partials");
-  }
-  ensure_bytes(call.kv_indices, size_t(std::max<int64_t>(kv_indices_capacity, 1)) * sizeof(int32_t),
-               false, device, "kv_indices");
-  const size_t staging_bytes = prefill_offset + prefill_region.metadata_bytes;
-  if (call.staging.bytes() < staging_bytes) {
-    call.staging.reserve(staging_bytes);
-    allocations.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (!call.fence) call.fence = std::make_unique<CopyFence>();
-  call.frozen = true;
+  const std::string what = "CUDA-graph call buffers";
+  growth.need(call.metadata, core::checked_sum(prefill_offset, prefill_region.total_bytes, what));
+  if (offsets.scratch_bytes > 0) growth.need(call.scratch, offsets.scratch_bytes);
+  growth.need(call.kv_indices,
+              core::checked_bytes({std::max<int64_t>(kv_indices_capacity, 1),
+                                   int64_t(sizeof(int32_t))},
+                                  "kv_indices"));
+  growth.need(call.staging, core::checked_sum(prefill_offset, prefill_region.metadata_bytes, what));
+  growth.need(call.fence);
 }
+
+void freeze_call(CallState& call) { call.frozen = true; }
 
 StepState* step_state_of(const CallState& first_call) {
   return reinterpret_cast<StepState*>(static_cast<char*>(first_call.metadata.data()) +
@@ -555,30 +615,34 @@ class CudaBackend final : public AttentionBackend {
     forward_any(q, k, v, out, layer, batch, save_kv_cache, "forward_extend");
   }
 
+  // All or nothing: every size is computed (overflow-checked) and checked against the device's
+  // free memory first, then every buffer is allocated next to the current ones and swapped in
+  // only when all succeeded. A refused call changes nothing: the backend keeps serving with the
+  // buffers (and graph state) it had.
   void init_cuda_graph_state(int max_bs, int64_t max_num_tokens) override {
     set_device();
     check_arg(max_bs >= 1, "max_bs", "got ", max_bs, ", expected >= 1");
     check_arg(max_num_tokens >= max_bs, "max_num_tokens", "got ", max_num_tokens,
               ", expected >= max_bs ", max_bs);
+    const std::string what = "init_cuda_graph_state(max_bs=" + std::to_string(max_bs) +
+                             ", max_num_tokens=" + std::to_string(max_num_tokens) + ")";
     const int max_context = config_.req_to_token_pool->max_context_len();
-    graph_kv_capacity_ = int64_t(max_bs) * max_context;
+    const int64_t kv_capacity = int64_t(max_bs) * max_context;
     // The prefill region (TARGET_VERIFY, tensor-core decode): the padded plan of max_bs requests
     // of max_num_tokens / max_bs query tokens each covers every bucket's plan (the capacity grows
-    // with both), decode's one token per request included.
+    // with both), decode's one token per request included. Sized from its counts alone.
     core::PrefillBufferLayout prefill_region;
     const int64_t per_request = (max_num_tokens + max_bs - 1) / max_bs;
     check_arg(per_request <= INT32_MAX, "max_num_tokens", "got ", max_num_tokens,
               ", over 2^31 tokens a request");
     if (setup_.prefill_supported) {
-      core::PrefillTilePlan plan;
-      plan.tile_rows = setup_.prefill_tile_rows;
-      plan.group_size = config_.num_q_heads / config_.num_kv_heads;
-      core::pad_prefill_plan(
-          plan, core::prefill_plan_capacity(max_bs, int(per_request),
-                                            prefill_shape(core::MaskMode::kCustom, -1)));
-      prefill_region =
-          core::write_prefill_buffer(plan, config_.v_head_dim, nullptr, 0, nullptr, nullptr);
+      const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(
+          max_bs, int(per_request), prefill_shape(core::MaskMode::kCustom, -1));
+      prefill_region = core::prefill_buffer_layout(capacity.items, capacity.merges,
+                                                   capacity.partials, setup_.prefill_tile_rows,
+                                                   config_.v_head_dim);
     }
+    BufferGrowth growth;
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       core::CallCapacity cap;
       cap.batch_size = max_bs;
@@ -586,24 +650,26 @@ class CudaBackend final : public AttentionBackend {
       cap.custom_mask = true;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      CallState& call = graph_calls_[s];
-      reserve_frozen_call(call, cap, graph_kv_capacity_, prefill_region, device_);
+      plan_frozen_call(graph_calls_[s], cap, kv_capacity, prefill_region, growth);
       // TARGET_VERIFY on a window layer folds the tree mask into this buffer: max_num_tokens
       // rows of at most max_context_len columns.
       if (model_sets_[s] == core::IndexSet::kWindow && setup_.prefill_supported) {
-        ensure_bytes(call.folded_mask, size_t(max_num_tokens) * size_t(max_context), false, device_,
-                     "folded tree mask");
+        growth.need(graph_calls_[s].folded_mask,
+                    core::checked_bytes({max_num_tokens, max_context}, "folded tree mask"));
       }
     }
     // fp32 io: the tensor-core path runs on 16-bit copies of q and out.
     if (config_.q_dtype != setup_.compute_dtype && setup_.prefill_supported) {
-      const size_t elem = size_t(dtype_size(setup_.compute_dtype));
-      const size_t n = size_t(max_num_tokens);
-      ensure_bytes(graph_io_scratch_,
-                   align_region(n * config_.num_q_heads * config_.head_dim * elem) +
-                       align_region(n * config_.num_q_heads * config_.v_head_dim * elem),
-                   false, device_, "fp32 io copies");
+      const int64_t elem = dtype_size(setup_.compute_dtype);
+      const size_t q_bytes = align_region(core::checked_bytes(
+          {max_num_tokens, config_.num_q_heads, config_.head_dim, elem}, "fp32 io copies"));
+      const size_t out_bytes = align_region(core::checked_bytes(
+          {max_num_tokens, config_.num_q_heads, config_.v_head_dim, elem}, "fp32 io copies"));
+      growth.need(graph_io_scratch_, core::checked_sum(q_bytes, out_bytes, "fp32 io copies"));
     }
+    growth.apply(device_, what);
+    for (size_t s = 0; s < model_sets_.size(); ++s) freeze_call(graph_calls_[s]);
+    graph_kv_capacity_ = kv_capacity;
     graph_max_bs_ = max_bs;
     graph_max_tokens_ = max_num_tokens;
   }

@@ -30,6 +30,7 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/batch_layout.h"
@@ -104,14 +105,48 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 /// the step runs on (device memory; reset by that call's upload_call).
 StepState* step_state_of(const CallState& first_call);
 
-/// Preallocates `call` for graph replays of up to `capacity` (and a prefill plan region of
-/// `prefill_region`'s size: zero for none) and freezes its buffers, pinned staging included.
-void reserve_frozen_call(CallState& call, const core::CallCapacity& capacity,
-                         int64_t kv_indices_capacity,
-                         const core::PrefillBufferLayout& prefill_region, Device device);
+/// All-or-nothing growth of several buffers (init_cuda_graph_state): need() records what each
+/// buffer must hold; apply() checks the bytes to add against the device's free memory (refusing
+/// with the numbers before allocating anything), allocates every buffer that is too small while
+/// the old ones stay in place, and swaps them in only when all allocations succeeded. A failure
+/// frees what apply() allocated and leaves every buffer as it was.
+class BufferGrowth {
+ public:
+  void need(Buffer& target, size_t bytes);
+  void need(PinnedBuffer& target, size_t bytes);
+  void need(std::unique_ptr<CopyFence>& fence);
+  /// Throws kOutOfResources naming `what` (and changes nothing) when the memory is not there.
+  void apply(Device device, const std::string& what);
+  /// Bytes apply() would add on the device / in pinned host memory.
+  size_t device_bytes() const;
+  size_t pinned_bytes() const;
 
-/// Grows `buffer` to at least `bytes` (by half again); a frozen buffer that is too small throws
-/// kOutOfResources naming `what` instead (captured graphs hold its address).
+ private:
+  struct DeviceNeed {
+    Buffer* target;
+    size_t bytes;
+  };
+  struct PinnedNeed {
+    PinnedBuffer* target;
+    size_t bytes;
+  };
+  std::vector<DeviceNeed> device_;
+  std::vector<PinnedNeed> pinned_;
+  std::vector<std::unique_ptr<CopyFence>*> fences_;
+};
+
+/// Records in `growth` what `call` needs for graph replays of up to `capacity` (and a prefill
+/// plan region of `prefill_region`'s size: zero for none), pinned staging included; after
+/// growth.apply() succeeded, freeze_call marks it frozen.
+void plan_frozen_call(CallState& call, const core::CallCapacity& capacity,
+                      int64_t kv_indices_capacity, const core::PrefillBufferLayout& prefill_region,
+                      BufferGrowth& growth);
+void freeze_call(CallState& call);
+
+/// Grows `buffer` to at least `bytes` (by half again when that fits, else exactly), allocating
+/// the new buffer before freeing the old one, so a failed growth (kOutOfResources) leaves the
+/// buffer as it was. A frozen buffer that is too small throws kOutOfResources naming `what`
+/// instead (captured graphs hold its address).
 void ensure_bytes(Buffer& buffer, size_t bytes, bool frozen, Device device, const char* what);
 
 /// The AttentionParams of one call for one layer: paged K/V from the cache (or the ragged new

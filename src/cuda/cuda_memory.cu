@@ -1,5 +1,7 @@
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "cuda/cuda_memory.h"
 #include "kvattn/error.h"
 
@@ -15,13 +17,34 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
+std::atomic<int> fail_countdown{-1};
+std::atomic<uint64_t> malloc_count{0};
+
 }  // namespace
+
+namespace debug {
+void fail_device_malloc_after(int count) { fail_countdown.store(count); }
+uint64_t device_malloc_count() { return malloc_count.load(); }
+}  // namespace debug
 
 void* device_malloc(size_t bytes, int device) {
   check(cudaSetDevice(device), "cudaSetDevice");
+  if (fail_countdown.load() >= 0 && fail_countdown.fetch_sub(1) == 0) {
+    throw_error(ErrorKind::kOutOfResources, "cudaMalloc", "out of memory (injected by a test: ",
+                bytes, " bytes)");
+  }
   void* ptr = nullptr;
   check(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes), "cudaMalloc");
+  malloc_count.fetch_add(1);
   return ptr;
+}
+
+size_t free_device_bytes(int device) {
+  check(cudaSetDevice(device), "cudaSetDevice");
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  return free_bytes;
 }
 
 void device_free(void* ptr, int device) noexcept {

@@ -18,5 +18,17 @@ void memcpy_sync(void* dst, Device dst_device, const void* src, Device src_devic
 void memset_sync(void* dst, int device, int value, size_t bytes);
 /// Visible CUDA devices; 0 when there is no driver or no GPU.
 int device_count() noexcept;
+/// Free bytes on `device` now (cudaMemGetInfo).
+size_t free_device_bytes(int device);
+
+namespace debug {
+/// Fault injection for tests: the device_malloc call `count` calls from now (0 = the next one)
+/// fails as an out-of-memory cudaMalloc would; -1 (the default) turns it off. Lets a test fail
+/// an allocation in the middle of KvCache::allocate, init_cuda_graph_state or a workspace growth
+/// and check that nothing stays allocated.
+void fail_device_malloc_after(int count);
+/// device_malloc calls that have succeeded in this process.
+uint64_t device_malloc_count();
+}  // namespace debug
 
 }  // namespace kvattn::cuda

@@ -188,18 +188,26 @@ class CudaDraftRunner final : public core::DraftRunner {
 
   void set_cuda_stream(void* stream) override { config_.cuda_stream = stream; }
 
+  // All or nothing, as CudaBackend::init_cuda_graph_state.
   void init_cuda_graph_state(int max_bs) override {
     check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
-    const int entries = max_bs * topk_;
-    graph_kv_capacity_ = int64_t(entries) * config_.req_to_token_pool->max_context_len();
+    const int64_t entries = int64_t(max_bs) * topk_;
+    check_arg(entries <= INT32_MAX / 2, "max_bs", "got ", max_bs, ": ", entries,
+              " draft entries (max_bs x topk), expected fewer than 2^30");
+    const int64_t kv_capacity = entries * config_.req_to_token_pool->max_context_len();
+    BufferGrowth growth;
     for (CallState& call : steps_) {
       core::CallCapacity cap;
-      cap.batch_size = entries;
-      cap.decode_items = core::decode_item_capacity(entries, setup_.plan_config);
+      cap.batch_size = int(entries);
+      cap.decode_items = core::decode_item_capacity(int(entries), setup_.plan_config);
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      reserve_frozen_call(call, cap, graph_kv_capacity_, core::PrefillBufferLayout{}, device_);
+      plan_frozen_call(call, cap, kv_capacity, core::PrefillBufferLayout{}, growth);
     }
+    growth.apply(device_, "MultiStepDraftBackend::init_cuda_graph_state(max_bs=" +
+                              std::to_string(max_bs) + ")");
+    for (CallState& call : steps_) freeze_call(call);
+    graph_kv_capacity_ = kv_capacity;
     graph_max_bs_ = max_bs;
   }
 
