@@ -17,19 +17,22 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
-std::atomic<int> fail_countdown{-1};
+std::atomic<int> malloc_budget{-1};
 std::atomic<uint64_t> malloc_count{0};
 
 }  // namespace
 
 namespace debug {
-void fail_device_malloc_after(int count) { fail_countdown.store(count); }
+void limit_device_mallocs(int count) { malloc_budget.store(count); }
 uint64_t device_malloc_count() { return malloc_count.load(); }
 }  // namespace debug
 
 void* device_malloc(size_t bytes, int device) {
   check(cudaSetDevice(device), "cudaSetDevice");
-  if (fail_countdown.load() >= 0 && fail_countdown.fetch_sub(1) == 0) {
+  int budget = malloc_budget.load();
+  while (budget > 0 && !malloc_budget.compare_exchange_weak(budget, budget - 1)) {
+  }
+  if (budget == 0) {
     throw_error(ErrorKind::kOutOfResources, "cudaMalloc", "out of memory (injected by a test: ",
                 bytes, " bytes)");
   }

@@ -22,11 +22,11 @@ int device_count() noexcept;
 size_t free_device_bytes(int device);
 
 namespace debug {
-/// Fault injection for tests: the device_malloc call `count` calls from now (0 = the next one)
-/// fails as an out-of-memory cudaMalloc would; -1 (the default) turns it off. Lets a test fail
-/// an allocation in the middle of KvCache::allocate, init_cuda_graph_state or a workspace growth
-/// and check that nothing stays allocated.
-void fail_device_malloc_after(int count);
+/// Fault injection for tests: the next `count` device_malloc calls succeed and every later one
+/// fails as an out-of-memory cudaMalloc would, until limit_device_mallocs(-1) lifts the limit.
+/// Lets a test fail an allocation in the middle of KvCache::allocate, init_cuda_graph_state or a
+/// workspace growth and check that nothing stays allocated.
+void limit_device_mallocs(int count);
 /// device_malloc calls that have succeeded in this process.
 uint64_t device_malloc_count();
 }  // namespace debug

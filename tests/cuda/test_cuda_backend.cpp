@@ -2,7 +2,7 @@
 // cases (kv_len 0 / 1, page 1 shuffled and page 16, NaN in unused slots, partial last pages,
 // split-KV, every head_dim / group / dtype), both decode kernels (CUDA cores and tensor cores),
 // CUDA-graph capture and replay with lengths other than the captured ones, and bad device
-// indices (flagged, reported at the next call, never read or written outside the pool).
+// indices (the step writes nothing; check_errors reports it; see test_bad_index_cuda.cpp).
 // Skips without a CUDA device.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -309,37 +309,40 @@ TEST(CudaDecode, BadSlotInReqToTokenIsReportedNotRead) {
   backend->init_forward_metadata(w->batch);
   const ScenarioCall& c = w->calls[0];
   backend->forward(c.q, c.k, c.v, c.out, w->layer, w->batch, false);
-  CUDA_OK(cudaDeviceSynchronize());
   try {
-    backend->init_forward_metadata(w->batch);
+    backend->check_errors(/*synchronize=*/true);
     ADD_FAILURE() << "the bad slot was not reported";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("req_to_token"), std::string::npos) << e.what();
+    EXPECT_EQ(e.argument(), "req_to_token[" + std::to_string(row) + "][3]") << e.what();
+    EXPECT_EQ(e.step(), int64_t(backend->step_id()));
   }
-  // Reported once: the next step runs again.
+  // Reported once, and never by a later step's calls.
+  EXPECT_NO_THROW(backend->check_errors(true));
   EXPECT_NO_THROW(backend->init_forward_metadata(w->batch));
   EXPECT_TRUE(w->pool_unchanged());
 }
 
-TEST(CudaDecode, BadDeviceCacheLocIsSkippedAndReported) {
+TEST(CudaDecode, BadDeviceCacheLocIsReportedAndNothingWritten) {
   REQUIRE_GPU();
   ScenarioSpec spec = decode_base("bad loc", 902);
   spec.batch_size = 3;
   auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
   auto backend = make_backend(BackendKind::kCuda, w->config);
-  backend->init_forward_metadata(w->batch);
-  ScenarioCall& c = w->calls[0];
-  // A device out_cache_loc with one slot outside the pool (the host cannot check it).
-  std::vector<int64_t> loc = {1, -5, w->kv_cache->num_slots() + 7};
-  const TensorView bad_loc = w->index_tensor(loc, DType::kInt64, w->device);
+  // A device out_cache_loc with slots outside the pool (the host cannot check it).
   ForwardBatch batch = w->batch;
-  batch.out_cache_loc = bad_loc;
-  const auto before_0 = w->pool_bytes(ScenarioWorld::kTestedLayer, 0);
+  batch.out_cache_loc =
+      w->index_tensor({1, -5, w->kv_cache->num_slots() + 7}, DType::kInt64, w->device);
+  backend->init_forward_metadata(batch);
+  const ScenarioCall& c = w->calls[0];
   backend->forward(c.q, c.k, c.v, c.out, w->layer, batch, true);
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_THROW(backend->init_forward_metadata(w->batch), Error);
-  (void)before_0;
+  try {
+    backend->check_errors(true);
+    ADD_FAILURE() << "not reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "out_cache_loc[1]") << e.what();
+  }
+  EXPECT_TRUE(w->pool_unchanged()) << "slot 1 is valid, but the step was refused as a whole";
 }
 
 TEST(CudaDecode, ForwardBeforeMetadataIsRefused) {

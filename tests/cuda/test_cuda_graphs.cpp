@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -417,6 +418,40 @@ class GraphWorld {
   }
 
   int pad_row() const { return pad_row_; }
+  const KvCache& cache() const { return *cache_; }
+  ReqToTokenPool& pool() { return *pool_; }
+  /// Slot the step's (host) req_to_token names at row, position.
+  int32_t table_slot(int row, int64_t position) const {
+    return table_[size_t(row) * spec_.max_context + size_t(position)];
+  }
+  /// Overwrites entry i of call c's out_cache_loc / of req_pool_indices (fixed buffers).
+  void set_loc(int c, int64_t i, int32_t value) {
+    copy_bytes(static_cast<int32_t*>(loc_[size_t(c)].data()) + i, Device::cuda(0), &value,
+               Device::cpu(), sizeof(value));
+  }
+  void set_row(int64_t i, int32_t value) {
+    copy_bytes(static_cast<int32_t*>(rpi_.data()) + i, Device::cuda(0), &value, Device::cpu(),
+               sizeof(value));
+  }
+  /// Every layer's K and V, on the host.
+  std::vector<std::vector<uint8_t>> pool_bytes() const {
+    std::vector<std::vector<uint8_t>> out;
+    cuda_check(cudaDeviceSynchronize(), "sync");
+    for (int l = 0; l < kLayers; ++l) {
+      for (const TensorView* t : {&cache_->k_buffer(l), &cache_->v_buffer(l)}) {
+        std::vector<uint8_t> bytes(size_t(t->nbytes()));
+        copy_bytes(bytes.data(), Device::cpu(), t->data(), t->device(), bytes.size());
+        out.push_back(std::move(bytes));
+      }
+    }
+    return out;
+  }
+  std::vector<int32_t> table_now() const {
+    std::vector<int32_t> out(table_.size());
+    copy_bytes(out.data(), Device::cpu(), pool_->table().data(), Device::cuda(0),
+               out.size() * sizeof(int32_t));
+    return out;
+  }
 
  private:
   Buffer allocate(int64_t bytes) { return Buffer::allocate(Device::cuda(0), size_t(bytes)); }
@@ -677,6 +712,96 @@ TEST(CudaGraphsVerify, Variants) {
     SCOPED_TRACE(spec.label);
     check_buckets(spec, ForwardMode::kTargetVerify, {2, 8}, 2);
   }
+}
+
+// ---- bad input under replay ---------------------------------------------------------------------
+
+// A replay whose indices are bad (a slot past the pool in out_cache_loc, a row past req_to_token,
+// a req_to_token entry the step reads) writes nothing, neither the pool nor the outputs, and is
+// reported once by check_errors with the replayed step's own number; the replay after it is
+// bit-equal to eager again. The same contract as the eager path (test_bad_index_cuda.cpp).
+void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
+  GraphWorld w(spec);
+  auto backend = w.make_cuda_backend();
+  const int per_request = mode == ForwardMode::kTargetVerify ? spec.draft_token_num : 1;
+  backend->init_cuda_graph_state(spec.max_bs, int64_t(spec.max_bs) * per_request);
+  const int bs = 4;
+  Graph graph;
+  capture_bucket(w, *backend, w.random_step(mode, bs, bs), graph);
+  EXPECT_NO_THROW(backend->check_errors(true));
+  const int64_t num_slots = w.cache().num_slots();
+  for (int kind = 0; kind < 3; ++kind) {
+    const Step s = w.random_step(mode, bs, bs);
+    w.upload(s);
+    std::string argument;
+    std::function<void()> undo = [] {};
+    if (kind == 0) {
+      w.set_loc(0, 1, int32_t(num_slots));
+      argument = "out_cache_loc[1]";
+    } else if (kind == 1) {
+      w.set_row(2, int32_t(w.pool().max_reqs() + 3));
+      argument = "req_pool_indices[2]";
+      undo = [&] { w.set_row(2, s.rows[2]); };
+    } else {
+      const int row = s.rows[1];
+      const std::vector<int32_t> bad = {-1};
+      w.pool().write(row, 0, bad);
+      argument = "req_to_token[" + std::to_string(row) + "][0]";
+      undo = [&w, row] {
+        const std::vector<int32_t> good = {w.table_slot(row, 0)};
+        w.pool().write(row, 0, good);
+      };
+    }
+    const auto pool_before = w.pool_bytes();
+    const auto table_before = w.table_now();
+    std::vector<std::vector<uint8_t>> outs_before;
+    for (int l = 0; l < kLayers; ++l) outs_before.push_back(w.output_bytes(l, s.num_tokens, false));
+
+    const ForwardBatch b = w.batch(s);
+    backend->init_forward_metadata_out_graph(b, /*in_capture=*/false);
+    const uint64_t step = backend->step_id();
+    graph.launch(w.stream());
+    try {
+      backend->check_errors(/*synchronize=*/true);
+      ADD_FAILURE() << spec.label << ": the bad replay (" << argument << ") was not reported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+      EXPECT_EQ(e.step(), int64_t(step)) << e.what();
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      std::printf("  %-24s %-13s refused replay: %s\n", spec.label.c_str(),
+                  forward_mode_name(mode), e.what());
+    }
+    EXPECT_TRUE(w.pool_bytes() == pool_before) << spec.label << " " << argument
+                                               << ": the KV pool changed";
+    EXPECT_TRUE(w.table_now() == table_before) << "req_to_token changed";
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(w.output_bytes(l, s.num_tokens, false) == outs_before[size_t(l)])
+          << spec.label << " " << argument << ": layer " << l << "'s output was written";
+    }
+    EXPECT_NO_THROW(backend->check_errors(true)) << "reported twice";
+    undo();
+    EXPECT_TRUE(replay_and_compare(w, *backend, graph, w.random_step(mode, bs, bs),
+                                   "the replay after a refused one"));
+    EXPECT_NO_THROW(backend->check_errors(true));
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+}
+
+TEST(CudaGraphsBadInput, RefusedDecodeReplayWritesNothing) {
+  REQUIRE_GPU();
+  for (const char* kernel : {"0", "1"}) {
+    WorldSpec spec = decode_world(kernel[0] == '0' ? "bad decode cuda-core" : "bad decode tensor",
+                                  kernel, 61);
+    spec.max_context = 1024;
+    check_bad_replays(spec, ForwardMode::kDecode);
+  }
+}
+
+TEST(CudaGraphsBadInput, RefusedVerifyReplayWritesNothing) {
+  REQUIRE_GPU();
+  WorldSpec spec = verify_world("bad verify", 62);
+  spec.max_context = 1024;
+  check_bad_replays(spec, ForwardMode::kTargetVerify);
 }
 
 // ---- multi-step draft --------------------------------------------------------------------------
