@@ -172,6 +172,24 @@ class Backend:
     def supports_indexer_metadata(self) -> bool:
         return self.native.supports_indexer_metadata()
 
+    @property
+    def step_id(self) -> int:
+        """The number of the step the latest init_forward_metadata(_out_graph) began (1, 2...)."""
+        return self.native.step_id
+
+    def check_errors(self, synchronize: bool = False) -> None:
+        """Raises the error of the oldest step the device refused (``.step`` names it; the
+        message lists every refused step reported), or returns. Each refused step is reported
+        once, and a later good step is never failed by it: call this where the engine
+        synchronises anyway (after reading the sampled tokens), or with ``synchronize=True``.
+        A refused step wrote nothing (KV pool as before; its outputs were not computed)."""
+        self.native.check_errors(synchronize)
+
+    def take_step_errors(self, synchronize: bool = False) -> list:
+        """The refused steps since the last call, oldest first, each once:
+        ``[{"step", "kind", "argument", "message"}, ...]``."""
+        return self.native.take_step_errors(synchronize)
+
 
 def _wrap_kv_cache(config: KvCacheConfig, k_buffers, v_buffers) -> KvCache:
     """Wraps engine-owned buffers, one K and one V array per layer, without copying. bf16/fp16
@@ -226,3 +244,14 @@ class MultiStepDraftBackend:
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self.native.init_cuda_graph_state(max_bs)
+
+    @property
+    def step_id(self) -> int:
+        return self.native.step_id
+
+    def check_errors(self, synchronize: bool = False) -> None:
+        """As :meth:`Backend.check_errors`: one step is one init_forward_metadata."""
+        self.native.check_errors(synchronize)
+
+    def take_step_errors(self, synchronize: bool = False) -> list:
+        return self.native.take_step_errors(synchronize)

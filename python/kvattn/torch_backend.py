@@ -282,6 +282,26 @@ class _NativeBackendBase:
             return self._batch
         return self._bind(forward_batch)
 
+    # ---- device-detected bad input ---------------------------------------------------------
+
+    @property
+    def step_id(self) -> int:
+        """The number of the step the latest init_forward_metadata began (1, 2, ...)."""
+        return self.native.step_id
+
+    def check_errors(self, synchronize: bool = False) -> None:
+        """Raises the error of the oldest step the GPU refused (a bad index only the device
+        could see: the step wrote nothing, its outputs are not valid; ``.step`` is its step_id),
+        or returns. Each refused step is reported once; a later good step is never failed by it.
+        Call it where the engine synchronises anyway (after reading the sampled tokens), or with
+        ``synchronize=True``; then drop that step's results and go on."""
+        self.native.check_errors(synchronize)
+
+    def take_step_errors(self, synchronize: bool = False) -> list:
+        """The refused steps since the last call, oldest first, each once (dicts with step,
+        kind, argument, message)."""
+        return self.native.take_step_errors(synchronize)
+
     def _follow_stream(self) -> None:
         """Points the native backend at torch's current stream when it has moved."""
         if not self._follow_current_stream:

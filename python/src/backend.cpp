@@ -5,6 +5,7 @@
 #include <cctype>
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "bindings.h"
 
@@ -249,6 +250,39 @@ void def_forward(nb::class_<PyBackend>& cls, const char* name, const char* doc) 
           nb::arg("save_kv_cache") = true, nb::arg("dlpack_alloc") = false, doc);
 }
 
+constexpr const char* kCheckErrorsDoc =
+    "Raises the error of the oldest step the device refused since the last call (its .step is "
+    "that step's step_id; the message names every refused step it reports), or returns. Each "
+    "refused step is reported once; a later good step is never failed by it. Call it where the "
+    "engine synchronises anyway (after reading sampled tokens), or pass synchronize=True. The "
+    "CPU backend raises from the call itself and has nothing to report here.";
+constexpr const char* kTakeStepErrorsDoc =
+    "The steps the device refused since the last call, oldest first, each once, as dicts "
+    "{step, kind, argument, message}; [] when none.";
+
+const char* error_kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::kInvalidArgument: return "InvalidArgumentError";
+    case ErrorKind::kNotSupported: return "NotSupportedError";
+    case ErrorKind::kOutOfResources: return "OutOfResourcesError";
+    case ErrorKind::kDeviceError: return "DeviceError";
+  }
+  return "Error";
+}
+
+nb::list step_errors_list(const std::vector<StepError>& errors) {
+  nb::list out;
+  for (const StepError& e : errors) {
+    nb::dict d;
+    d["step"] = e.step;
+    d["kind"] = error_kind_name(e.kind);
+    d["argument"] = e.argument;
+    d["message"] = e.message;
+    out.append(d);
+  }
+  return out;
+}
+
 template <typename Holder>
 Holder make_holder(const PyBackendConfig& c) {
   Holder holder;
@@ -461,7 +495,28 @@ void bind_backend(nb::module_& m) {
           },
           nb::arg("batch"))
       .def("supports_indexer_metadata",
-           [](const PyBackend& b) { return b.impl->supports_indexer_metadata(); });
+           [](const PyBackend& b) { return b.impl->supports_indexer_metadata(); })
+      .def_prop_ro(
+          "step_id", [](const PyBackend& b) { return b.impl->step_id(); },
+          "The number of the step the latest init_forward_metadata(_out_graph) began (1, 2, ...).")
+      .def(
+          "check_errors",
+          [](PyBackend& b, bool synchronize) {
+            nb::gil_scoped_release release;
+            b.impl->check_errors(synchronize);
+          },
+          nb::arg("synchronize") = false, kCheckErrorsDoc)
+      .def(
+          "take_step_errors",
+          [](PyBackend& b, bool synchronize) {
+            std::vector<StepError> errors;
+            {
+              nb::gil_scoped_release release;
+              errors = b.impl->take_step_errors(synchronize);
+            }
+            return step_errors_list(errors);
+          },
+          nb::arg("synchronize") = false, kTakeStepErrorsDoc);
 
   m.def(
       "make_backend",
@@ -526,7 +581,26 @@ void bind_backend(nb::module_& m) {
             nb::gil_scoped_release release;
             d.impl->init_cuda_graph_state(max_bs);
           },
-          nb::arg("max_bs"));
+          nb::arg("max_bs"))
+      .def_prop_ro("step_id", [](const PyDraftBackend& d) { return d.impl->step_id(); })
+      .def(
+          "check_errors",
+          [](PyDraftBackend& d, bool synchronize) {
+            nb::gil_scoped_release release;
+            d.impl->check_errors(synchronize);
+          },
+          nb::arg("synchronize") = false, kCheckErrorsDoc)
+      .def(
+          "take_step_errors",
+          [](PyDraftBackend& d, bool synchronize) {
+            std::vector<StepError> errors;
+            {
+              nb::gil_scoped_release release;
+              errors = d.impl->take_step_errors(synchronize);
+            }
+            return step_errors_list(errors);
+          },
+          nb::arg("synchronize") = false, kTakeStepErrorsDoc);
 
   m.def(
       "_forward_loop_us",

@@ -34,6 +34,8 @@ void translate_error(const std::exception_ptr& error, void*) {
     nb::object instance = nb::steal(PyObject_CallFunction(type, "s", e.what()));
     if (!instance.is_valid()) return;  // the call set its own error
     nb::setattr(instance, "argument", nb::str(e.argument().c_str()));
+    // The step a device-detected error belongs to (check_errors), else None.
+    nb::setattr(instance, "step", e.step() >= 0 ? nb::object(nb::int_(e.step())) : nb::none());
     PyErr_SetObject(type, instance.ptr());
   }
 }
@@ -84,7 +86,9 @@ Device device_arg(nb::handle value) {
 
 void bind_basics(nb::module_& m) {
   PyObject* base = PyErr_NewExceptionWithDoc(
-      "kvattn.Error", "Base of every error kvattn raises; .argument names the argument at fault.",
+      "kvattn.Error",
+      "Base of every error kvattn raises; .argument names the argument at fault, .step the "
+      "refused step of an error that check_errors() reports (None otherwise).",
       PyExc_Exception, nullptr);
   if (!base) throw nb::python_error();
   m.attr("Error") = nb::handle(base);

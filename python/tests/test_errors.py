@@ -247,3 +247,25 @@ def test_gil_released_while_kernels_run():
     assert elapsed and elapsed[0] > 0.02, "the forward was too short to tell"
     # Holding the GIL for the whole call would leave this thread no turn while it runs.
     assert ticks > 1000, f"only {ticks} ticks in {elapsed[0]:.3f} s"
+
+
+def test_step_ids_and_check_errors_on_the_cpu(world):
+    """The CPU backend refuses bad indices from the call itself; check_errors (for device-detected
+    errors) has nothing to report, and every init_forward_metadata is one step."""
+    backend = world.backend
+    assert backend.step_id == 0
+    batch = decode_batch(world)
+    backend.init_forward_metadata(batch)
+    backend.init_forward_metadata(batch)
+    assert backend.step_id == 2
+    backend.check_errors()
+    assert backend.take_step_errors(synchronize=True) == []
+    bad = decode_batch(world, out_cache_loc=np.array([world.token_slots[0][-1], 10**6], np.int32))
+    snapshot = pool_snapshot(world)
+    with pytest.raises(kvattn.InvalidArgumentError, match=r"out_cache_loc\[1\]") as info:
+        backend.init_forward_metadata(bad)
+    assert info.value.argument == "out_cache_loc[1]"
+    assert info.value.step is None  # raised by the call, not reported by check_errors
+    assert backend.step_id == 3
+    assert_pool_unchanged(world, snapshot)
+    backend.check_errors()

@@ -146,3 +146,101 @@ def test_forward_python_overhead_under_10_us(allocation):
     result = measure_forward_overhead_us(e.backend, q, k, v, layer, fb, save_kv_cache=True)
     report(f"forward python overhead us ({allocation} output)", result)
     assert result["overhead_us"] < 10.0, result
+
+
+# ---- bad input: a refused step leaves no trace (issues 13 and 21) ------------------------------
+
+def _pool_state(e):
+    pool = e.token_to_kv_pool
+    return [t.clone() for t in pool.k_buffer + pool.v_buffer] + \
+        [e.req_to_token_pool.req_to_token.clone()]
+
+
+def _refused(e, run):
+    """Runs a step as an engine does and returns the error that refused it: raised by a call
+    (CPU backend) or by check_errors where the engine synchronises (CUDA backend)."""
+    try:
+        run()
+        e.backend.check_errors(synchronize=True)
+    except kvattn.InvalidArgumentError as error:
+        return error
+    raise AssertionError("the bad step was not refused")
+
+
+@pytest.mark.parametrize("bad", ["slot past the pool", "slot -1", "req_to_token -1",
+                                 "row past the pool"])
+def test_bad_index_refuses_the_whole_step(bad):
+    """The issue's case: an EXTEND over 3 requests with one bad index, two layers. Nothing of the
+    step is written (K, V of both layers, req_to_token), the error names the index and (GPU) the
+    step; it is reported once; the next step is correct."""
+    e = engine(page_size=16, num_layers=2)
+    num_slots = e.token_to_kv_pool.k_buffer[0].shape[0]
+    prefix, extend = [0, 40, 9], [5, 3, 7]
+    new = []
+    for r, (p, n) in enumerate(zip(prefix, extend)):
+        if p:
+            e.fill(e.add_tokens(r, p))
+        new.append(e.add_tokens(r, n))
+    loc = torch.cat(new)
+    reqs = torch.tensor([0, 1, 2], dtype=torch.int64, device=e.device)
+    expected = {"slot past the pool": "out_cache_loc[6]", "slot -1": "out_cache_loc[0]",
+                "req_to_token -1": "req_to_token[1][2]", "row past the pool": "req_pool_indices[2]"}
+    if bad == "slot past the pool":
+        loc[6] = num_slots
+    elif bad == "slot -1":
+        loc[0] = -1
+    elif bad == "req_to_token -1":
+        e.req_to_token_pool.req_to_token[1, 2] = -1
+    else:
+        reqs[2] = e.req_to_token_pool.req_to_token.shape[0]
+    seq = [p + n for p, n in zip(prefix, extend)]
+    fb = e.batch(ForwardMode.EXTEND, [0, 1, 2], seq, out_cache_loc=loc,
+                 extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=e.device),
+                 extend_prefix_lens_cpu=prefix,
+                 extend_seq_lens=torch.tensor(extend, dtype=torch.int32, device=e.device),
+                 extend_seq_lens_cpu=extend)
+    fb.req_pool_indices = reqs
+    n = sum(extend)
+    before = _pool_state(e)
+
+    def run():
+        e.backend.init_forward_metadata(fb)
+        for layer_id in range(2):
+            layer = e.layer(layer_id)
+            e.backend.forward(e.randn(n, 32 * HEAD_DIM), e.randn(n, 8, HEAD_DIM),
+                              e.randn(n, 8, HEAD_DIM), layer, fb)
+
+    error = _refused(e, run)
+    assert error.argument == expected[bad], str(error)
+    if DEVICE == "cuda":
+        assert error.step == e.backend.step_id, str(error)
+    for was, now in zip(before, _pool_state(e)):
+        assert torch.equal(was.view(torch.uint8) if was.dtype.is_floating_point else was,
+                           now.view(torch.uint8) if now.dtype.is_floating_point else now)
+    e.backend.check_errors(synchronize=True)  # reported once
+    report(f"bad index ({bad}) refused", str(error)[:160])
+    # The engine drops the step, fixes the table and goes on: the next steps are correct.
+    if bad == "req_to_token -1":
+        e.req_to_token_pool.req_to_token[1, 2] = e.token_slots[1][2]
+    decode_step(e, [3, 100])
+    e.backend.check_errors(synchronize=True)
+
+
+def test_huge_cuda_graph_state_is_refused_at_once_and_holds_nothing():
+    if DEVICE != "cuda":
+        pytest.skip("the CPU backend has no CUDA-graph state")
+    import time
+    e = engine(page_size=16)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    with pytest.raises(kvattn.OutOfResourcesError, match="bytes"):
+        e.backend.init_cuda_graph_state(10**7, 10**9)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info()[0]
+    report("huge init_cuda_graph_state refused in ms", round(elapsed * 1e3, 3))
+    assert elapsed < 0.2
+    assert abs(free_after - free_before) <= 2 << 20
+    decode_step(e, [5, 300])  # the next ordinary step
+    e.backend.check_errors(synchronize=True)

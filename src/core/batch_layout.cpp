@@ -87,12 +87,26 @@ PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const 
                               int draft_token_num, bool prefix_only) {
   PagedLayout layout;
   const int bs = int(lens.seq_lens.size());
+  const bool verify = mode == ForwardMode::kTargetVerify;
+  // What this mode and index set read must be there (read_host_lengths fills it for the modes
+  // and models that need it; a caller that mixes them up gets an error, not a wild read).
+  const size_t n = size_t(bs);
+  check_arg(!is_extend_like(mode) || lens.extend_lens.size() == n, "extend_seq_lens",
+            "missing: ", forward_mode_name(mode), " needs the extend lengths");
+  check_arg(!prefix_only || lens.prefix_lens.size() == n, "extend_prefix_lens",
+            "missing: the paged-prefix layout needs the prefix lengths");
+  check_arg((set != IndexSet::kEncoder && set != IndexSet::kDecoderSelf) ||
+                lens.encoder_lens.size() == n,
+            "encoder_lens", "missing: the encoder and decoder-self index sets need them");
+  check_arg(set != IndexSet::kWindow || window >= 0, "sliding_window_size", "got ", window,
+            ", the window index set needs a window >= 0");
+  check_arg(!verify || draft_token_num >= 0, "spec.draft_token_num", "got ", draft_token_num,
+            ", expected >= 0");
   layout.batch_size = bs;
   layout.qo_indptr.assign(size_t(bs) + 1, 0);
   layout.kv_start.assign(size_t(bs), 0);
   layout.kv_len.assign(size_t(bs), 0);
   layout.kv_indptr.assign(size_t(bs) + 1, 0);
-  const bool verify = mode == ForwardMode::kTargetVerify;
   layout.mask = verify ? MaskMode::kCustom : MaskMode::kCausal;
   if (prefix_only || set == IndexSet::kEncoder) layout.mask = MaskMode::kNone;
   // A window applies through the mask bounds; in TARGET_VERIFY the backend folds it into the
@@ -100,32 +114,42 @@ PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const 
   layout.window_left = (set == IndexSet::kWindow && !verify && !prefix_only) ? window : -1;
   if (verify) layout.mask_indptr.assign(size_t(bs) + 1, 0);
 
+  // In int64, checked to fit the int32 arrays: lengths come validated against the pools, but
+  // an overflow here would be a wild index later.
+  auto fits = [](int64_t value, const char* what, int r) {
+    if (value < 0 || value > INT32_MAX) {
+      throw_error(ErrorKind::kInvalidArgument, what, "request ", r, " gives ", value,
+                  ", outside [0, 2^31)");
+    }
+    return int32_t(value);
+  };
   for (int r = 0; r < bs; ++r) {
-    int32_t q_len = 1;
+    int64_t q_len = 1;
     if (is_extend_like(mode)) q_len = lens.extend_lens[r];
     else if (verify) q_len = draft_token_num;
     else if (mode == ForwardMode::kIdle) q_len = 0;
 
-    const int32_t seq = lens.seq_lens[r] + (verify ? draft_token_num : 0);
-    int32_t start = 0;
-    int32_t len = seq;
+    const int64_t seq = int64_t(lens.seq_lens[r]) + (verify ? draft_token_num : 0);
+    int64_t start = 0;
+    int64_t len = seq;
     if (set == IndexSet::kEncoder) {
       len = lens.encoder_lens[r];
     } else {
-      const int32_t base = set == IndexSet::kDecoderSelf ? lens.encoder_lens[r] : 0;
+      const int64_t base = set == IndexSet::kDecoderSelf ? lens.encoder_lens[r] : 0;
       if (prefix_only) {
         len = lens.prefix_lens[r];
       } else if (set == IndexSet::kWindow && !verify) {
         // Decode sees min(seq, W + 1) tokens; an extend of q_len sees W + q_len at most.
-        len = std::min<int32_t>(seq, window + q_len);
+        len = std::min<int64_t>(seq, int64_t(window) + q_len);
       }
       start = base + (prefix_only ? 0 : seq - len);
     }
-    layout.qo_indptr[r + 1] = layout.qo_indptr[r] + q_len;
-    layout.kv_start[r] = start;
-    layout.kv_len[r] = len;
+    layout.qo_indptr[r + 1] = fits(int64_t(layout.qo_indptr[r]) + q_len, "qo_indptr", r);
+    layout.kv_start[r] = fits(start, "kv_start", r);
+    layout.kv_len[r] = fits(len, "kv_len", r);
+    fits(start + len, "kv_start + kv_len", r);
     layout.kv_indptr[r + 1] = layout.kv_indptr[r] + len;
-    if (verify) layout.mask_indptr[r + 1] = layout.mask_indptr[r] + int64_t(q_len) * len;
+    if (verify) layout.mask_indptr[r + 1] = layout.mask_indptr[r] + q_len * len;
   }
   return layout;
 }
@@ -139,8 +163,15 @@ PagedLayout make_ragged_layout(const HostLengths& lens) {
   layout.kv_start.assign(size_t(bs), 0);
   layout.kv_len.assign(size_t(bs), 0);
   layout.kv_indptr.assign(size_t(bs) + 1, 0);
+  check_arg(lens.extend_lens.size() == size_t(bs), "extend_seq_lens",
+            "missing: the ragged layout needs the extend lengths");
   for (int r = 0; r < bs; ++r) {
-    layout.qo_indptr[r + 1] = layout.qo_indptr[r] + lens.extend_lens[r];
+    const int64_t rows = int64_t(layout.qo_indptr[r]) + lens.extend_lens[r];
+    if (lens.extend_lens[r] < 0 || rows > INT32_MAX) {
+      throw_error(ErrorKind::kInvalidArgument, "extend_seq_lens", "request ", r, " brings the ",
+                  "step to ", rows, " query tokens, outside [0, 2^31)");
+    }
+    layout.qo_indptr[r + 1] = int32_t(rows);
     layout.kv_len[r] = lens.extend_lens[r];
     layout.kv_indptr[r + 1] = layout.kv_indptr[r] + lens.extend_lens[r];
   }

@@ -28,11 +28,18 @@ constexpr int kSplitCandidates[] = {1,   2,   3,   4,   5,   6,   7,   8,   10, 
 // and partial-state traffic that the cost model only approximates.
 constexpr double kRequiredGain = 0.97;
 
+// Bounds far above any device (an H200 runs 132 SMs x at most 32 CTAs = 4224 CTAs at once; a
+// decode item has num_kv_heads x head passes CTAs): the makespan simulation keeps one slot per
+// concurrent CTA, so a wild config must be refused rather than simulated (found by fuzzing).
+constexpr int kMaxConcurrentCtas = 1 << 20;
+constexpr int kMaxCtasPerItem = 1 << 16;
+
 void check_config(const DecodePlanConfig& config) {
-  check_arg(config.ctas_per_item >= 1, "ctas_per_item", "got ", config.ctas_per_item,
-            ", expected >= 1");
-  check_arg(config.concurrent_ctas >= 0, "concurrent_ctas", "got ", config.concurrent_ctas,
-            ", expected >= 0");
+  check_arg(config.ctas_per_item >= 1 && config.ctas_per_item <= kMaxCtasPerItem, "ctas_per_item",
+            "got ", config.ctas_per_item, ", expected 1..", kMaxCtasPerItem);
+  check_arg(config.concurrent_ctas >= 0 && config.concurrent_ctas <= kMaxConcurrentCtas,
+            "concurrent_ctas", "got ", config.concurrent_ctas, ", expected 0..",
+            kMaxConcurrentCtas);
   check_arg(config.chunk_align >= 1, "chunk_align", "got ", config.chunk_align, ", expected >= 1");
   check_arg(config.min_chunk >= 1, "min_chunk", "got ", config.min_chunk, ", expected >= 1");
 }

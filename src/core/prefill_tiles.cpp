@@ -47,6 +47,11 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   check_arg(shape.kv_tile > 0, "kv_tile", "got ", shape.kv_tile, ", expected > 0");
   check_arg(shape.window_left >= -1, "window_left", "got ", shape.window_left,
             ", expected -1 (none) or >= 0");
+  // Far above any device (see planner.cpp's bounds); a wild value must not drive the split.
+  check_arg(shape.concurrent_ctas >= 0 && shape.concurrent_ctas <= (1 << 20), "concurrent_ctas",
+            "got ", shape.concurrent_ctas, ", expected 0..", 1 << 20);
+  check_arg(shape.min_split_keys >= 1, "min_split_keys", "got ", shape.min_split_keys,
+            ", expected >= 1");
 
   const int group = shape.num_q_heads / shape.num_kv_heads;
   const int batch_size = static_cast<int>(qo_indptr.size()) - 1;
