@@ -19,4 +19,9 @@ std::string bench_usage();
 int run_demo(const std::vector<std::string>& args);
 std::string demo_usage();
 
+/// `kvattn soak`: a long serving run with sampled checks, injected bad steps and memory
+/// sampling; 1 on any wrong answer, bad step not refused whole, or memory growth.
+int run_soak(const std::vector<std::string>& args);
+std::string soak_usage();
+
 }  // namespace kvattn::tools

@@ -21,6 +21,8 @@ const char* kTopUsage =
     "  bench   time the SPEC grid (decode, prefill, extend) against measured ceilings\n"
     "  demo    simulate a serving session (continuous batching, shared prefixes, speculative\n"
     "          verify) with all attention through one backend\n"
+    "  soak    a long serving run: random arrivals, shared prefixes, sampled checks, injected\n"
+    "          bad steps (refused whole, reported once), memory sampled\n"
     "\n"
     "`kvattn <command> --help` lists a command's options.\n";
 
@@ -34,6 +36,7 @@ const Command kCommands[] = {
     {"check", kvattn::tools::run_check, kvattn::tools::check_usage},
     {"bench", kvattn::tools::run_bench, kvattn::tools::bench_usage},
     {"demo", kvattn::tools::run_demo, kvattn::tools::demo_usage},
+    {"soak", kvattn::tools::run_soak, kvattn::tools::soak_usage},
 };
 
 bool is_help(const std::string& word) {

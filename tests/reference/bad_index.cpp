@@ -192,6 +192,8 @@ std::vector<BadIndexCase> bad_index_cases() {
   {
     ScenarioSpec spec = base_spec("bad loc ragged", M::kExtend, ++seed);
     spec.force_ragged = true;
+    // Every request has a cached prefix: the ragged path reads only the prefix from the pool.
+    spec.min_kv_len = 20;
     add("EXTEND ragged+prefix out_cache_loc one past the pool", spec, bad_out_cache_loc_last);
     spec.seed = ++seed;
     add("EXTEND ragged+prefix req_to_token slot -1", spec,
