@@ -5,7 +5,8 @@
 # `kvattn check`. Build here and carry the binaries:
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/
 #   device run: bash bench/device_prefill_run.sh .carry [steps]     (carry: [".carry"])
-# steps: a comma list of probe,tests,bench,suite,check,sanitize,ncu (default: all but ncu).
+# steps: a comma list of probe,tests,bench,bench_mma,variants,suite,check,sanitize,ncu
+# (default: probe,tests,bench,suite,check,sanitize).
 # Logs and JSON go to $OUT; a summary is printed last.
 set -u
 CARRY=${1:-.carry}
@@ -34,8 +35,16 @@ fi
 if [ $ok = 1 ] && want bench; then
   KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-sm90.json" \
     step bench_sm90 150 "$BIN" --gtest_filter='PrefillBench.*'
+fi
+if [ $ok = 1 ] && want bench_mma; then
   KVATTN_PREFILL_KERNEL=mma KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-mma.json" \
     step bench_mma 150 "$BIN" --gtest_filter='PrefillBench.*'
+fi
+if [ $ok = 1 ] && want variants; then  # launch-option A/B of the Hopper kernel
+  KVATTN_SM90_PINGPONG=0 KVATTN_PREFILL_BENCH=1 step bench_nopingpong 150 "$BIN" \
+    --gtest_filter='PrefillBench.*'
+  KVATTN_SM90_CTAS=1000000 KVATTN_PREFILL_BENCH=1 step bench_cta_per_item 150 "$BIN" \
+    --gtest_filter='PrefillBench.*'
 fi
 if [ $ok = 1 ] && want suite; then step suite 240 "$BIN" --gtest_brief=1; fi
 if [ $ok = 1 ] && want check; then step check 120 "$CARRY/kvattn" check --device cuda; fi
@@ -46,11 +55,10 @@ if [ $ok = 1 ] && want sanitize; then
     --gtest_filter='PrefillKernel.CausalPagedPage1Shuffled:PrefillKernel.Fp8Kv'
 fi
 if want ncu; then
-  # One row (prefill 1 x 4096 hd128 ragged, index 2) under Nsight Compute.
-  KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_ONLY=2 step ncu 240 ncu --clock-control none \
-    --kernel-name regex:batch_prefill --launch-count 1 --section SpeedOfLight \
-    --section WarpStateStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis "$BIN" --gtest_filter='PrefillBench.*'
+  # One row (prefill 1 x 4096 hd128 ragged, index 2) under Nsight Compute, every section.
+  KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_ONLY=2 step ncu 300 ncu --clock-control none \
+    --kernel-name regex:batch_prefill --launch-count 1 --set full --print-details all \
+    "$BIN" --gtest_filter='PrefillBench.*'
 fi
 
 echo "== GPU"; cat "$OUT/gpu.txt"
@@ -63,8 +71,8 @@ done
 for f in memcheck racecheck; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$OUT/$f.log" | head -6; }
 done
-for f in bench_sm90 bench_mma; do
+for f in bench_sm90 bench_mma bench_nopingpong bench_cta_per_item; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^prefill|^extend|GEMM|FAILED" "$OUT/$f.log"; }
 done
-[ -f "$OUT/ncu.log" ] && { echo "== ncu"; grep -E "Duration|Throughput|Registers|Warp Cycles|Issued|Executed Ipc|Theoretical Occupancy|Achieved Occupancy|Stall|Bank" "$OUT/ncu.log" | head -40; }
+[ -f "$OUT/ncu.log" ] && { echo "== ncu"; grep -E "Duration|Compute \(SM\) Throughput|Issue Slots|Executed Ipc A|Warp Cycles Per Issued|highest-utilized|Bank|stall|Stall" "$OUT/ncu.log" | head -30; }
 echo "== steps"; printf '%s\n' "${summary[@]}"

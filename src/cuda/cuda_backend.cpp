@@ -46,19 +46,6 @@ TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
               "', expected 0 or 1");
 }
 
-// A positive integer from the environment, or `fallback` when unset.
-int env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || env[0] == '\0') return fallback;
-  char* end = nullptr;
-  const long value = std::strtol(env, &end, 10);
-  if (*end != '\0' || value < 1 || value > (1 << 24)) {
-    throw_error(ErrorKind::kInvalidArgument, name, "got '", env,
-                "', expected a positive integer");
-  }
-  return int(value);
-}
-
 }  // namespace
 
 // ---- setup, buffers, params ------------------------------------------------------------------

@@ -180,6 +180,18 @@ PrefillKernelShape sm90_shape() {
   return shape;
 }
 
+/// The Hopper kernel's launch options: a persistent grid of one CTA per SM and the ping-pong
+/// of its consumer warpgroups, unless KVATTN_SM90_CTAS / KVATTN_SM90_PINGPONG (A/B runs) say
+/// otherwise (read once).
+sm90::LaunchOptions sm90_options(int sm_count) {
+  static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
+  static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 1, 0);
+  sm90::LaunchOptions options;
+  options.max_ctas = ctas > 0 ? ctas : sm_count;
+  options.ping_pong = ping_pong != 0;
+  return options;
+}
+
 /// The current device, or -1 when the machine has none (host-only callers, CI).
 int current_device() {
   int device = 0;
@@ -263,19 +275,19 @@ void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTil
   const PrefillKernelShape shape = validate(p, tiles, device);
   if (tiles.num_items == 0) return;
   if (shape.family == PrefillKernelFamily::kSm90) {
-    const int sm_count = device_info(device).sm_count;
+    const sm90::LaunchOptions options = sm90_options(device_info(device).sm_count);
     switch (p.head_dim) {
       case 64:
-        sm90::launch_prefill_sm90_hd64(p, tiles, sm_count, stream);
+        sm90::launch_prefill_sm90_hd64(p, tiles, options, stream);
         break;
       case 128:
-        sm90::launch_prefill_sm90_hd128(p, tiles, sm_count, stream);
+        sm90::launch_prefill_sm90_hd128(p, tiles, options, stream);
         break;
       case 192:
-        sm90::launch_prefill_sm90_hd192(p, tiles, sm_count, stream);
+        sm90::launch_prefill_sm90_hd192(p, tiles, options, stream);
         break;
       default:
-        sm90::launch_prefill_sm90_hd256(p, tiles, sm_count, stream);
+        sm90::launch_prefill_sm90_hd256(p, tiles, options, stream);
         break;
     }
   } else {

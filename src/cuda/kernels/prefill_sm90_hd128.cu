@@ -6,9 +6,9 @@
 namespace kvattn::cuda::sm90 {
 
 void launch_prefill_sm90_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                              int sm_count, cudaStream_t stream) {
+                              const LaunchOptions& options, cudaStream_t stream) {
   if constexpr (head_dim_compiled(128)) {
-    launch_for_dtype<128, 128>(p, tiles, sm_count, stream);
+    launch_for_dtype<128, 128>(p, tiles, options, stream);
   } else {
     throw_error(ErrorKind::kNotSupported, "head_dim",
                 "not compiled: head_dim=128 (KVATTN_CUDA_HEAD_DIMS)");

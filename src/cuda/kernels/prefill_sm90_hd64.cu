@@ -5,9 +5,9 @@
 namespace kvattn::cuda::sm90 {
 
 void launch_prefill_sm90_hd64(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                              int sm_count, cudaStream_t stream) {
+                              const LaunchOptions& options, cudaStream_t stream) {
   if constexpr (head_dim_compiled(64)) {
-    launch_for_dtype<64, 64>(p, tiles, sm_count, stream);
+    launch_for_dtype<64, 64>(p, tiles, options, stream);
   } else {
     throw_error(ErrorKind::kNotSupported, "head_dim",
                 "not compiled: head_dim=64 (KVATTN_CUDA_HEAD_DIMS)");

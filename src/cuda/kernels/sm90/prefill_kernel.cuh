@@ -31,7 +31,8 @@ namespace kvattn::cuda::sm90 {
 
 template <int kHeadDim, int kHeadDimV, typename T>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 1)
-    batch_prefill_sm90_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
+    batch_prefill_sm90_kernel(const core::AttentionParams p, const core::PrefillTiles tiles,
+                              const LaunchOptions options) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = PrefillTraits<kHeadDim, kHeadDimV>;
   extern __shared__ unsigned char smem_raw[];
@@ -85,10 +86,11 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
                       window,
                       soft_cap,
                       scale_log2,
-                      soft_cap ? qk_scale / p.logit_cap : 0.f};
+                      soft_cap ? qk_scale / p.logit_cap : 0.f,
+                      options.ping_pong};
     // The Q buffer starts free; the first warpgroup starts the ping-pong.
     ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
-    if (consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
+    if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
     const int rows[2] = {consumer.tile_row(0), consumer.tile_row(1)};
     uint32_t it = 0, q_phase = 0;
     float o[Consumer::kOutRegs];
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
 /// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
 template <int kHeadDim, int kHeadDimV, typename T>
 void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                     int sm_count, cudaStream_t stream) {
+                     const LaunchOptions& options, cudaStream_t stream) {
   using Tr = PrefillTraits<kHeadDim, kHeadDimV>;
   auto kernel = batch_prefill_sm90_kernel<kHeadDim, kHeadDimV, T>;
   static std::atomic<uint64_t> devices_ready{0};
@@ -126,29 +128,29 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
                "batch_prefill_sm90: cudaFuncSetAttribute");
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
-  const int grid = std::min(tiles.num_items, std::max(sm_count, 1));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAllocBytes, stream>>>(p, tiles);
+  const int grid = std::min(tiles.num_items, std::max(options.max_ctas, 1));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAllocBytes, stream>>>(p, tiles, options);
   check_launch("batch_prefill_sm90");
 }
 
 template <int kHeadDim, int kHeadDimV>
 void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                      int sm_count, cudaStream_t stream) {
+                      const LaunchOptions& options, cudaStream_t stream) {
   if (p.io_dtype == DType::kBFloat16) {
-    launch_instance<kHeadDim, kHeadDimV, __nv_bfloat16>(p, tiles, sm_count, stream);
+    launch_instance<kHeadDim, kHeadDimV, __nv_bfloat16>(p, tiles, options, stream);
   } else {
-    launch_instance<kHeadDim, kHeadDimV, __half>(p, tiles, sm_count, stream);
+    launch_instance<kHeadDim, kHeadDimV, __half>(p, tiles, options, stream);
   }
 }
 
 // One per instance file (prefill_sm90_hd<D>.cu).
 void launch_prefill_sm90_hd64(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                              int sm_count, cudaStream_t stream);
+                              const LaunchOptions& options, cudaStream_t stream);
 void launch_prefill_sm90_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                               int sm_count, cudaStream_t stream);
+                               const LaunchOptions& options, cudaStream_t stream);
 void launch_prefill_sm90_hd192(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                               int sm_count, cudaStream_t stream);
+                               const LaunchOptions& options, cudaStream_t stream);
 void launch_prefill_sm90_hd256(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                               int sm_count, cudaStream_t stream);
+                               const LaunchOptions& options, cudaStream_t stream);
 
 }  // namespace kvattn::cuda::sm90

@@ -105,109 +105,128 @@ struct PrefillProducer {
   bool e5m2;
   int v_dim;  // V columns that exist (kHeadDimV, or fewer for a narrow V)
 
+  // Copy geometry: a thread owns 16-byte chunk column tid % 8 of every 64-column sub-tile and
+  // the rows tid / 8 + 16 i, so its destination offsets are compile-time constants past one
+  // per-thread base (the swizzle term (tid % 8) ^ (row % 8) is the same for all its rows) and a
+  // warp's copies cover four whole 128-byte row segments.
+  static constexpr int kRowStep = kThreads / 8;
+
+  __device__ __forceinline__ int row_in_step() const { return tid / 8; }
+  /// Byte offset of this thread's chunk in row row_in_step() of sub-tile 0 of a tile.
+  __device__ __forceinline__ uint32_t chunk_base() const {
+    const int r0 = row_in_step();
+    return uint32_t(r0) * 128 + uint32_t((tid % 8) ^ (r0 % 8)) * 16;
+  }
+
   /// Gathers the tile's 128 packed rows of Q (rows past the request are zeros) into the Q
   /// buffer; arrives on q_full when the copies land.
   __device__ __forceinline__ void load_q(const PrefillTile& t, int group) const {
-    constexpr int kRowChunks = Tr::kHeadDim / 8;
-    constexpr int kPerThread = Tr::kTileRows * kRowChunks / kThreads;
-    const T* q = static_cast<const T*>(p.q);
-#pragma unroll 4
-    for (int i = 0; i < kPerThread; ++i) {
-      const int index = tid + i * kThreads;
-      const int r = index / kRowChunks;
-      const int c = index % kRowChunks;
-      const int packed = t.row0 + r;
+    constexpr int kSubTiles = Tr::kHeadDim / 64;
+    const T* q = static_cast<const T*>(p.q) + (tid % 8) * 8;
+    const uint32_t dst = sm.q() + chunk_base();
+#pragma unroll
+    for (int i = 0; i < Tr::kTileRows / kRowStep; ++i) {
+      const int packed = t.row0 + row_in_step() + i * kRowStep;
       const bool valid = packed < t.rows_total;
       const T* src = q;
       if (valid) {
         const int token = packed / group;
         const int head = t.kv_head * group + packed % group;
-        src = q + (int64_t(t.q_begin) + token) * p.q_stride_token +
-              int64_t(head) * p.q_stride_head + c * 8;
+        src = q + (int64_t(t.q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head;
       }
-      ptx::cp_async_zfill<16>(sm.q() + ptx::swizzled_chunk_offset(Tr::kTileRows, r, c), src,
-                              valid);
+#pragma unroll
+      for (int sub = 0; sub < kSubTiles; ++sub) {
+        ptx::cp_async_zfill<16>(dst + sub * Tr::kTileRows * 128 + i * kRowStep * 128, src + sub * 64,
+                                valid);
+      }
     }
     ptx::cp_async_mbarrier_arrive(sm.q_full());
   }
 
-  /// The storage row of key j of the tile's request (-1: no row: past the block or outside the
-  /// pool). Paged rows come from this block's slot table.
-  __device__ __forceinline__ int64_t key_row(const PrefillTile& t, const int32_t* table, int r,
-                                             int j, int block_end) const {
-    if (j >= block_end) return -1;
-    if (!paged) return t.kv_base + j;
-    const int32_t slot = table[r];
-    return (slot >= 0 && slot < p.num_slots) ? int64_t(slot) : int64_t(-1);
+  /// The storage row of this thread's row i of a block (-1: none: past the block's keys, or a
+  /// slot outside the pool, already folded into the paged table).
+  __device__ __forceinline__ int64_t block_row(const PrefillTile& t, const int32_t* table,
+                                               int block_start, int rows_valid, int i) const {
+    const int r = row_in_step() + i * kRowStep;
+    if (paged) return table[r];
+    return r < rows_valid ? t.kv_base + block_start + r : int64_t(-1);
   }
 
-  /// Copies keys [block_start, block_end) of K (kCols = head_dim) or V (kCols = v head dim)
-  /// into the swizzled tile at `dst`, as 16-bit values.
+  /// Copies keys [block_start, block_start + rows_valid) of K (kCols = head_dim) or V (kCols =
+  /// the V width) into the swizzled tile at `dst`, as 16-bit values; columns from valid_cols on
+  /// (a narrow V) and rows without a key become zeros.
   template <int kCols>
   __device__ __forceinline__ void copy_rows_16bit(const PrefillTile& t, const void* base_void,
                                                   int64_t stride_token, int64_t stride_head,
                                                   int valid_cols, uint32_t dst,
                                                   const int32_t* table, int block_start,
-                                                  int block_end) const {
-    constexpr int kRowChunks = kCols / 8;
-    constexpr int kPerThread = Tr::kKvTile * kRowChunks / kThreads;
-    static_assert(Tr::kKvTile * kRowChunks % kThreads == 0, "whole chunks per thread");
-    const T* base = static_cast<const T*>(base_void) + int64_t(t.kv_head) * stride_head;
-#pragma unroll 4
-    for (int i = 0; i < kPerThread; ++i) {
-      const int index = tid + i * kThreads;
-      const int r = index / kRowChunks;
-      const int c = index % kRowChunks;
-      const int64_t row = key_row(t, table, r, block_start + r, block_end);
-      const bool valid = row >= 0 && c * 8 < valid_cols;
-      const T* src = valid ? base + row * stride_token + c * 8 : base;
-      ptx::cp_async_zfill<16>(dst + ptx::swizzled_chunk_offset(Tr::kKvTile, r, c), src, valid);
+                                                  int rows_valid) const {
+    constexpr int kSubTiles = kCols / 64;
+    const T* base =
+        static_cast<const T*>(base_void) + int64_t(t.kv_head) * stride_head + (tid % 8) * 8;
+    dst += chunk_base();
+#pragma unroll
+    for (int i = 0; i < Tr::kKvTile / kRowStep; ++i) {
+      const int64_t row = block_row(t, table, block_start, rows_valid, i);
+      const T* src = base + (row >= 0 ? row : 0) * stride_token;
+#pragma unroll
+      for (int sub = 0; sub < kSubTiles; ++sub) {
+        const bool valid = row >= 0 && sub * 64 + (tid % 8) * 8 < valid_cols;
+        ptx::cp_async_zfill<16>(dst + sub * Tr::kKvTile * 128 + i * kRowStep * 128,
+                                src + sub * 64, valid);
+      }
     }
   }
 
-  /// The same for fp8 storage: 16 fp8 values a load, widened exactly to T (two 16-byte chunks).
+  /// The same for fp8 storage: a thread loads 16 fp8 values (16 bytes) of a row and widens them
+  /// exactly to T: two 16-byte chunks, 2 (tid % 4) and 2 (tid % 4) + 1 of the sub-tile, for the
+  /// rows tid / 4 + 32 i.
   template <int kCols>
   __device__ __forceinline__ void copy_rows_fp8(const PrefillTile& t, const void* base_void,
                                                 int64_t stride_token, int64_t stride_head,
                                                 int valid_cols, uint32_t dst,
                                                 const int32_t* table, int block_start,
-                                                int block_end) const {
-    constexpr int kRowLoads = kCols / 16;
-    constexpr int kPerThread = Tr::kKvTile * kRowLoads / kThreads;
-    constexpr int kBatch = 4;  // loads in flight per thread (16 registers)
-    static_assert(kPerThread % kBatch == 0, "whole batches per thread");
-    const uint8_t* base = static_cast<const uint8_t*>(base_void) + int64_t(t.kv_head) * stride_head;
-#pragma unroll 1
-    for (int i0 = 0; i0 < kPerThread; i0 += kBatch) {
-      uint4 raw[kBatch];
+                                                int rows_valid) const {
+    constexpr int kSubTiles = kCols / 64;
+    constexpr int kFp8RowStep = kThreads / 4;
+    constexpr int kRows = Tr::kKvTile / kFp8RowStep;  // rows a thread loads per sub-tile
+    const uint8_t* base = static_cast<const uint8_t*>(base_void) +
+                          int64_t(t.kv_head) * stride_head + (tid % 4) * 16;
+    const int r0 = tid / 4;
+    const int q4 = tid % 4;
+    unsigned char* tile = sm.ptr + (dst - sm.base);
+    int64_t rows[kRows];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int index = tid + (i0 + b) * kThreads;
-        const int r = index / kRowLoads;
-        const int c = index % kRowLoads;
-        const int64_t row = key_row(t, table, r, block_start + r, block_end);
-        const bool valid = row >= 0 && c * 16 < valid_cols;
-        raw[b] = valid ? __ldg(reinterpret_cast<const uint4*>(base + row * stride_token + c * 16))
-                       : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < kRows; ++i) {
+      const int r = r0 + i * kFp8RowStep;
+      rows[i] = paged ? int64_t(table[r])
+                      : (r < rows_valid ? t.kv_base + block_start + r : int64_t(-1));
+    }
+#pragma unroll 1
+    for (int sub = 0; sub < kSubTiles; ++sub) {
+      const bool cols = sub * 64 + q4 * 16 < valid_cols;
+      uint4 raw[kRows];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        raw[i] = rows[i] >= 0 && cols ? __ldg(reinterpret_cast<const uint4*>(
+                                            base + rows[i] * stride_token + sub * 64))
+                                      : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int index = tid + (i0 + b) * kThreads;
-        const int r = index / kRowLoads;
-        const int c = index % kRowLoads;
-        const uint32_t words[4] = {raw[b].x, raw[b].y, raw[b].z, raw[b].w};
+      for (int i = 0; i < kRows; ++i) {
+        const int r = r0 + i * kFp8RowStep;
+        const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
         uint32_t widened[8];
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
           widened[2 * w] = ptx::fp8x2_to<T>(static_cast<uint16_t>(words[w] & 0xffffu), e5m2);
           widened[2 * w + 1] = ptx::fp8x2_to<T>(static_cast<uint16_t>(words[w] >> 16), e5m2);
         }
-        uint4* lo = reinterpret_cast<uint4*>(
-            sm.ptr + (dst - sm.base) + ptx::swizzled_chunk_offset(Tr::kKvTile, r, 2 * c));
-        uint4* hi = reinterpret_cast<uint4*>(
-            sm.ptr + (dst - sm.base) + ptx::swizzled_chunk_offset(Tr::kKvTile, r, 2 * c + 1));
-        *lo = make_uint4(widened[0], widened[1], widened[2], widened[3]);
-        *hi = make_uint4(widened[4], widened[5], widened[6], widened[7]);
+        unsigned char* row_bytes = tile + sub * Tr::kKvTile * 128 + r * 128;
+        *reinterpret_cast<uint4*>(row_bytes + ((2 * q4) ^ (r % 8)) * 16) =
+            make_uint4(widened[0], widened[1], widened[2], widened[3]);
+        *reinterpret_cast<uint4*>(row_bytes + ((2 * q4 + 1) ^ (r % 8)) * 16) =
+            make_uint4(widened[4], widened[5], widened[6], widened[7]);
       }
     }
   }
@@ -218,36 +237,39 @@ struct PrefillProducer {
                                              Ring at, const int32_t* table) const {
     ptx::mbarrier_wait(is_v ? sm.v_empty(at.stage) : sm.k_empty(at.stage), at.phase ^ 1u);
     const int block_start = t.kv_begin + block * Tr::kKvTile;
-    const int block_end = min(block_start + Tr::kKvTile, t.kv_end);
+    const int rows_valid = min(Tr::kKvTile, t.kv_end - block_start);
     const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
     if (!fp8) {
       if (is_v) {
         copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
-                                       sm.v(at.stage), table, block_start, block_end);
+                                       sm.v(at.stage), table, block_start, rows_valid);
       } else {
         copy_rows_16bit<Tr::kHeadDim>(t, p.k, p.k_stride_token, p.k_stride_head, Tr::kHeadDim,
-                                      sm.k(at.stage), table, block_start, block_end);
+                                      sm.k(at.stage), table, block_start, rows_valid);
       }
       ptx::cp_async_mbarrier_arrive(full);
     } else {
       if (is_v) {
         copy_rows_fp8<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
-                                     sm.v(at.stage), table, block_start, block_end);
+                                     sm.v(at.stage), table, block_start, rows_valid);
       } else {
         copy_rows_fp8<Tr::kHeadDim>(t, p.k, p.k_stride_token, p.k_stride_head, Tr::kHeadDim,
-                                    sm.k(at.stage), table, block_start, block_end);
+                                    sm.k(at.stage), table, block_start, rows_valid);
       }
       ptx::fence_proxy_async_shared();  // the stores above are read by wgmma (async proxy)
       ptx::mbarrier_arrive(full);
     }
   }
 
-  /// Paged: the slot of key block_start + tid of the block (-1 past the block), read from
-  /// kv_indices; the caller writes it into the block's table before the copies need it.
+  /// Paged: the slot of key block_start + tid of the block, -1 past the block's keys or outside
+  /// the pool (such a row is zero-filled, never read); the caller writes it into the block's
+  /// table before the copies need it.
   __device__ __forceinline__ int32_t fetch_slot(const PrefillTile& t, int block) const {
     const int j = t.kv_begin + block * Tr::kKvTile + tid;
     const int block_end = min(t.kv_begin + (block + 1) * Tr::kKvTile, t.kv_end);
-    return (tid < Tr::kKvTile && j < block_end) ? p.kv_indices[t.kv_base + j] : -1;
+    if (tid >= Tr::kKvTile || j >= block_end) return -1;
+    const int32_t slot = p.kv_indices[t.kv_base + j];
+    return (slot >= 0 && slot < p.num_slots) ? slot : -1;
   }
 
   /// Publishes the slots of the block loaded at iteration `it` (paged only).
@@ -315,6 +337,7 @@ struct PrefillConsumer {
   bool soft_cap;
   float scale_log2;
   float cap_inner;
+  bool ping_pong;
 
   /// Row of the tile (0..127) that this thread's half h holds.
   __device__ __forceinline__ int tile_row(int h) const {
@@ -423,10 +446,10 @@ struct PrefillConsumer {
   }
 
   __device__ __forceinline__ void schedule_wait() const {
-    ptx::named_barrier_sync(kScheduleFirst + wg, 256);
+    if (ping_pong) ptx::named_barrier_sync(kScheduleFirst + wg, 256);
   }
   __device__ __forceinline__ void schedule_pass() const {
-    ptx::named_barrier_arrive(kScheduleFirst + (wg ^ 1), 256);
+    if (ping_pong) ptx::named_barrier_arrive(kScheduleFirst + (wg ^ 1), 256);
   }
 
   /// The whole mainloop of one tile (num_blocks > 0): on return o holds the unnormalised output

@@ -29,8 +29,8 @@ struct PrefillTraits {
   static constexpr int kKvTile = kHeadDim <= 192 ? 128 : 64;
   static constexpr int kStages = 2;
   // Registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of 65536.
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
 
   // Shared memory (byte offsets from a 1024-byte aligned base).
   static constexpr int kQBytes = kTileRows * kHeadDim * 2;
@@ -55,6 +55,13 @@ struct PrefillTraits {
                     kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "swizzled tiles start on 1024-byte boundaries");
   static_assert(kSmemAllocBytes <= 227 * 1024, "shared memory of one SM");
+};
+
+/// Launch choices of the Hopper prefill kernel that are not part of the plan (defaults are the
+/// tuned ones; KVATTN_SM90_PINGPONG=0 and KVATTN_SM90_CTAS=<n> override them for A/B runs).
+struct LaunchOptions {
+  int max_ctas = 0;       ///< persistent grid size: min(items, max_ctas); the SM count by default
+  bool ping_pong = true;  ///< the two consumer warpgroups take turns issuing their products
 };
 
 // Named barriers (0 is __syncthreads).
