@@ -56,9 +56,13 @@ if [ $ok = 1 ] && want sanitize; then
 fi
 if want ncu; then
   # One row (prefill 1 x 4096 hd128 ragged, index 2) under Nsight Compute, every section.
-  KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_ONLY=2 step ncu 300 ncu --clock-control none \
-    --kernel-name regex:batch_prefill --launch-count 1 --set full --print-details all \
-    "$BIN" --gtest_filter='PrefillBench.*'
+  KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_ONLY=${NCU_ROW:-2} step ncu 300 ncu --clock-control none \
+    --kernel-name regex:batch_prefill --launch-count 1 --set full --import-source yes \
+    --print-details all -o "$OUT/prof" "$BIN" --gtest_filter='PrefillBench.*'
+  # Per-SASS-instruction samples (stall reasons, executed instructions) for offline reading.
+  step ncu_source 120 bash -c "ncu --import '$OUT/prof.ncu-rep' --page source --csv \
+    --print-source sass > '$OUT/source.csv'"
+  ncu --import "$OUT/prof.ncu-rep" --print-details all >> "$OUT/ncu.log" 2>&1
 fi
 
 echo "== GPU"; cat "$OUT/gpu.txt"

@@ -51,6 +51,9 @@ struct SharedBuffers {
   __device__ __forceinline__ int32_t* slots(int table) const {
     return reinterpret_cast<int32_t*>(ptr + Tr::kSlotOffset) + table * Tr::kKvTile;
   }
+  __device__ __forceinline__ uint32_t scratch_word(int consumer_thread) const {
+    return base + Tr::kScratchOffset + consumer_thread * 4;
+  }
   __device__ __forceinline__ uint32_t barrier(int index) const {
     return base + Tr::kBarrierOffset + index * 8;
   }
@@ -366,10 +369,16 @@ struct PrefillConsumer {
     ptx::fence_registers(s);
   }
 
+  __device__ __forceinline__ static void fence_fragments(uint32_t (&pf)[kKeySteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) ptx::fence_registers(pf[kk]);
+  }
+
   /// Issues O += P V on stage `stage` (one wgmma group).
   __device__ __forceinline__ void issue_pv(float (&o)[kOutRegs], uint32_t (&pf)[kKeySteps][4],
                                            int stage) const {
     ptx::fence_registers(o);
+    fence_fragments(pf);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk) {
@@ -377,6 +386,7 @@ struct PrefillConsumer {
     }
     ptx::wgmma_commit_group();
     ptx::fence_registers(o);
+    fence_fragments(pf);
   }
 
   /// Signals that this warp is done reading a stage (the barrier counts the consumer warps).
@@ -474,6 +484,7 @@ struct PrefillConsumer {
     uint32_t pf[kKeySteps][4];
     float factor[2];
     int block = t.num_blocks - 1;
+    const uint32_t scratch = sm.scratch_word(wg * 128 + warp * 32 + lane);
 
     ptx::mbarrier_wait(sm.q_full(), q_phase);
     q_phase ^= 1u;
@@ -500,6 +511,12 @@ struct PrefillConsumer {
       release(sm.k_empty(next.stage));
       transform_scores(s, t, group, block, mask_base, mask_row_len);
       const bool moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+      // The softmax must run before the wait, overlapping the P V product on the tensor cores
+      // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
+      ptx::fence_registers(s);
+      ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
+      // P stays live until the product that reads it asynchronously has completed.
+      fence_fragments(pf);
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(o);
       release(sm.v_empty(at.stage));

@@ -43,7 +43,9 @@ struct PrefillTraits {
   // in rotation (see the producer) so a table is never rewritten while a V copy still reads it.
   static constexpr int kSlotTables = 3;
   static constexpr int kSlotOffset = kVOffset + kStages * kVBytes;
-  static constexpr int kBarrierOffset = kSlotOffset + kSlotTables * kKvTile * 4;
+  // One word per consumer thread: the target of ptx::pin_before_wgmma_wait (never read).
+  static constexpr int kScratchOffset = kSlotOffset + kSlotTables * kKvTile * 4;
+  static constexpr int kBarrierOffset = kScratchOffset + kConsumerWarpgroups * 128 * 4;
   // q_full, then k_full / v_full / k_empty / v_empty per stage.
   static constexpr int kNumBarriers = 1 + 4 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8;

@@ -89,6 +89,15 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+/// Pins register work ahead of a later wgmma_wait_group: ptxas otherwise hoists the wait's
+/// WARPGROUP.DEPBAR above independent arithmetic (seen on nvcc 13.0: the whole online softmax of
+/// the Hopper prefill ran after the wait, so it no longer overlapped the P V product). A store
+/// of a value that depends on that work, to the thread's own scratch word in shared memory, is
+/// a memory operation ptxas keeps before the wait. Costs one STS a call.
+__device__ __forceinline__ void pin_before_wgmma_wait(uint32_t scratch_word, float value) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch_word), "f"(value) : "memory");
+}
+
 /// Gives registers back (producer warpgroups) or takes them (consumers); the kernel must have a
 /// register cap at entry (__launch_bounds__ with min blocks 1) for the compiler to honour it.
 template <int kRegisters>
