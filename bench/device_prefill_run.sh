@@ -16,11 +16,13 @@ mkdir -p "$OUT"
 BIN="$CARRY/kvattn_cuda_tests"
 summary=()
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
-step() {  # step NAME SECONDS COMMAND...: runs, logs to $OUT/NAME.log, records rc and wall time
-  local name=$1 limit=$2
+step() {  # step NAME SECONDS COMMAND...: runs, logs to $OUT/NAME.log (or appends to $OUT/$LOG
+  local name=$1 limit=$2  # when LOG is set: at most 8 files come back), records rc and time
   shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local log="$OUT/${LOG:-$name.log}"
+  [ -n "${LOG:-}" ] && echo "#### $name" >> "$log"
+  timeout "$limit" "$@" >> "$log" 2>&1
   local rc=$?
   summary+=("$(printf '%-16s rc %-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
   return $rc
@@ -33,18 +35,19 @@ if want tests; then
   step tests 240 "$BIN" --gtest_filter='PrefillKernel*' || ok=0
 fi
 if [ $ok = 1 ] && want bench; then
-  KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-sm90.json" \
+  LOG=bench.log KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-sm90.json" \
     step bench_sm90 150 "$BIN" --gtest_filter='PrefillBench.*'
 fi
 if [ $ok = 1 ] && want bench_mma; then
-  KVATTN_PREFILL_KERNEL=mma KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-mma.json" \
-    step bench_mma 150 "$BIN" --gtest_filter='PrefillBench.*'
+  LOG=bench.log KVATTN_PREFILL_KERNEL=mma KVATTN_PREFILL_BENCH=1 \
+    KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-mma.json" step bench_mma 150 "$BIN" --gtest_filter='PrefillBench.*'
 fi
 if [ $ok = 1 ] && want variants; then  # launch-option A/B of the Hopper kernel
-  KVATTN_SM90_PINGPONG=0 KVATTN_PREFILL_BENCH=1 step bench_nopingpong 150 "$BIN" \
-    --gtest_filter='PrefillBench.*'
-  KVATTN_SM90_CTAS=1000000 KVATTN_PREFILL_BENCH=1 step bench_cta_per_item 150 "$BIN" \
-    --gtest_filter='PrefillBench.*'
+  for v in ${VARIANTS:-KVATTN_SM90_PINGPONG=0 KVATTN_SM90_CTAS=1000000}; do
+    export "$v"
+    LOG=bench.log KVATTN_PREFILL_BENCH=1 step "bench $v" 150 "$BIN" --gtest_filter='PrefillBench.*'
+    unset "${v%%=*}"
+  done
 fi
 if [ $ok = 1 ] && want suite; then step suite 240 "$BIN" --gtest_brief=1; fi
 if [ $ok = 1 ] && want check; then step check 120 "$CARRY/kvattn" check --device cuda; fi
@@ -60,9 +63,10 @@ if want ncu; then
     --kernel-name regex:batch_prefill --launch-count 1 --set full --import-source yes \
     --print-details all -o "$OUT/prof" "$BIN" --gtest_filter='PrefillBench.*'
   # Per-SASS-instruction samples (stall reasons, executed instructions) for offline reading.
-  step ncu_source 120 bash -c "ncu --import '$OUT/prof.ncu-rep' --page source --csv \
-    --print-source sass > '$OUT/source.csv'"
-  ncu --import "$OUT/prof.ncu-rep" --print-details all >> "$OUT/ncu.log" 2>&1
+  ncu --import "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/source.csv" \
+    2>> "$OUT/ncu.log"
+  gzip -f "$OUT/source.csv"
+  rm -f "$OUT/prof.ncu-rep"
 fi
 
 echo "== GPU"; cat "$OUT/gpu.txt"
@@ -75,8 +79,6 @@ done
 for f in memcheck racecheck; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$OUT/$f.log" | head -6; }
 done
-for f in bench_sm90 bench_mma bench_nopingpong bench_cta_per_item; do
-  [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^prefill|^extend|GEMM|FAILED" "$OUT/$f.log"; }
-done
+[ -f "$OUT/bench.log" ] && { echo "== bench"; grep -E "^####|^prefill|^extend|GEMM|FAILED" "$OUT/bench.log"; }
 [ -f "$OUT/ncu.log" ] && { echo "== ncu"; grep -E "Duration|Compute \(SM\) Throughput|Issue Slots|Executed Ipc A|Warp Cycles Per Issued|highest-utilized|Bank|stall|Stall" "$OUT/ncu.log" | head -30; }
 echo "== steps"; printf '%s\n' "${summary[@]}"

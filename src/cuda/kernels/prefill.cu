@@ -186,7 +186,9 @@ PrefillKernelShape sm90_shape() {
 sm90::LaunchOptions sm90_options(int sm_count) {
   static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
   static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 1, 0);
+  static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
   sm90::LaunchOptions options;
+  options.diagnostic = diagnostic;
   options.max_ctas = ctas > 0 ? ctas : sm_count;
   options.ping_pong = ping_pong != 0;
   return options;

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
                                     p.kv_indices != nullptr,
                                     is_fp8_dtype(p.kv_dtype),
                                     p.kv_dtype == DType::kFloat8E5M2,
-                                    v_dim};
+                                    v_dim,
+                                    options.diagnostic};
     uint32_t it = 0;
     for (int index = scheduler.first(); scheduler.valid(index); index = scheduler.next(index)) {
       const PrefillTile t = PrefillTile::load<Tr::kKvTile>(p, tiles, index);
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
                       soft_cap,
                       scale_log2,
                       soft_cap ? qk_scale / p.logit_cap : 0.f,
-                      options.ping_pong};
+                      options.ping_pong,
+                      options.diagnostic};
     // The Q buffer starts free; the first warpgroup starts the ping-pong.
     ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
     if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);

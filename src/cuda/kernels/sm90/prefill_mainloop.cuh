@@ -107,6 +107,7 @@ struct PrefillProducer {
   bool fp8;
   bool e5m2;
   int v_dim;  // V columns that exist (kHeadDimV, or fewer for a narrow V)
+  int diagnostic;  // LaunchOptions::diagnostic
 
   // Copy geometry: a thread owns 16-byte chunk column tid % 8 of every 64-column sub-tile and
   // the rows tid / 8 + 16 i, so its destination offsets are compile-time constants past one
@@ -242,7 +243,9 @@ struct PrefillProducer {
     const int block_start = t.kv_begin + block * Tr::kKvTile;
     const int rows_valid = min(Tr::kKvTile, t.kv_end - block_start);
     const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
-    if (!fp8) {
+    if (diagnostic & kDiagnosticNoKvLoads) {
+      ptx::mbarrier_arrive(full);
+    } else if (!fp8) {
       if (is_v) {
         copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
                                        sm.v(at.stage), table, block_start, rows_valid);
@@ -341,6 +344,7 @@ struct PrefillConsumer {
   float scale_log2;
   float cap_inner;
   bool ping_pong;
+  int diagnostic;  // LaunchOptions::diagnostic
 
   /// Row of the tile (0..127) that this thread's half h holds.
   __device__ __forceinline__ int tile_row(int h) const {
@@ -509,8 +513,11 @@ struct PrefillConsumer {
       ptx::wgmma_wait_group<1>();  // S done; P V may still run
       ptx::fence_registers(s);
       release(sm.k_empty(next.stage));
-      transform_scores(s, t, group, block, mask_base, mask_row_len);
-      const bool moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+      bool moved = false;
+      if (!(diagnostic & kDiagnosticNoSoftmax)) {
+        transform_scores(s, t, group, block, mask_base, mask_row_len);
+        moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+      }
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
       ptx::fence_registers(s);

@@ -64,7 +64,13 @@ struct PrefillTraits {
 struct LaunchOptions {
   int max_ctas = 0;       ///< persistent grid size: min(items, max_ctas); the SM count by default
   bool ping_pong = true;  ///< the two consumer warpgroups take turns issuing their products
+  /// Benchmarking only (KVATTN_SM90_DIAG; the output is then garbage): bit 0 skips the K/V
+  /// copies (the stages are signalled full at once), bit 1 skips the softmax (P = S). Times with
+  /// a part left out say where the kernel's time goes.
+  int diagnostic = 0;
 };
+constexpr int kDiagnosticNoKvLoads = 1;
+constexpr int kDiagnosticNoSoftmax = 2;
 
 // Named barriers (0 is __syncthreads).
 enum NamedBarrier : int {
