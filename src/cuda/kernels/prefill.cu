@@ -2,6 +2,8 @@
 // tiles.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -205,6 +207,72 @@ int current_device() {
 }
 
 }  // namespace
+
+namespace sm90 {
+namespace {
+
+/// cuTensorMapEncodeTiled from the driver (through the runtime, so nothing links libcuda);
+/// null when the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+/// A [rows, heads, cols] 16-bit tensor with a [kv_tile, 1, 64] box in the 128-byte swizzle.
+bool encode_rows(CUtensorMap* map, const void* base, DType dtype, int64_t rows, int heads,
+                 int cols, int64_t stride_token, int64_t stride_head, int kv_tile) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(heads), cuuint64_t(rows)};
+  const cuuint64_t strides[2] = {cuuint64_t(stride_head) * 2, cuuint64_t(stride_token) * 2};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(kv_tile)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status =
+      encode(map,
+             dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             3, const_cast<void*>(base), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile) {
+  static const bool allowed = env_int("KVATTN_SM90_TMA", 1, 0) != 0;  // A/B: 0 copies rows
+  PrefillTensorMaps maps{};
+  const bool ragged_16bit = p.kv_indices == nullptr && !is_fp8_dtype(p.kv_dtype) &&
+                            p.num_slots > 0 && p.num_slots < (int64_t(1) << 31);
+  // Strides a tensor map takes: multiples of 16 bytes below 2^40 (rows are 16-byte aligned
+  // already, see validate()).
+  const auto stride_ok = [](int64_t elements) {
+    return elements > 0 && (elements * 2) % 16 == 0 && elements * 2 < (int64_t(1) << 40);
+  };
+  if (!allowed || !ragged_16bit || !stride_ok(p.k_stride_token) || !stride_ok(p.k_stride_head) ||
+      !stride_ok(p.v_stride_token) || !stride_ok(p.v_stride_head)) {
+    return maps;
+  }
+  const bool encoded =
+      encode_rows(&maps.k, p.k, p.kv_dtype, p.num_slots, p.num_kv_heads, p.head_dim,
+                  p.k_stride_token, p.k_stride_head, kv_tile) &&
+      encode_rows(&maps.v, p.v, p.kv_dtype, p.num_slots, p.num_kv_heads, p.v_head_dim,
+                  p.v_stride_token, p.v_stride_head, kv_tile);
+  maps.enabled = encoded ? 1 : 0;
+  return maps;
+}
+
+}  // namespace sm90
 
 PrefillKernelFamily prefill_kernel_family(int head_dim, int v_head_dim, int device) {
   const int forced = forced_family();

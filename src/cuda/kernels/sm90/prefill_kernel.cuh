@@ -32,6 +32,7 @@ namespace kvattn::cuda::sm90 {
 template <int kHeadDim, int kHeadDimV, typename T>
 __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 1)
     batch_prefill_sm90_kernel(const core::AttentionParams p, const core::PrefillTiles tiles,
+                              const __grid_constant__ PrefillTensorMaps maps,
                               const LaunchOptions options) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = PrefillTraits<kHeadDim, kHeadDimV>;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
     sm.base = aligned;
     sm.ptr = smem_raw + (aligned - raw);
   }
-  if (threadIdx.x == 0) sm.init_barriers();
+  if (threadIdx.x == 0) sm.init_barriers(maps.enabled != 0);
   __syncthreads();
 
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
     ptx::warpgroup_registers_release<Tr::kProducerRegisters>();
     PrefillProducer<Tr, T> producer{p,
                                     sm,
+                                    maps,
                                     static_cast<int>(threadIdx.x),
                                     p.kv_indices != nullptr,
                                     is_fp8_dtype(p.kv_dtype),
@@ -115,6 +117,10 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
 }
 
 /// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
+/// Host side: the tensor maps of ragged K and V (io dtype, 16-byte aligned rows), or disabled
+/// maps when the call is paged, fp8, or not expressible (the kernel then copies row by row).
+PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile);
+
 template <int kHeadDim, int kHeadDimV, typename T>
 void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                      const LaunchOptions& options, cudaStream_t stream) {
@@ -131,7 +137,8 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
   const int grid = std::min(tiles.num_items, std::max(options.max_ctas, 1));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAllocBytes, stream>>>(p, tiles, options);
+  const PrefillTensorMaps maps = make_ragged_tensor_maps(p, Tr::kKvTile);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAllocBytes, stream>>>(p, tiles, maps, options);
   check_launch("batch_prefill_sm90");
 }
 

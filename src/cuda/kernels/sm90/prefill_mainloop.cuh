@@ -51,8 +51,8 @@ struct SharedBuffers {
   __device__ __forceinline__ int32_t* slots(int table) const {
     return reinterpret_cast<int32_t*>(ptr + Tr::kSlotOffset) + table * Tr::kKvTile;
   }
-  __device__ __forceinline__ uint32_t scratch_word(int consumer_thread) const {
-    return base + Tr::kScratchOffset + consumer_thread * 4;
+  __device__ __forceinline__ uint32_t scratch_word(int consumer_warp) const {
+    return base + Tr::kScratchOffset + consumer_warp * 4;
   }
   __device__ __forceinline__ uint32_t barrier(int index) const {
     return base + Tr::kBarrierOffset + index * 8;
@@ -69,14 +69,17 @@ struct SharedBuffers {
     return barrier(1 + 3 * Tr::kStages + stage);
   }
 
-  /// One thread initialises every barrier; the CTA synchronises afterwards.
-  __device__ __forceinline__ void init_barriers() const {
+  /// One thread initialises every barrier; the CTA synchronises afterwards. A stage fills by
+  /// one arrival per producer thread (row copies) or by one arrival and the bytes of its tensor
+  /// copies (tma).
+  __device__ __forceinline__ void init_barriers(bool tma) const {
     constexpr uint32_t kProducerThreads = 128;
     constexpr uint32_t kConsumerWarps = 4 * Tr::kConsumerWarpgroups;
+    const uint32_t kv_arrivals = tma ? 1 : kProducerThreads;
     ptx::mbarrier_init(q_full(), kProducerThreads);
     for (int s = 0; s < Tr::kStages; ++s) {
-      ptx::mbarrier_init(k_full(s), kProducerThreads);
-      ptx::mbarrier_init(v_full(s), kProducerThreads);
+      ptx::mbarrier_init(k_full(s), kv_arrivals);
+      ptx::mbarrier_init(v_full(s), kv_arrivals);
       ptx::mbarrier_init(k_empty(s), kConsumerWarps);
       ptx::mbarrier_init(v_empty(s), kConsumerWarps);
     }
@@ -102,6 +105,7 @@ struct PrefillProducer {
 
   const core::AttentionParams& p;
   const SharedBuffers<Tr>& sm;
+  const PrefillTensorMaps& maps;  // ragged K/V by TMA when maps.enabled
   int tid;  // 0..127
   bool paged;
   bool fp8;
@@ -239,6 +243,26 @@ struct PrefillProducer {
   /// released it; arrives on the stage's full barrier when the data is in place.
   __device__ __forceinline__ void load_block(const PrefillTile& t, bool is_v, int block,
                                              Ring at, const int32_t* table) const {
+    if (maps.enabled) {
+      // A V block that runs past the request's keys is copied row by row with zeros past them:
+      // a box would bring in the next request's rows, and P = 0 times a NaN there is NaN (K
+      // rows need no care: masked scores are -inf whatever K holds).
+      const bool partial_v = is_v && t.kv_begin + (block + 1) * Tr::kKvTile > t.kv_end;
+      if (!partial_v) {
+        if (tid == 0) load_block_tma(t, is_v, block, at);
+        return;
+      }
+      ptx::mbarrier_wait(sm.v_empty(at.stage), at.phase ^ 1u);
+      const int block_start = t.kv_begin + block * Tr::kKvTile;
+      copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
+                                     sm.v(at.stage), nullptr, block_start,
+                                     t.kv_end - block_start);
+      ptx::cp_async_wait<0>();  // this thread's rows landed
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(kProducerTable, kThreads);
+      if (tid == 0) ptx::mbarrier_arrive(sm.v_full(at.stage));  // the stage's one arrival
+      return;
+    }
     ptx::mbarrier_wait(is_v ? sm.v_empty(at.stage) : sm.k_empty(at.stage), at.phase ^ 1u);
     const int block_start = t.kv_begin + block * Tr::kKvTile;
     const int rows_valid = min(Tr::kKvTile, t.kv_end - block_start);
@@ -264,6 +288,27 @@ struct PrefillProducer {
       }
       ptx::fence_proxy_async_shared();  // the stores above are read by wgmma (async proxy)
       ptx::mbarrier_arrive(full);
+    }
+  }
+
+  /// Ragged K/V by tensor map, one thread: a box per 64-column sub-tile. Rows past the
+  /// request's keys are other requests' rows (the consumers mask them; finite, so P = 0 keeps
+  /// them out of O) or past the tensor (zeros).
+  __device__ __forceinline__ void load_block_tma(const PrefillTile& t, bool is_v, int block,
+                                                 Ring at) const {
+    ptx::mbarrier_wait(is_v ? sm.v_empty(at.stage) : sm.k_empty(at.stage), at.phase ^ 1u);
+    const int row = static_cast<int>(t.kv_base) + t.kv_begin + block * Tr::kKvTile;
+    const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
+    if (diagnostic & kDiagnosticNoKvLoads) {
+      ptx::mbarrier_arrive(full);
+      return;
+    }
+    const int sub_tiles = (is_v ? Tr::kHeadDimV : Tr::kHeadDim) / 64;
+    ptx::mbarrier_arrive_expect_tx(full, sub_tiles * Tr::kKvTile * 128);
+    const uint32_t dst = is_v ? sm.v(at.stage) : sm.k(at.stage);
+    const void* map = is_v ? static_cast<const void*>(&maps.v) : static_cast<const void*>(&maps.k);
+    for (int sub = 0; sub < sub_tiles; ++sub) {
+      ptx::tma_load_3d(dst + sub * Tr::kKvTile * 128, map, sub * 64, t.kv_head, row, full);
     }
   }
 
@@ -488,7 +533,7 @@ struct PrefillConsumer {
     uint32_t pf[kKeySteps][4];
     float factor[2];
     int block = t.num_blocks - 1;
-    const uint32_t scratch = sm.scratch_word(wg * 128 + warp * 32 + lane);
+    const uint32_t scratch = sm.scratch_word(wg * 4 + warp);
 
     ptx::mbarrier_wait(sm.q_full(), q_phase);
     q_phase ^= 1u;
@@ -521,7 +566,7 @@ struct PrefillConsumer {
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
       ptx::fence_registers(s);
-      ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
+      if (lane == 0) ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
       // P stays live until the product that reads it asynchronously has completed.
       fence_fragments(pf);
       ptx::wgmma_wait_group<0>();

@@ -6,9 +6,11 @@
 // memory), so the tile scheduler is persistent.
 //
 // Worked example, head_dim 128: Q 128 x 128 bf16 = 32 KiB; a K or V block 128 keys x 128 =
-// 32 KiB; two stages of K and V = 128 KiB; 160 KiB in all of the 227 KiB an SM offers. A
-// consumer thread holds S (64 x 128 fp32 over 128 threads = 64 registers), P (32) and O (64).
+// 32 KiB; three stages of K and V = 192 KiB; 224 KiB plus tables of the 227 KiB an SM offers.
+// A consumer thread holds S (64 x 128 fp32 over 128 threads = 64 registers), P (32), O (64).
 #pragma once
+
+#include <cuda.h>
 
 #include <cstdint>
 
@@ -27,8 +29,11 @@ struct PrefillTraits {
   // stages of K and V (2 x 2 x 32 KiB) and Q (64 KiB) fit, and O (128 registers) + S fit the
   // consumers' register budget.
   static constexpr int kKvTile = kHeadDim <= 192 ? 128 : 64;
-  static constexpr int kStages = 2;
-  // Registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of 65536.
+  // Stages of the K/V ring: three where they fit (head_dim <= 128: Q 32 KiB + 3 x 64 KiB), so a
+  // block's copies start two blocks ahead (bench/NOTES.md: with two, the consumers waited for V
+  // on ~10% of their samples); two above.
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 of 65536.
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = 224;
 
@@ -43,9 +48,9 @@ struct PrefillTraits {
   // in rotation (see the producer) so a table is never rewritten while a V copy still reads it.
   static constexpr int kSlotTables = 3;
   static constexpr int kSlotOffset = kVOffset + kStages * kVBytes;
-  // One word per consumer thread: the target of ptx::pin_before_wgmma_wait (never read).
+  // One word per consumer warp: the target of ptx::pin_before_wgmma_wait (never read).
   static constexpr int kScratchOffset = kSlotOffset + kSlotTables * kKvTile * 4;
-  static constexpr int kBarrierOffset = kScratchOffset + kConsumerWarpgroups * 128 * 4;
+  static constexpr int kBarrierOffset = kScratchOffset + kConsumerWarpgroups * 4 * 4;
   // q_full, then k_full / v_full / k_empty / v_empty per stage.
   static constexpr int kNumBarriers = 1 + 4 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8;
@@ -57,6 +62,16 @@ struct PrefillTraits {
                     kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "swizzled tiles start on 1024-byte boundaries");
   static_assert(kSmemAllocBytes <= 227 * 1024, "shared memory of one SM");
+};
+
+/// Ragged K/V by tensor map (TMA): 3-d maps over [rows, heads, dim] of k and v with a box of
+/// [kKvTile rows, 1 head, 64 columns] in the 128-byte swizzle, which lands as one sub-tile of the
+/// stage's layout. `enabled` false: the producer copies row by row (paged K/V, fp8, or maps the
+/// driver could not encode). Passed as a __grid_constant__ kernel parameter.
+struct PrefillTensorMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+  int enabled = 0;
 };
 
 /// Launch choices of the Hopper prefill kernel that are not part of the plan (defaults are the

@@ -72,19 +72,43 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t mbarrier) {
                : "memory");
 }
 
-/// Spins until the phase of parity `parity` of `mbarrier` has completed. A fresh barrier is in
+/// Arrives and tells the barrier to expect `bytes` more from bulk copies (TMA) of this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t mbarrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mbarrier),
+               "r"(bytes)
+               : "memory");
+}
+
+/// Waits until the phase of parity `parity` of `mbarrier` has completed. A fresh barrier is in
 /// phase 0, so waiting on parity 1 returns at once: producers start there for "slot empty".
+/// The suspend-time hint lets the hardware park the warp until the phase completes instead of
+/// returning at once (a spinning warp takes issue slots from the warps that compute).
 __device__ __forceinline__ void mbarrier_wait(uint32_t mbarrier, uint32_t parity) {
+  constexpr uint32_t kSuspendTimeHintNs = 0x989680;  // 10 ms: as long as the hardware allows
   uint32_t done = 0;
   do {
     asm volatile(
         "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(mbarrier), "r"(parity)
+        : "r"(mbarrier), "r"(parity), "n"(kSuspendTimeHintNs)
         : "memory");
   } while (!done);
+}
+
+// ---- bulk tensor copies (TMA, sm_90) ----------------------------------------------------------
+
+/// Copies the box at coordinates (c0 innermost, c1, c2) of the 3-d tensor map at generic address
+/// `tensor_map` (a __grid_constant__ kernel parameter) into shared memory at `dst`; the bytes
+/// complete on `mbarrier` (which must expect them). Elements outside the tensor read as zeros.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tensor_map, int c0, int c1,
+                                            int c2, uint32_t mbarrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(mbarrier)
+      : "memory");
 }
 
 // ---- named barriers (ids 1..15; 0 is __syncthreads) ---------------------------------------
