@@ -173,7 +173,7 @@ bool sm90_serves(int head_dim, int v_head_dim) {
 /// The Hopper instance of a pair: narrow V (head_dim 128) runs the 128 / 128 instance.
 template <int kHeadDim, int kHeadDimV>
 PrefillKernelShape sm90_shape() {
-  using Tr = sm90::PrefillTraits<kHeadDim, kHeadDimV>;
+  using Tr = sm90::PrefillTraits<kHeadDim, kHeadDimV>;  // tile shape: the same at every depth
   PrefillKernelShape shape;
   shape.tile_rows = Tr::kTileRows;
   shape.kv_tile = Tr::kKvTile;
@@ -189,8 +189,10 @@ sm90::LaunchOptions sm90_options(int sm_count) {
   static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
   static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 1, 0);
   static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
+  static const int stages = env_int("KVATTN_SM90_STAGES", 0, 0);
   sm90::LaunchOptions options;
   options.diagnostic = diagnostic;
+  options.stages = stages;
   options.max_ctas = ctas > 0 ? ctas : sm_count;
   options.ping_pong = ping_pong != 0;
   return options;

@@ -29,13 +29,13 @@
 
 namespace kvattn::cuda::sm90 {
 
-template <int kHeadDim, int kHeadDimV, typename T>
-__global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 1)
+template <int kHeadDim, int kHeadDimV, int kStages, typename T>
+__global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::kThreads, 1)
     batch_prefill_sm90_kernel(const core::AttentionParams p, const core::PrefillTiles tiles,
                               const __grid_constant__ PrefillTensorMaps maps,
                               const LaunchOptions options) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tr = PrefillTraits<kHeadDim, kHeadDimV>;
+  using Tr = PrefillTraits<kHeadDim, kHeadDimV, kStages>;
   extern __shared__ unsigned char smem_raw[];
   SharedBuffers<Tr> sm;
   {
@@ -121,11 +121,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV>::kThreads, 
 /// maps when the call is paged, fp8, or not expressible (the kernel then copies row by row).
 PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile);
 
-template <int kHeadDim, int kHeadDimV, typename T>
+/// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
+template <int kHeadDim, int kHeadDimV, int kStages, typename T>
 void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                     const LaunchOptions& options, cudaStream_t stream) {
-  using Tr = PrefillTraits<kHeadDim, kHeadDimV>;
-  auto kernel = batch_prefill_sm90_kernel<kHeadDim, kHeadDimV, T>;
+                     const PrefillTensorMaps& maps, const LaunchOptions& options,
+                     cudaStream_t stream) {
+  using Tr = PrefillTraits<kHeadDim, kHeadDimV, kStages>;
+  auto kernel = batch_prefill_sm90_kernel<kHeadDim, kHeadDimV, kStages, T>;
   static std::atomic<uint64_t> devices_ready{0};
   int device = 0;
   const cudaError_t got = cudaGetDevice(&device);
@@ -137,19 +139,35 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
   const int grid = std::min(tiles.num_items, std::max(options.max_ctas, 1));
-  const PrefillTensorMaps maps = make_ragged_tensor_maps(p, Tr::kKvTile);
   kernel<<<grid, Tr::kThreads, Tr::kSmemAllocBytes, stream>>>(p, tiles, maps, options);
   check_launch("batch_prefill_sm90");
 }
 
+/// The instance of a call: the io dtype, and the ring depth (the tensor-map path takes the
+/// deepest ring that fits, row copies two stages; LaunchOptions::stages overrides for A/B).
 template <int kHeadDim, int kHeadDimV>
 void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                       const LaunchOptions& options, cudaStream_t stream) {
-  if (p.io_dtype == DType::kBFloat16) {
-    launch_instance<kHeadDim, kHeadDimV, __nv_bfloat16>(p, tiles, options, stream);
-  } else {
-    launch_instance<kHeadDim, kHeadDimV, __half>(p, tiles, options, stream);
+  constexpr int kDeep = max_prefill_stages(kHeadDim);
+  constexpr int kKvTile = PrefillTraits<kHeadDim, kHeadDimV>::kKvTile;
+  const PrefillTensorMaps maps = make_ragged_tensor_maps(p, kKvTile);
+  const int stages = options.stages > 0 ? options.stages : (maps.enabled ? kDeep : 2);
+  const bool deep = stages >= 3 && kDeep >= 3;
+  auto launch = [&]<int kStages>() {
+    if (p.io_dtype == DType::kBFloat16) {
+      launch_instance<kHeadDim, kHeadDimV, kStages, __nv_bfloat16>(p, tiles, maps, options,
+                                                                   stream);
+    } else {
+      launch_instance<kHeadDim, kHeadDimV, kStages, __half>(p, tiles, maps, options, stream);
+    }
+  };
+  if constexpr (kDeep >= 3) {
+    if (deep) {
+      launch.template operator()<kDeep>();
+      return;
+    }
   }
+  launch.template operator()<2>();
 }
 
 // One per instance file (prefill_sm90_hd<D>.cu).

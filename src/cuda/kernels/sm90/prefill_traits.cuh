@@ -18,7 +18,11 @@
 
 namespace kvattn::cuda::sm90 {
 
-template <int kHeadDim_, int kHeadDimV_>
+/// Stages of the K/V ring that fit in shared memory next to Q: three at head_dim <= 128
+/// (Q 32 KiB + 3 x 64 KiB of K and V), two above.
+constexpr int max_prefill_stages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
+
+template <int kHeadDim_, int kHeadDimV_, int kStages_ = 2>
 struct PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
@@ -29,10 +33,10 @@ struct PrefillTraits {
   // stages of K and V (2 x 2 x 32 KiB) and Q (64 KiB) fit, and O (128 registers) + S fit the
   // consumers' register budget.
   static constexpr int kKvTile = kHeadDim <= 192 ? 128 : 64;
-  // Stages of the K/V ring: three where they fit (head_dim <= 128: Q 32 KiB + 3 x 64 KiB), so a
-  // block's copies start two blocks ahead (bench/NOTES.md: with two, the consumers waited for V
-  // on ~10% of their samples); two above.
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  // Stages of the K/V ring (an instance parameter, see launch_for_dtype): the tensor-map path
+  // starts a block's copies two blocks ahead with three; the row copies measured faster with
+  // two (bench/NOTES.md, Hopper prefill v5).
+  static constexpr int kStages = kStages_;
   // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 of 65536.
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = 224;
@@ -61,6 +65,7 @@ struct PrefillTraits {
   static_assert(kQOffset % 1024 == 0 && kKOffset % 1024 == 0 && kVOffset % 1024 == 0 &&
                     kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "swizzled tiles start on 1024-byte boundaries");
+  static_assert(kStages >= 2 && kStages <= max_prefill_stages(kHeadDim), "stages that fit");
   static_assert(kSmemAllocBytes <= 227 * 1024, "shared memory of one SM");
 };
 
@@ -83,6 +88,9 @@ struct LaunchOptions {
   /// copies (the stages are signalled full at once), bit 1 skips the softmax (P = S). Times with
   /// a part left out say where the kernel's time goes.
   int diagnostic = 0;
+  /// K/V ring depth: 0 = the instance's choice (launch_for_dtype); 2 or 3 forces one
+  /// (KVATTN_SM90_STAGES, A/B runs; 3 only where it fits).
+  int stages = 0;
 };
 constexpr int kDiagnosticNoKvLoads = 1;
 constexpr int kDiagnosticNoSoftmax = 2;
