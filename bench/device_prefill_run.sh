@@ -34,6 +34,13 @@ if want probe; then step probe 60 "$BIN" --gtest_filter='Sm90Wgmma.*' || ok=0; f
 if want tests; then
   step tests 240 "$BIN" --gtest_filter='PrefillKernel*' || ok=0
 fi
+if want tests_variants; then  # the kernel tests under each variant (same bars)
+  for v in ${VARIANTS:-}; do
+    export "$v"
+    LOG=tests_variants.log step "tests $v" 240 "$BIN" --gtest_filter='PrefillKernel*' || ok=0
+    unset "${v%%=*}"
+  done
+fi
 if [ $ok = 1 ] && want bench; then
   LOG=bench.log KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-sm90.json" \
     step bench_sm90 150 "$BIN" --gtest_filter='PrefillBench.*'
@@ -70,7 +77,7 @@ if want ncu; then
 fi
 
 echo "== GPU"; cat "$OUT/gpu.txt"
-for f in probe tests suite; do
+for f in probe tests tests_variants suite; do
   [ -f "$OUT/$f.log" ] || continue
   echo "== $f"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|expected|rel_l2|threw|Timeout|error" "$OUT/$f.log" | head -40

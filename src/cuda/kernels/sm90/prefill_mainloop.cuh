@@ -389,30 +389,37 @@ struct PrefillConsumer {
   float scale_log2;
   float cap_inner;
   bool ping_pong;
-  int diagnostic;  // LaunchOptions::diagnostic
+  int diagnostic;           // LaunchOptions::diagnostic
+  int emulated_exp_blocks;  // LaunchOptions::emulated_exp_blocks
 
   /// Row of the tile (0..127) that this thread's half h holds.
   __device__ __forceinline__ int tile_row(int h) const {
     return wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
   }
 
-  __device__ __forceinline__ uint64_t q_desc(int kk) const {
-    return ptx::kmajor_desc<Tr::kTileRows>(sm.q(), kk, wg * 64);
+  // Operand descriptors: Q's (this warpgroup's 64 rows) and stage 0's K and V; a stage and a
+  // k16 block are constant byte steps from them.
+  __device__ __forceinline__ ptx::SmemDescriptor q_desc() const {
+    return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.q() + wg * 64 * 128);
   }
-  __device__ __forceinline__ uint64_t k_desc(int stage, int kk) const {
-    return ptx::kmajor_desc<Tr::kKvTile>(sm.k(stage), kk);
+  __device__ __forceinline__ ptx::SmemDescriptor k_desc(int stage) const {
+    return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.k(0)).plus(stage * Tr::kKBytes);
   }
-  __device__ __forceinline__ uint64_t v_desc(int stage, int kk) const {
-    return ptx::mnmajor_desc<Tr::kKvTile>(sm.v(stage), kk);
+  __device__ __forceinline__ ptx::SmemDescriptor v_desc(int stage) const {
+    return ptx::smem_descriptor<Tr::kKvTile * 128, ptx::kSwizzleAtomBytes>(sm.v(0))
+        .plus(stage * Tr::kVBytes);
   }
 
   /// Issues S = Q K^T on stage `stage` (one wgmma group).
   __device__ __forceinline__ void issue_scores(float (&s)[kScoreRegs], int stage) const {
     ptx::fence_registers(s);
     ptx::wgmma_fence();
+    const ptx::SmemDescriptor q = q_desc();
+    const ptx::SmemDescriptor k = k_desc(stage);
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<T, Tr::kKvTile>(s, q_desc(kk), k_desc(stage, kk), kk > 0);
+      ptx::wgmma_ss<T, Tr::kKvTile>(s, q.at(ptx::kmajor_step<Tr::kTileRows>(kk)),
+                                    k.at(ptx::kmajor_step<Tr::kKvTile>(kk)), kk > 0);
     }
     ptx::wgmma_commit_group();
     ptx::fence_registers(s);
@@ -429,9 +436,10 @@ struct PrefillConsumer {
     ptx::fence_registers(o);
     fence_fragments(pf);
     ptx::wgmma_fence();
+    const ptx::SmemDescriptor v = v_desc(stage);
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk) {
-      ptx::wgmma_rs_trans_b<T, Tr::kHeadDimV>(o, pf[kk], v_desc(stage, kk), true);
+      ptx::wgmma_rs_trans_b<T, Tr::kHeadDimV>(o, pf[kk], v.at(ptx::mnmajor_step(kk)), true);
     }
     ptx::wgmma_commit_group();
     ptx::fence_registers(o);
@@ -561,7 +569,17 @@ struct PrefillConsumer {
       bool moved = false;
       if (!(diagnostic & kDiagnosticNoSoftmax)) {
         transform_scores(s, t, group, block, mask_base, mask_row_len);
-        moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+        if constexpr (kKeyBlocks8 >= 8) {
+          if (emulated_exp_blocks == 4) {
+            moved = softmax.update<kKeyBlocks8, kKeyBlocks8 / 4>(s, scale_log2, factor);
+          } else if (emulated_exp_blocks == 8) {
+            moved = softmax.update<kKeyBlocks8, kKeyBlocks8 / 2>(s, scale_log2, factor);
+          } else {
+            moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+          }
+        } else {
+          moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+        }
       }
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).

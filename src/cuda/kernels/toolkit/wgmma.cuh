@@ -45,6 +45,36 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t start) {
   return (uint64_t(kHigh) << 32) | low;
 }
 
+/// A descriptor that moves by constant steps: the low word holds the start address (>> 4)
+/// and LBO, the high word SBO and the layout; a step adds to the low word only (a shared-memory
+/// start address never carries out of its 14 bits). One integer add per wgmma operand.
+struct SmemDescriptor {
+  uint32_t lo = 0;
+  uint32_t hi = 0;
+  __device__ __forceinline__ uint64_t at(uint32_t byte_offset) const {
+    return (uint64_t(hi) << 32) | uint64_t(lo + (byte_offset >> 4));
+  }
+  __device__ __forceinline__ SmemDescriptor plus(uint32_t byte_offset) const {
+    return {lo + (byte_offset >> 4), hi};
+  }
+};
+
+template <uint32_t kLeadingBytes, uint32_t kStrideBytes>
+__device__ __forceinline__ SmemDescriptor smem_descriptor(uint32_t start) {
+  const uint64_t d = make_smem_desc<kLeadingBytes, kStrideBytes>(start);
+  return {uint32_t(d), uint32_t(d >> 32)};
+}
+
+/// Byte step of k16 block `kk` in a K-major swizzled tile of kRows rows.
+template <int kRows>
+__host__ __device__ constexpr uint32_t kmajor_step(int kk) {
+  return uint32_t((kk / 4) * kRows * kSwizzleRowBytes + (kk % 4) * 32);
+}
+/// Byte step of k16 block `kk` in an MN-major swizzled tile.
+__host__ __device__ constexpr uint32_t mnmajor_step(int kk) {
+  return uint32_t(kk * 16 * kSwizzleRowBytes);
+}
+
 /// Descriptor of k16 block `kk` of a K-major swizzled tile of kRows rows (Q, K: rows are M or
 /// N, the contraction runs along a row), starting at row `first_row` (a multiple of 8).
 template <int kRows>
