@@ -51,7 +51,7 @@ int run_check(const std::vector<std::string>& args) {
   std::printf("kvattn check: %zu scenarios on %s (%s), seed %llu\n\n", specs.size(),
               backend_kind_name(device.kind), device_description(device).c_str(),
               static_cast<unsigned long long>(seed));
-  std::printf("%-4s %-14s %-32s %-38s %12s %10s  %s\n", "#", "mode", "variant", "shape",
+  std::printf("%-4s %-14s %-38s %-38s %12s %10s  %s\n", "#", "mode", "variant", "shape",
               "max_rel_err", "tolerance", "result");
 
   int passed = 0;
@@ -81,7 +81,7 @@ int run_check(const std::vector<std::string>& args) {
       std::snprintf(text, sizeof(text), "%.3e", result.max_rel_err);
       err_text = text;
     }
-    std::printf("%-4zu %-14s %-32s %-38s %12s %10.0e  %s\n", i + 1, mode_label(spec).c_str(),
+    std::printf("%-4zu %-14s %-38s %-38s %12s %10.0e  %s\n", i + 1, mode_label(spec).c_str(),
                 spec.variant.c_str(), spec.shape_label().c_str(), err_text.c_str(),
                 result.tolerance, verdict.c_str());
     if (!ok) {
