@@ -29,16 +29,12 @@ bool io_served_by_prefill(const ScenarioSpec& s) {
   return s.q_dtype != DType::kFloat32 && vd == s.head_dim;
 }
 
-// Rows of the standard matrix the CUDA backend refuses with kNotSupported, each with its reason.
-// Every other row must run and pass: a NotSupported elsewhere fails the test, and a listed row
-// that runs fails it too (the list is then out of date).
+// Rows of the standard matrix the CUDA backend refuses with kNotSupported, each with its reason
+// (unsupported_reason, tests/reference/scenario_matrix.cpp). Every other row must run and pass: a
+// NotSupported elsewhere fails the test, and a listed row that runs fails it too (the list is
+// then out of date).
 const char* cuda_unsupported_reason(const ScenarioSpec& s) {
-  const bool window_layer = s.sliding_window >= 0 && s.window_layer;
-  if (s.topk > 0 && window_layer) {
-    return "multi-step draft on a window layer: the draft index build has no window "
-           "(src/cuda/draft_runner.cpp)";
-  }
-  return nullptr;
+  return unsupported_reason(s, BackendKind::kCuda);
 }
 
 // Runs a spec; returns whether it ran. kNotSupported is expected exactly where `unsupported`
@@ -60,7 +56,7 @@ bool run_and_expect(const ScenarioSpec& spec, const char* label, const char* uns
   }
   EXPECT_TRUE(unsupported == nullptr)
       << spec.variant << " ran, but is listed as not supported on CUDA (" << unsupported
-      << "): update cuda_unsupported_reason";
+      << "): update unsupported_reason";
   EXPECT_TRUE(r.passed) << spec.variant << " [" << spec.shape_label() << "] " << label << ": "
                         << r.detail << " (max_rel_err " << r.max_rel_err << ", tolerance "
                         << r.tolerance << ")";

@@ -310,6 +310,13 @@ ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind) {
   }
   try {
     run_world(*world, world->layer);
+  } catch (const Error& e) {
+    ScenarioResult result;
+    result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, kind, spec.mode);
+    result.detail = describe_spec(spec) + ": the backend threw: " + e.what();
+    result.not_supported = e.kind() == ErrorKind::kNotSupported;
+    result.kv_pool_ok = world->pool_unchanged();
+    return result;
   } catch (const std::exception& e) {
     ScenarioResult result;
     result.tolerance = tolerance_for(spec.q_dtype, spec.kv_dtype, kind, spec.mode);

@@ -54,6 +54,7 @@ struct ScenarioResult {
   double tolerance = 0;    ///< the bar for the dtypes involved
   bool passed = false;     ///< max_rel_err <= tolerance, no NaN, every output written
   bool kv_pool_ok = true;  ///< the new K/V landed in their slots and nothing else changed
+  bool not_supported = false;  ///< the backend refused the row with ErrorKind::kNotSupported
   std::string detail;      ///< why it failed (first bad element, seed)
 };
 
@@ -73,6 +74,10 @@ double tolerance_for(DType q_dtype, DType kv_dtype);
 
 /// Runs `spec` on a backend of `kind` and checks it against the float64 reference.
 ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind);
+
+/// Why a backend refuses `spec` with kNotSupported: a known gap, named so that every other row
+/// must run (a NotSupported elsewhere is a failure); nullptr when the backend serves it.
+const char* unsupported_reason(const ScenarioSpec& spec, BackendKind kind);
 
 /// The check matrix: every mode x variant at small sizes (at least 85 rows). `seed` varies the
 /// data; each spec's seed is derived from it.

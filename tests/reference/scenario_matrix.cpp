@@ -6,6 +6,15 @@
 
 namespace kvattn::testing {
 
+const char* unsupported_reason(const ScenarioSpec& spec, BackendKind kind) {
+  const bool window_layer = spec.sliding_window >= 0 && spec.window_layer;
+  if (kind == BackendKind::kCuda && spec.topk > 0 && window_layer) {
+    return "CUDA multi-step draft on a window layer: the draft index build has no window "
+           "(refused in src/cuda/draft_runner.cpp)";
+  }
+  return nullptr;
+}
+
 std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
   std::vector<ScenarioSpec> rows;
   auto add = [&](const char* variant, ForwardMode mode,
