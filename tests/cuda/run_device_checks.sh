@@ -10,12 +10,13 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
   > "$OUT/gpu.txt" 2>&1
 
-"$BIN" --gtest_filter='CudaScenarios.*:CudaDecode.*' > "$OUT/tests.log" 2>&1
+"$BIN" --gtest_filter='CudaScenarios.*:CudaDecode.*:Cuda/BadInput.*:CudaGraphs*' \
+  > "$OUT/tests.log" 2>&1
 tests_rc=$?
 KVATTN_DECODE_BENCH=1 "$BIN" --gtest_filter='DecodeBench.*' > "$OUT/bench.log" 2>&1
 bench_rc=$?
 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN" \
-  --gtest_filter='CudaDecode.SanitizerSmoke:CudaDecode.BadSlot*:CudaDecode.BadDevice*:CudaDecode.GraphReplay*' \
+  --gtest_filter='CudaDecode.SanitizerSmoke:CudaDecode.BadSlot*:CudaDecode.BadDevice*:CudaDecode.GraphReplay*:Cuda/BadInput.ReqPoolIndicesRange/*:Cuda/BadInput.OutCacheLocRange/*:Cuda/BadInput.ReqToTokenContents/*' \
   > "$OUT/memcheck.log" 2>&1
 memcheck_rc=$?
 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN" \
@@ -24,7 +25,7 @@ racecheck_rc=$?
 
 echo "== GPU"; cat "$OUT/gpu.txt"
 echo "== tests (rc $tests_rc)"
-grep -E "^\[  (PASSED|FAILED) |FAIL |skip |Failure|threw|standard matrix" "$OUT/tests.log" | head -60
+grep -E "^\[  (PASSED|FAILED) |FAIL |n/s |Failure|threw|standard matrix|oracle err" "$OUT/tests.log" | head -80
 echo "== memcheck (rc $memcheck_rc)"; grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/memcheck.log" | head -12
 echo "== racecheck (rc $racecheck_rc)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|hazard|PASSED|FAILED" "$OUT/racecheck.log" | head -8
 echo "== decode timing (rc $bench_rc)"
