@@ -26,6 +26,7 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -175,6 +176,32 @@ double host_planning_us(int batch, int kv_len, uint64_t seed) {
         core::plan_decode(layout.kv_len, plan_config, capacity.decode_items);
     core::write_call_metadata(capacity, &layout, &plan, staging.data(), staging.size());
     samples.push_back(seconds_since(start) * 1e6);
+  }
+  return median(samples);
+}
+
+/// Median host time of plan_decode alone (the H200 decode setup of host_planning_us), for
+/// `batch` requests of 1024..4096 tokens growing by one each step: what a CUDA-graph replay
+/// re-plans at every decode step (the budget of issue 6: well under 20 us at batch 256 for the
+/// whole out_graph). Moved here from a test that asserted it (issue 20: no timing in tests).
+double plan_decode_us(int batch, uint64_t seed) {
+  core::DecodePlanConfig plan_config;
+  plan_config.ctas_per_item = kKvHeads;
+  plan_config.concurrent_ctas = 132 * 4;
+  plan_config.chunk_align = 32;
+  plan_config.min_chunk = 256;
+  Rng rng(seed);
+  std::vector<int32_t> base(static_cast<size_t>(batch));
+  for (int32_t& len : base) len = int32_t(rng.uniform_int(1024, 4096));
+  std::vector<int32_t> kv_len = base;
+  const int capacity = core::decode_item_capacity(batch, plan_config);
+  std::vector<double> samples;
+  for (int step = 0; step < kPlanningSteps; ++step) {
+    for (size_t r = 0; r < kv_len.size(); ++r) kv_len[r] = base[r] + step;
+    const auto start = std::chrono::steady_clock::now();
+    const core::DecodePlan plan = core::plan_decode(kv_len, plan_config, capacity);
+    samples.push_back(seconds_since(start) * 1e6);
+    if (int(plan.items.size()) > capacity) throw std::logic_error("plan beyond its capacity");
   }
   return median(samples);
 }
@@ -446,15 +473,19 @@ int run_graph_bench(const ParsedArgs& args) {
         "metadata), H200 decode setup, kv_len 2048..4096 growing each step, median of "
         "%d steps\n\n",
         kPlanningSteps);
-    std::printf("%6s %12s\n", "batch", "host us");
+    std::printf("%6s %12s %16s\n", "batch", "host us", "plan_decode us");
     for (int batch : {1, 64, 256}) {
       Row row;
       row.variant = "planner";
       row.batch = batch;
       row.kv_len = 4096;
       row.time_us = host_planning_us(batch, 4096, seed + uint64_t(batch));
-      std::printf("%6d %12.2f\n", batch, row.time_us);
+      Row plan_row = row;
+      plan_row.variant = "plan_decode";
+      plan_row.time_us = plan_decode_us(batch, seed + uint64_t(batch));
+      std::printf("%6d %12.2f %16.2f\n", batch, row.time_us, plan_row.time_us);
       rows.push_back(row);
+      rows.push_back(plan_row);
     }
   } else {
 #if defined(KVATTN_WITH_CUDA)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds kvattn with its tests (the CUDA backend and device tests too when nvcc is present) and
-# runs the test suite with ctest. Device tests skip themselves on a machine without a GPU.
+# runs the test suite with ctest. Device tests skip themselves on a machine without a GPU (ctest
+# shows kvattn_cuda_tests as Skipped).
 #   bash tools/run_tests.sh            # build dir: build/
 #   BUILD_DIR=out bash tools/run_tests.sh
 set -euo pipefail

@@ -3,8 +3,8 @@ KV pool."""
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -212,41 +212,55 @@ def test_draft_step_out_of_range(world):
 
 
 def test_gil_released_while_kernels_run():
-    """A long forward in one thread must let another Python thread run meanwhile."""
+    """Another Python thread runs while forward computes: proven by order, not by durations.
+
+    With a switch interval far longer than the test, CPython hands the GIL to a waiting thread
+    only when its holder gives it up of its own accord: blocking, exiting, or native code that
+    releases it. The worker calls forward in a loop and never blocks between calls, so the main
+    thread, waiting for the GIL from the moment the worker starts, can run only inside a forward
+    that released it, or after the worker has finished. The main thread records which: if
+    forward held the GIL, it could only run once `finished` is set. However fast or slow the
+    machine, the verdict is the same (a forward too short for the main thread to wake up in is
+    simply followed by another, up to 50)."""
     w = World(np.random.default_rng(7), num_q_heads=8, num_kv_heads=2, head_dim=64,
-              num_slots=1 << 15, max_context_len=1 << 14, max_reqs=2)
-    w.fill(w.add_tokens(0, 4096))
-    w.add_tokens(0, 1024)
-    prefix = np.array([4096], np.int32)
-    extend = np.array([1024], np.int32)
-    batch = w.batch("EXTEND", [0], [5120],
-                    out_cache_loc=np.asarray(w.token_slots[0][4096:], np.int32),
+              num_slots=1 << 12, max_context_len=1 << 11, max_reqs=2)
+    w.fill(w.add_tokens(0, 512))
+    w.fill(w.add_tokens(0, 128))  # save_kv_cache=False below: the new K/V are in the pool
+    prefix = np.array([512], np.int32)
+    extend = np.array([128], np.int32)
+    batch = w.batch("EXTEND", [0], [640],
+                    out_cache_loc=np.asarray(w.token_slots[0][512:], np.int32),
                     extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix,
                     extend_seq_lens=extend, extend_seq_lens_cpu=extend)
     w.backend.init_forward_metadata(batch)
-    q, _ = w.random_q(1024)
+    q, _ = w.random_q(128)
     layer = w.layer()
-    out = w.poisoned_out(1024)
-    elapsed = []
-    in_call = [False]
+    out = w.poisoned_out(128)
+    observed = threading.Event()  # the main thread has run (set by it, read by the worker)
+    finished = threading.Event()  # the worker is done with every forward
+    calls = [0]
 
     def run():
-        start = time.perf_counter()
-        in_call[0] = True
-        w.backend.forward(q, None, None, layer, batch, save_kv_cache=False, out=out)
-        in_call[0] = False
-        elapsed.append(time.perf_counter() - start)
+        for _ in range(50):
+            w.backend.forward(q, None, None, layer, batch, save_kv_cache=False, out=out)
+            calls[0] += 1
+            if observed.is_set():
+                break
+        finished.set()
 
-    worker = threading.Thread(target=run)
-    ticks = 0  # loop turns of this thread while the other is inside forward
-    worker.start()
-    while worker.is_alive():
-        if in_call[0]:
-            ticks += 1
-    worker.join()
-    assert elapsed and elapsed[0] > 0.02, "the forward was too short to tell"
-    # Holding the GIL for the whole call would leave this thread no turn while it runs.
-    assert ticks > 1000, f"only {ticks} ticks in {elapsed[0]:.3f} s"
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e4)  # no forced hand-over within the test
+    try:
+        worker = threading.Thread(target=run)
+        worker.start()  # returns once the worker gives up the GIL (see the docstring)
+        ran_during_forward = not finished.is_set()
+        observed.set()
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_during_forward, (
+        f"the main thread ran only after all {calls[0]} forwards: forward holds the GIL")
+    assert np.isfinite(w.out_f64(out)).all()
 
 
 def test_step_ids_and_check_errors_on_the_cpu(world):

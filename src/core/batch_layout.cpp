@@ -36,6 +36,20 @@ std::vector<int32_t> read_lengths(const TensorView& host, const TensorView& devi
     }
     out[r] = int32_t(value);
   }
+  // Both copies on the host (the CPU backend): they must agree, or the step would be planned
+  // from one and described to the caller by the other. A device copy is never read.
+  if (host.defined() && device.defined() && device.device().is_cpu() &&
+      device.data() != host.data() && is_index_dtype(device.dtype()) && device.ndim() == 1 &&
+      device.size(0) == batch_size) {
+    for (int r = 0; r < batch_size; ++r) {
+      const int64_t value = read_index(device, r);
+      if (value != out[r]) {
+        throw_error(ErrorKind::kInvalidArgument, name + "[" + std::to_string(r) + "]", "got ",
+                    value, ", its host copy ", name, "_cpu[", r, "] is ", out[r],
+                    ": the two copies must agree");
+      }
+    }
+  }
   return out;
 }
 

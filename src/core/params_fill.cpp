@@ -1,5 +1,7 @@
 #include "core/params_fill.h"
 
+#include <algorithm>
+
 namespace kvattn::core {
 
 HeadStrides head_strides(const TensorView& t, int dim) {
@@ -67,6 +69,7 @@ void set_ragged_fields(AttentionParams& p, const TensorView& k, const TensorView
   p.k_scale = 1.f;
   p.v_scale = 1.f;
   p.kv_indices = nullptr;
+  p.num_slots = std::min(k.size(0), v.size(0));
 }
 
 }  // namespace kvattn::core

@@ -154,7 +154,18 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
     if (config_.sliding_window_size >= 0 && positions.defined()) {
       core::check_index_tensor(positions, "positions", num_tree, Device::cpu());
       std::vector<int64_t> host_positions(static_cast<size_t>(num_tree));
-      for (int64_t i = 0; i < num_tree; ++i) host_positions[size_t(i)] = read_index(positions, i);
+      for (int64_t i = 0; i < num_tree; ++i) {
+        // A tree token sits at seq_len + its depth (< draft_token_num): anything else would
+        // move the window the token sees.
+        const int64_t position = read_index(positions, i);
+        const int64_t seq = lens.seq_lens[size_t(i / draft)];
+        if (position < seq || position >= seq + draft) {
+          throw_error(ErrorKind::kInvalidArgument, "positions[" + std::to_string(i) + "]", "got ",
+                      position, ", a tree token of request ", i / draft,
+                      " sits at seq_len + its depth, in [", seq, ", ", seq + draft, ")");
+        }
+        host_positions[size_t(i)] = position;
+      }
       plan.window_mask = core::fold_window_into_tree_mask(
           lens, draft, config_.sliding_window_size, plan.custom_mask.data(), host_positions.data());
     }

@@ -48,19 +48,6 @@ TensorCoreDecode resolve_tensor_core_choice(TensorCoreDecode configured) {
               "', expected 0 or 1");
 }
 
-// A positive integer from the environment, or `fallback` when unset.
-int env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || env[0] == '\0') return fallback;
-  char* end = nullptr;
-  const long value = std::strtol(env, &end, 10);
-  if (*end != '\0' || value < 1 || value > (1 << 24)) {
-    throw_error(ErrorKind::kInvalidArgument, name, "got '", env,
-                "', expected a positive integer");
-  }
-  return int(value);
-}
-
 }  // namespace
 
 // ---- setup, buffers, params ------------------------------------------------------------------
@@ -164,9 +151,9 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   setup.plan_config.min_chunk = env_int("KVATTN_DECODE_MIN_CHUNK", 2 * setup.info.tile_tokens);
   setup.plan_config.fixed_chunk = env_int("KVATTN_DECODE_CHUNK", 0);
 
-  // The prefill kernel serves bf16/fp16 io with v_head_dim == head_dim, or head_dim 128 with
-  // v_head_dim a multiple of 16 below it (kernels/prefill.h); fp32 io reaches it through 16-bit
-  // copies (see compute_dtype).
+  // The prefill kernels serve bf16/fp16 io with v_head_dim == head_dim, head_dim 128 with
+  // v_head_dim a multiple of 16 below it, and on sm_90 head_dim 192 with v_head_dim 128
+  // (kernels/prefill.h); fp32 io reaches them through 16-bit copies (see compute_dtype).
   const bool io_native = config.q_dtype == DType::kBFloat16 || config.q_dtype == DType::kFloat16;
   setup.compute_dtype = io_native                     ? config.q_dtype
                         : kv.dtype == DType::kFloat16 ? DType::kFloat16
@@ -174,7 +161,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
   setup.prefill_supported = false;
   if (prefill_v_head_dim_supported(config.head_dim, v_head_dim)) {
     try {
-      const PrefillKernelShape shape = prefill_kernel_shape(config.head_dim);
+      const PrefillKernelShape shape = prefill_kernel_shape(config.head_dim, v_head_dim, device);
       setup.prefill_supported = true;
       setup.prefill_tile_rows = shape.tile_rows;
       setup.prefill_kv_tile = shape.kv_tile;

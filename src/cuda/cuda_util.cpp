@@ -25,6 +25,18 @@ void check_launch(const char* kernel) {
               cudaGetErrorString(status));
 }
 
+int env_int(const char* name, int fallback, int min_value) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || env[0] == '\0') return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(env, &end, 10);
+  if (*end != '\0' || value < min_value || value > (1 << 24)) {
+    throw_error(ErrorKind::kInvalidArgument, name, "got '", env, "', expected an integer in [",
+                min_value, ", 2^24]");
+  }
+  return int(value);
+}
+
 bool programmatic_launch_enabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("KVATTN_PDL");

@@ -24,6 +24,10 @@ void check_launch(const char* kernel);
 /// unless KVATTN_PDL=0 (read once).
 bool programmatic_launch_enabled();
 
+/// An integer tuning knob from the environment: `fallback` when unset, else a value in
+/// [min_value, 2^24] (anything else throws kInvalidArgument naming the variable).
+int env_int(const char* name, int fallback, int min_value = 1);
+
 /// True while `stream` is being captured into a CUDA graph (launch sizes must then be fixed).
 bool stream_is_capturing(cudaStream_t stream);
 

@@ -162,6 +162,14 @@ class CudaDraftRunner final : public core::DraftRunner {
               "call init_forward_metadata (out_graph and in_graph) first");
     check_arg(!layer.is_cross_attention, "layer.is_cross_attention",
               "draft steps run self-attention layers only");
+    // The draft index sets hold every prefix key (build_draft_kv_indices_kernel has no start
+    // offset) and the decode kernel applies no window, so a window layer would silently attend
+    // over the whole prefix: refused until the index build takes the window (issue 20).
+    if (layer.sliding_window_size >= 0) {
+      throw_error(ErrorKind::kNotSupported, "layer.sliding_window_size",
+                  "multi-step draft on a sliding-window layer (window ", layer.sliding_window_size,
+                  ") is not implemented on CUDA; the CPU backend serves it");
+    }
     ForwardBatch view;  // what validate_forward_tensors reads: the step's slots
     view.mode = ForwardMode::kDecode;
     view.batch_size = entries_;

@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -302,11 +301,12 @@ TEST(DecodePlanner, EqualItemsKeepRequestOrder) {
   EXPECT_EQ(plan_decode(big, config, decode_item_capacity(256, config)).estimated_cost, 0.0);
 }
 
-// The host planning a CUDA-graph replay does at every decode step must stay far below the
-// step itself (issue 6: under 20 us at batch 256 for the whole out_graph). This bound is loose
-// (a shared, loaded CI machine) but catches a return of per-element work such as building
-// strings; `kvattn bench --planner` reports the real numbers.
-TEST(DecodePlanner, ReplayPlanningIsCheap) {
+// A CUDA-graph replay re-plans every decode step into buffers sized once for the batch size: for
+// lengths that grow step by step, every plan must fit the capacity decode_item_capacity gave, and
+// planning the same lengths twice must give the same plan (a replay may re-plan a step). How long
+// planning takes is measured by `kvattn bench --planner` (plan_decode alone and the whole host
+// planning of a step), never asserted in a test.
+TEST(DecodePlanner, ReplayPlansFitTheirCapacity) {
   const DecodePlanConfig config = h200_config();
   for (int bs : {1, 64, 256}) {
     std::vector<int32_t> base(static_cast<size_t>(bs));
@@ -314,20 +314,20 @@ TEST(DecodePlanner, ReplayPlanningIsCheap) {
     for (auto& len : base) len = 1024 + int32_t(rng() % 3072);
     std::vector<int32_t> kv_len = base;
     const int capacity = decode_item_capacity(bs, config);
-    std::vector<double> samples;
     for (int step = 0; step < 400; ++step) {
       for (size_t r = 0; r < kv_len.size(); ++r) kv_len[r] = base[r] + step;
-      const auto start = std::chrono::steady_clock::now();
       const DecodePlan plan = plan_decode(kv_len, config, capacity);
-      samples.push_back(
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-              .count());
-      ASSERT_LE(int(plan.items.size()), capacity);
+      ASSERT_LE(int(plan.items.size()), capacity) << "batch " << bs << " step " << step;
+      if (step % 97 == 0) {
+        const DecodePlan again = plan_decode(kv_len, config, capacity);
+        ASSERT_EQ(again.items.size(), plan.items.size());
+        for (size_t i = 0; i < plan.items.size(); ++i) {
+          EXPECT_EQ(again.items[i].request, plan.items[i].request);
+          EXPECT_EQ(again.items[i].kv_begin, plan.items[i].kv_begin);
+          EXPECT_EQ(again.items[i].kv_end, plan.items[i].kv_end);
+        }
+      }
     }
-    std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
-    const double median_us = samples[samples.size() / 2];
-    std::printf("plan_decode batch %d: median %.2f us\n", bs, median_us);
-    EXPECT_LT(median_us, 50.0) << "batch " << bs;
   }
 }
 

@@ -188,6 +188,22 @@ TEST(Reference, MultiStepDraftKeys) {
             (std::vector<int32_t>{10, 11, 12, 13, 14, 16}));
 }
 
+TEST(Reference, MultiStepDraftWindow) {
+  RefBatch batch = one_request(ForwardMode::kDecode, 4);
+  batch.topk = 2;
+  batch.draft_step = 1;
+  AttentionLayer layer = one_head_layer();
+  // The query of step 1 sits at position 4 + 1 = 5; a window of 2 shows positions 3, 4, 5:
+  // prefix token 3, then the branch's draft tokens of steps 0 and 1.
+  layer.sliding_window_size = 2;
+  EXPECT_EQ(slots_of(reference_visible_keys(layer, batch, 1, false)),
+            (std::vector<int32_t>{13, 15, 17}));
+  // A window of 0: the query's own draft token only.
+  layer.sliding_window_size = 0;
+  EXPECT_EQ(slots_of(reference_visible_keys(layer, batch, 0, false)),
+            (std::vector<int32_t>{16}));
+}
+
 TEST(Reference, SaveRoundsThroughTheStorageDtype) {
   EXPECT_EQ(round_through_storage(1000.0, DType::kFloat8E4M3, 1.0), 448.0) << "saturates";
   EXPECT_EQ(round_through_storage(0.3, DType::kFloat8E4M3, 0.5), 0.625 * 0.5);

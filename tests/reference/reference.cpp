@@ -120,10 +120,16 @@ std::vector<RefKey> reference_visible_keys(const AttentionLayer& layer, const Re
 
   if (batch.topk > 0) {
     // Multi-step draft: the committed prefix, then this branch's draft token of every step so far.
+    // The draft token of step s sits at absolute position seq_len + s (one deeper per step), so
+    // a window layer shows the query (position seq_len + draft_step) [p - W, p] as anywhere else.
     const int64_t branch = owner.local_index;
-    for (int64_t j = 0; j < seq_len; ++j) keys.push_back({slot_at(base + j), -1});
-    for (int s = 0; s <= batch.draft_step; ++s)
+    const int64_t position = seq_len + batch.draft_step;
+    const int64_t first = window >= 0 ? std::max<int64_t>(0, position - window) : 0;
+    for (int64_t j = first; j < seq_len; ++j) keys.push_back({slot_at(base + j), -1});
+    for (int s = 0; s <= batch.draft_step; ++s) {
+      if (seq_len + s < first) continue;
       keys.push_back({slot_at(base + seq_len + int64_t(s) * batch.topk + branch), -1});
+    }
     return keys;
   }
 

@@ -54,21 +54,32 @@ struct ScenarioResult {
   double tolerance = 0;    ///< the bar for the dtypes involved
   bool passed = false;     ///< max_rel_err <= tolerance, no NaN, every output written
   bool kv_pool_ok = true;  ///< the new K/V landed in their slots and nothing else changed
+  bool not_supported = false;  ///< the backend refused the row with ErrorKind::kNotSupported
   std::string detail;      ///< why it failed (first bad element, seed)
 };
 
-/// The error bar for a combination on any backend, relative to each row's max |ref|: 1e-2. fp32
-/// queries are "bf16-bounded" here (device kernels multiply on 16-bit tensor cores) and fp8 KV
-/// adds nothing (the reference reads the stored fp8 values); scenario.cpp gives the reasoning.
+/// The dtype whose rounding bounds a backend's result: the query (io) dtype, except fp32 queries
+/// on the CUDA backend outside DECODE, which run the tensor-core kernel on bf16 (or fp16) copies
+/// of q and the new K/V. The KV dtype adds nothing: the reference reads the values the pool
+/// stores (scenario.cpp gives the reasoning).
+DType arithmetic_dtype(DType q_dtype, DType kv_dtype, BackendKind kind, ForwardMode mode);
+/// The error bar of an arithmetic dtype, relative to each (token, head) row's max |ref|:
+/// fp32 1e-5, fp16 2e-3, bf16 1e-2 (the measured spread behind each is in scenario.cpp).
+double tolerance_for_dtype(DType arithmetic);
+/// The bar for a scenario: tolerance_for_dtype(arithmetic_dtype(...)).
+double tolerance_for(DType q_dtype, DType kv_dtype, BackendKind kind, ForwardMode mode);
+/// The bar where the backend computes at the precision of its query dtype (every CPU mode, the
+/// CUDA decode kernels): tolerance_for_dtype(q_dtype).
 double tolerance_for(DType q_dtype, DType kv_dtype);
-/// The bar for one backend: the CPU backend computes in fp32 throughout, so fp32 queries are
-/// held to 1e-5 there whatever the KV dtype (the reference reads the same stored KV values).
-double tolerance_for(DType q_dtype, DType kv_dtype, BackendKind kind);
 
 /// Runs `spec` on a backend of `kind` and checks it against the float64 reference.
 ScenarioResult run_scenario(const ScenarioSpec& spec, BackendKind kind);
 
-/// The check matrix: every mode x variant at small sizes (at least 40 rows). `seed` varies the
+/// Why a backend refuses `spec` with kNotSupported: a known gap, named so that every other row
+/// must run (a NotSupported elsewhere is a failure); nullptr when the backend serves it.
+const char* unsupported_reason(const ScenarioSpec& spec, BackendKind kind);
+
+/// The check matrix: every mode x variant at small sizes (at least 85 rows). `seed` varies the
 /// data; each spec's seed is derived from it.
 std::vector<ScenarioSpec> standard_scenarios(uint64_t seed);
 

@@ -6,6 +6,15 @@
 
 namespace kvattn::testing {
 
+const char* unsupported_reason(const ScenarioSpec& spec, BackendKind kind) {
+  const bool window_layer = spec.sliding_window >= 0 && spec.window_layer;
+  if (kind == BackendKind::kCuda && spec.topk > 0 && window_layer) {
+    return "CUDA multi-step draft on a window layer: the draft index build has no window "
+           "(refused in src/cuda/draft_runner.cpp)";
+  }
+  return nullptr;
+}
+
 std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
   std::vector<ScenarioSpec> rows;
   auto add = [&](const char* variant, ForwardMode mode,
@@ -102,6 +111,42 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.max_kv_len = 100;
     s.page_size = 16;
   });
+  add("decode window layer fp8 e4m3", decode, [](ScenarioSpec& s) {
+    s.sliding_window = 40;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.55f;
+    s.v_scale = 1.3f;
+  });
+  add("decode cross layer page16", decode, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.page_size = 16;
+    s.save_kv_cache = false;  // encoder K/V cached by an earlier step
+  });
+  add("decode cross layer page128 fp8", decode, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.page_size = 128;
+    s.max_kv_len = 300;
+    s.save_kv_cache = false;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.9f;
+  });
+  add("decode hd256 fp8 e4m3", decode, [](ScenarioSpec& s) {
+    s.head_dim = 256;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.4f;
+    s.v_scale = 1.6f;
+  });
+  add("decode hd256 fp8 e5m2 page16", decode, [](ScenarioSpec& s) {
+    s.head_dim = 256;
+    s.page_size = 16;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 1.2f;
+  });
+  add("decode softcap fp16", decode, [](ScenarioSpec& s) {
+    s.logit_cap = 8.f;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
 
   // ---- EXTEND ----------------------------------------------------------------------------------
   add("extend", extend, nullptr);
@@ -187,6 +232,44 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.allow_tiny = false;
     s.page_size = 16;
   });
+  add("extend window layer fp8 e5m2", extend, [](ScenarioSpec& s) {
+    s.sliding_window = 20;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 1.4f;
+    s.v_scale = 0.8f;
+  });
+  add("extend window page16 fp16 q, fp8 e4m3", extend, [](ScenarioSpec& s) {
+    s.sliding_window = 33;
+    s.page_size = 16;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.3f;
+  });
+  add("extend cross layer page16", extend, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.page_size = 16;
+  });
+  add("extend cross layer page128 fp16", extend, [](ScenarioSpec& s) {
+    s.cross_attention = true;
+    s.page_size = 128;
+    s.max_kv_len = 300;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("extend hd256 fp8 e4m3", extend, [](ScenarioSpec& s) {
+    s.head_dim = 256;
+    s.max_kv_len = 150;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.7f;
+    s.v_scale = 2.2f;
+  });
+  add("extend ragged hd256 fp8 e5m2", extend, [](ScenarioSpec& s) {
+    s.force_ragged = true;
+    s.head_dim = 256;
+    s.max_kv_len = 150;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.v_scale = 0.45f;
+  });
 
   // ---- MIXED, TARGET_VERIFY, DRAFT_EXTEND -----------------------------------------------------
   add("mixed", ForwardMode::kMixed, [](ScenarioSpec& s) { s.batch_size = 5; });
@@ -198,6 +281,31 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
   add("mixed ragged", ForwardMode::kMixed, [](ScenarioSpec& s) {
     s.batch_size = 5;
     s.force_ragged = true;
+  });
+  add("mixed fp8 e4m3", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.65f;
+    s.v_scale = 1.15f;
+  });
+  add("mixed fp16 page16", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.page_size = 16;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("mixed ragged fp16 q, fp8 e5m2", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.force_ragged = true;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 1.7f;
+  });
+  add("mixed window fp8 e5m2", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.sliding_window = 25;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.v_scale = 0.5f;
   });
   add("verify", ForwardMode::kTargetVerify, [](ScenarioSpec& s) { s.draft_token_num = 4; });
   add("verify page16 fp8", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
@@ -227,6 +335,41 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.max_kv_len = 150;
     s.page_size = 128;
   });
+  add("verify fp16", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 5;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("verify fp16 q, fp8 e4m3 page16", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 6;
+    s.page_size = 16;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.35f;
+    s.v_scale = 1.9f;
+  });
+  add("verify fp32 q", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 4;
+    s.q_dtype = DType::kFloat32;
+  });
+  add("verify v_head_dim 64", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 5;
+    s.v_head_dim = 64;
+  });
+  add("verify v_head_dim 64 fp16 window", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 6;
+    s.v_head_dim = 64;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+    s.sliding_window = 12;
+  });
+  add("verify window fp8 e5m2 page16", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 7;
+    s.page_size = 16;
+    s.sliding_window = 15;
+    s.kv_dtype = DType::kFloat8E5M2;
+    s.k_scale = 0.9f;
+  });
   add("draft extend", ForwardMode::kDraftExtend, [](ScenarioSpec& s) { s.max_q_len = 5; });
   add("draft extend fp8 e5m2", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
     s.max_q_len = 6;
@@ -236,6 +379,22 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
   add("draft extend page16", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
     s.page_size = 16;
     s.max_q_len = 9;
+  });
+  add("draft extend window layer", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
+    s.max_q_len = 7;
+    s.sliding_window = 18;
+    s.page_size = 16;
+  });
+  add("draft extend window model, full layer", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
+    s.max_q_len = 7;
+    s.sliding_window = 18;
+    s.window_layer = false;
+  });
+  add("draft extend softcap fp16", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
+    s.max_q_len = 6;
+    s.logit_cap = 5.f;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
   });
 
   // ---- multi-step draft -----------------------------------------------------------------------
@@ -253,6 +412,38 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.num_steps = 2;
     s.kv_dtype = DType::kFloat8E5M2;
     s.k_scale = 1.1f;
+  });
+  add("multi-step softcap", decode, [](ScenarioSpec& s) {
+    s.topk = 2;
+    s.num_steps = 3;
+    s.logit_cap = 6.f;
+  });
+  add("multi-step softcap fp16 page16", decode, [](ScenarioSpec& s) {
+    s.topk = 3;
+    s.num_steps = 2;
+    s.logit_cap = 4.f;
+    s.page_size = 16;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+  });
+  add("multi-step window layer", decode, [](ScenarioSpec& s) {
+    s.topk = 2;
+    s.num_steps = 3;
+    s.sliding_window = 10;
+  });
+  add("multi-step window layer fp8 page16", decode, [](ScenarioSpec& s) {
+    s.topk = 4;
+    s.num_steps = 2;
+    s.sliding_window = 30;
+    s.page_size = 16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.6f;
+  });
+  add("multi-step window model, full layer", decode, [](ScenarioSpec& s) {
+    s.topk = 2;
+    s.num_steps = 2;
+    s.sliding_window = 10;
+    s.window_layer = false;
   });
   return rows;
 }

@@ -2,6 +2,7 @@
 #include <cstdint>
 
 #include "cuda/kernels/decode.h"
+#include "cuda/kernels/toolkit/compiled_head_dims.h"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -20,8 +21,6 @@ extern template void run_decode_head_dim<256>(const DecodeLaunch*, DType, int, c
 }  // namespace detail
 
 namespace {
-
-constexpr int kCompiledHeadDims[] = {KVATTN_CUDA_HEAD_DIMS};
 
 // The instance that serves head_dim and v_head_dim: the smallest compiled one >= both.
 int pick_instance(int head_dim, int v_head_dim, DType kv_dtype) {

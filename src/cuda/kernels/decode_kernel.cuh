@@ -14,18 +14,10 @@
 #include "cuda/kernels/decode_numerics.cuh"
 #include "cuda/kernels/launch.cuh"
 #include "cuda/kernels/step_check.cuh"
+#include "cuda/kernels/toolkit/compiled_head_dims.h"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda::detail {
-
-// The head_dims of KVATTN_CUDA_HEAD_DIMS (a CMake option): only those get kernels.
-constexpr int kCompiledHeadDims[] = {KVATTN_CUDA_HEAD_DIMS};
-constexpr bool head_dim_compiled(int head_dim) {
-  for (int d : kCompiledHeadDims) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
 
 constexpr int kDecodeThreads = 128;
 // Keys per token stream per pipeline step: 4 x (K + V) 16-byte copies in flight per thread per
@@ -89,7 +81,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   const int pass = rem % head_passes;
   // Launched as a programmatic dependent (launch_decode): the CTA may start while the previous
   // kernel of the stream drains, so nothing global is read before that kernel has completed.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  ptx::grid_dependency_wait();
   if (step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
   // The item count and the item load together (item_index < grid_items <= the buffer's
   // capacity, so the read is in bounds even for a graph's padding CTAs).
@@ -155,10 +147,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
       const bool valid = slots[u] >= 0;
       const int64_t slot = valid ? slots[u] : 0;
       const int offset = (u * kDecodeThreads + tid) * T::kChunkBytes;
-      cp_async_zfill<T::kChunkBytes>(
-          k_plane + offset, k_head + slot * p.k_stride_token * kElemBytes, valid && k_lane);
-      cp_async_zfill<T::kChunkBytes>(
-          v_plane + offset, v_head + slot * p.v_stride_token * kElemBytes, valid && v_lane);
+      ptx::cp_async_zfill<T::kChunkBytes>(ptx::smem_address(k_plane + offset),
+                                          k_head + slot * p.k_stride_token * kElemBytes,
+                                          valid && k_lane);
+      ptx::cp_async_zfill<T::kChunkBytes>(ptx::smem_address(v_plane + offset),
+                                          v_head + slot * p.v_stride_token * kElemBytes,
+                                          valid && v_lane);
     }
   };
 
@@ -178,9 +172,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     load_slots(0, slots);
     load_slots(1, second);
     if (num_tiles > 0) issue(0, slots);
-    cp_async_commit();
+    ptx::cp_async_commit();
     if (num_tiles > 1) issue(1, second);
-    cp_async_commit();
+    ptx::cp_async_commit();
     load_slots(2, slots);
   }
 
@@ -188,9 +182,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     // Refill the stage consumed in the previous iteration (this thread's own chunks only).
     const int ahead = tile + kDecodeStages - 1;
     if (ahead < num_tiles) issue(ahead % kDecodeStages, slots);
-    cp_async_commit();
+    ptx::cp_async_commit();
     load_slots(ahead + 1, slots);
-    cp_async_wait<kDecodeStages - 1>();
+    ptx::cp_async_wait<kDecodeStages - 1>();
 
     const unsigned char* k_plane = smem + (tile % kDecodeStages) * T::kStageBytes;
     const unsigned char* v_plane = k_plane + T::kPlaneBytes;
@@ -314,10 +308,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
       }
     }
   }
-  cp_async_wait<0>();
+  ptx::cp_async_wait<0>();
   // The split-KV merge kernel (launched as a programmatic dependent) may start its CTAs now;
   // it waits for this grid's completion before reading any partial state.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+  ptx::grid_launch_dependents();
   __syncthreads();  // every thread is done with the pipeline: its memory becomes the merge area
 
   // ---- merge the CTA's streams and write -------------------------------------------------------

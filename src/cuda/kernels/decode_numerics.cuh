@@ -1,5 +1,5 @@
 // Device helpers shared by the decode, merge and KV-write kernels: element conversions for the
-// storage and io dtypes, and the cp.async primitives of the decode pipeline.
+// storage and io dtypes (the PTX wrappers are the toolkit's, toolkit/ptx.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,12 +9,13 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/toolkit/ptx.cuh"
 #include "kvattn/dtype.h"
 
 namespace kvattn::cuda::detail {
 
-constexpr float kLog2e = 1.4426950408889634f;  // log2(e): scores run in the exp2 domain
-constexpr float kLn2 = 0.6931471805599453f;    // ln(2): back to natural-log LSEs
+using ptx::kLn2;
+using ptx::kLog2e;
 
 // ---- io tensors (q, out): dtype chosen at run time, one element at a time ------------------
 
@@ -104,32 +105,6 @@ __device__ __forceinline__ void store_kv(void* base, int64_t index, float value)
     static_cast<__nv_fp8_storage_t*>(base)[index] =
         __nv_cvt_float_to_fp8(value, __NV_SATFINITE, kind);
   }
-}
-
-// ---- cp.async ------------------------------------------------------------------------------
-
-/// Copies kBytes (8 or 16) from global to shared memory asynchronously; with `valid` false the
-/// shared bytes become zeros and nothing is read from `src`.
-template <int kBytes>
-__device__ __forceinline__ void cp_async_zfill(void* smem_dst, const void* src, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_bytes = valid ? kBytes : 0;
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                 "n"(kBytes), "r"(src_bytes));
-  }
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 }  // namespace kvattn::cuda::detail

@@ -43,10 +43,10 @@ __global__ void __launch_bounds__(kDecodeMergeThreads, kMaxDimsPerLane == 4 ? 4 
   const int last = launch.merge_indptr[request + 1];
   // Launched as a programmatic dependent of the decode kernel: wait until its partial states
   // are complete and visible.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  ptx::grid_dependency_wait();
   // The next kernel (the next layer's decode, also a programmatic dependent) may be scheduled
   // now; it waits for this grid's completion before reading anything.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+  ptx::grid_launch_dependents();
   if (first == last || step_refused(p.step_error)) return;
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;

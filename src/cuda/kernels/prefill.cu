@@ -2,13 +2,19 @@
 // tiles.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/softmax_state.h"
 #include "cuda/kernels/prefill.h"
+#include "cuda/cuda_util.h"
 #include "cuda/kernels/prefill_kernel.cuh"
+#include "cuda/kernels/sm90/prefill_kernel.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -85,7 +91,8 @@ bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
-void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
+PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                            int device) {
   if (p.io_dtype != DType::kBFloat16 && p.io_dtype != DType::kFloat16) {
     throw_error(ErrorKind::kNotSupported, "io_dtype", "prefill supports bf16 and fp16, got ",
                 dtype_name(p.io_dtype));
@@ -95,7 +102,7 @@ void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
                 dtype_name(p.io_dtype), ") or fp8, got ", dtype_name(p.kv_dtype));
   }
   // Throws kNotSupported for a head_dim / v_head_dim pair without a compiled instance.
-  const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim, p.v_head_dim);
+  const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim, p.v_head_dim, device);
   check_arg(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "num_q_heads", "got ",
             p.num_q_heads, " q heads over ", p.num_kv_heads, " kv heads");
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -130,67 +137,250 @@ void validate(const core::AttentionParams& p, const core::PrefillTiles& tiles) {
                 p.k_stride_head, ", v strides ", p.v_stride_token, "/", p.v_stride_head,
                 ", out strides ", p.out_stride_token, "/", p.out_stride_head, ")");
   }
+  return shape;
+}
+
+/// sm_90a kernels in this build (CMake defines KVATTN_SM90A_KERNELS when the gencode list holds
+/// sm_90a; a plain sm_90 build has none: wgmma and setmaxnreg need the "a" target).
+constexpr bool kHaveSm90Kernels =
+#if defined(KVATTN_SM90A_KERNELS)
+    true;
+#else
+    false;
+#endif
+
+/// KVATTN_PREFILL_KERNEL, read once: 0 auto, 1 mma, 2 sm90.
+int forced_family() {
+  static const int forced = [] {
+    const char* env = std::getenv("KVATTN_PREFILL_KERNEL");
+    if (env == nullptr || *env == 0 || std::strcmp(env, "auto") == 0) return 0;
+    if (std::strcmp(env, "mma") == 0) return 1;
+    if (std::strcmp(env, "sm90") == 0) return 2;
+    throw_error(ErrorKind::kInvalidArgument, "KVATTN_PREFILL_KERNEL", "got '", env,
+                "', expected auto, mma or sm90");
+  }();
+  return forced;
+}
+
+bool mma_serves(int head_dim, int v_head_dim) {
+  return (v_head_dim == head_dim && (head_dim == 64 || head_dim == 128 || head_dim == 256)) ||
+         (head_dim == 128 && v_head_dim > 0 && v_head_dim < head_dim && v_head_dim % 16 == 0);
+}
+
+bool sm90_serves(int head_dim, int v_head_dim) {
+  return mma_serves(head_dim, v_head_dim) || (head_dim == 192 && v_head_dim == 128);
+}
+
+/// The Hopper instance of a pair: narrow V (head_dim 128) runs the 128 / 128 instance.
+template <int kHeadDim, int kHeadDimV>
+PrefillKernelShape sm90_shape() {
+  using Tr = sm90::PrefillTraits<kHeadDim, kHeadDimV>;  // tile shape: the same at every depth
+  PrefillKernelShape shape;
+  shape.tile_rows = Tr::kTileRows;
+  shape.kv_tile = Tr::kKvTile;
+  shape.ctas_per_sm = 1;
+  shape.family = PrefillKernelFamily::kSm90;
+  return shape;
+}
+
+/// The Hopper kernel's launch options: a persistent grid of one CTA per SM and the ping-pong
+/// of its consumer warpgroups, unless KVATTN_SM90_CTAS / KVATTN_SM90_PINGPONG (A/B runs) say
+/// otherwise (read once).
+sm90::LaunchOptions sm90_options(int sm_count) {
+  static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
+  static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 1, 0);
+  static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
+  static const int stages = env_int("KVATTN_SM90_STAGES", 0, 0);
+  static const int emulated = env_int("KVATTN_SM90_EXP_EMU", 0, 0);
+  sm90::LaunchOptions options;
+  options.diagnostic = diagnostic;
+  options.stages = stages;
+  options.emulated_exp_blocks = emulated;
+  options.max_ctas = ctas > 0 ? ctas : sm_count;
+  options.ping_pong = ping_pong != 0;
+  return options;
+}
+
+/// The current device, or -1 when the machine has none (host-only callers, CI).
+int current_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky error of a machine without a GPU
+    return -1;
+  }
+  return device;
 }
 
 }  // namespace
 
-PrefillKernelShape prefill_kernel_shape(int head_dim) {
+namespace sm90 {
+namespace {
+
+/// cuTensorMapEncodeTiled from the driver (through the runtime, so nothing links libcuda);
+/// null when the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+/// A [rows, heads, cols] 16-bit tensor with a [kv_tile, 1, 64] box in the 128-byte swizzle.
+bool encode_rows(CUtensorMap* map, const void* base, DType dtype, int64_t rows, int heads,
+                 int cols, int64_t stride_token, int64_t stride_head, int kv_tile) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(heads), cuuint64_t(rows)};
+  const cuuint64_t strides[2] = {cuuint64_t(stride_head) * 2, cuuint64_t(stride_token) * 2};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(kv_tile)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status =
+      encode(map,
+             dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             3, const_cast<void*>(base), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile) {
+  static const bool allowed = env_int("KVATTN_SM90_TMA", 1, 0) != 0;  // A/B: 0 copies rows
+  PrefillTensorMaps maps{};
+  const bool ragged_16bit = p.kv_indices == nullptr && !is_fp8_dtype(p.kv_dtype) &&
+                            p.num_slots > 0 && p.num_slots < (int64_t(1) << 31);
+  // Strides a tensor map takes: multiples of 16 bytes below 2^40 (rows are 16-byte aligned
+  // already, see validate()).
+  const auto stride_ok = [](int64_t elements) {
+    return elements > 0 && (elements * 2) % 16 == 0 && elements * 2 < (int64_t(1) << 40);
+  };
+  if (!allowed || !ragged_16bit || !stride_ok(p.k_stride_token) || !stride_ok(p.k_stride_head) ||
+      !stride_ok(p.v_stride_token) || !stride_ok(p.v_stride_head)) {
+    return maps;
+  }
+  const bool encoded =
+      encode_rows(&maps.k, p.k, p.kv_dtype, p.num_slots, p.num_kv_heads, p.head_dim,
+                  p.k_stride_token, p.k_stride_head, kv_tile) &&
+      encode_rows(&maps.v, p.v, p.kv_dtype, p.num_slots, p.num_kv_heads, p.v_head_dim,
+                  p.v_stride_token, p.v_stride_head, kv_tile);
+  maps.enabled = encoded ? 1 : 0;
+  return maps;
+}
+
+}  // namespace sm90
+
+PrefillKernelFamily prefill_kernel_family(int head_dim, int v_head_dim, int device) {
+  const int forced = forced_family();
+  if (forced == 1) return PrefillKernelFamily::kMmaSync;
+  if (device < 0) device = current_device();
+  const bool hopper = kHaveSm90Kernels && device >= 0 && device_info(device).compute_major == 9;
+  if (forced == 2) {
+    if (!hopper) {
+      throw_error(ErrorKind::kNotSupported, "KVATTN_PREFILL_KERNEL",
+                  "sm90 needs a compute capability 9.0 device and a build with sm_90a code");
+    }
+    return PrefillKernelFamily::kSm90;
+  }
+  return hopper && sm90_serves(head_dim, v_head_dim) ? PrefillKernelFamily::kSm90
+                                                     : PrefillKernelFamily::kMmaSync;
+}
+
+bool prefill_v_head_dim_supported(int head_dim, int v_head_dim) {
+  return sm90_serves(head_dim, v_head_dim);
+}
+
+PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim, int device) {
   using namespace prefill_detail;
-  PrefillKernelShape shape;
-  switch (head_dim) {
-    case 64:
-      shape = shape_of<64>();
-      break;
-    case 128:
-      shape = shape_of<128>();
-      break;
-    case 256:
-      shape = shape_of<256>();
-      break;
-    default:
-      throw_error(ErrorKind::kNotSupported, "head_dim", "prefill supports 64, 128, 256, got ",
-                  head_dim);
+  const PrefillKernelFamily family = prefill_kernel_family(head_dim, v_head_dim, device);
+  const bool served = family == PrefillKernelFamily::kSm90 ? sm90_serves(head_dim, v_head_dim)
+                                                           : mma_serves(head_dim, v_head_dim);
+  if (!served) {
+    throw_error(ErrorKind::kNotSupported, "v_head_dim",
+                "prefill supports v_head_dim == head_dim (64, 128, 256), head_dim 128 with "
+                "v_head_dim a multiple of 16 below 128, or (on sm_90) head_dim 192 with "
+                "v_head_dim 128; got head_dim ",
+                head_dim, ", v_head_dim ", v_head_dim);
   }
   if (!head_dim_compiled(head_dim)) {
     throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", head_dim,
                 " (KVATTN_CUDA_HEAD_DIMS)");
   }
-  return shape;
-}
-
-bool prefill_v_head_dim_supported(int head_dim, int v_head_dim) {
-  return v_head_dim == head_dim ||
-         (head_dim == 128 && v_head_dim > 0 && v_head_dim < head_dim && v_head_dim % 16 == 0);
-}
-
-PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim) {
-  if (!prefill_v_head_dim_supported(head_dim, v_head_dim)) {
-    throw_error(ErrorKind::kNotSupported, "v_head_dim",
-                "prefill supports v_head_dim == head_dim, or head_dim 128 with v_head_dim a "
-                "multiple of 16 below 128; got head_dim ",
-                head_dim, ", v_head_dim ", v_head_dim);
+  if (family == PrefillKernelFamily::kSm90) {
+    switch (head_dim) {
+      case 64:
+        return sm90_shape<64, 64>();
+      case 128:
+        return sm90_shape<128, 128>();
+      case 192:
+        return sm90_shape<192, 128>();
+      default:
+        return sm90_shape<256, 256>();
+    }
   }
-  return prefill_kernel_shape(head_dim);
+  switch (head_dim) {
+    case 64:
+      return shape_of<64>();
+    case 128:
+      return shape_of<128>();
+    default:
+      return shape_of<256>();
+  }
+}
+
+PrefillKernelShape prefill_kernel_shape(int head_dim) {
+  return prefill_kernel_shape(head_dim, head_dim);
 }
 
 void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                           cudaStream_t stream) {
-  validate(p, tiles);
+  const int device = current_device();
+  if (device < 0) {
+    throw_error(ErrorKind::kDeviceError, "batch_prefill", "no CUDA device is available");
+  }
+  const PrefillKernelShape shape = validate(p, tiles, device);
   if (tiles.num_items == 0) return;
-  switch (p.head_dim) {
-    case 64:
-      prefill_detail::launch_prefill_hd64(p, tiles, stream);
-      break;
-    case 128:
-      if (p.v_head_dim == 128) {
-        prefill_detail::launch_prefill_hd128(p, tiles, stream);
-      } else {
-        prefill_detail::launch_prefill_hd128_narrow_v(p, tiles, stream);
-      }
-      break;
-    default:
-      prefill_detail::launch_prefill_hd256(p, tiles, stream);
-      break;
+  if (shape.family == PrefillKernelFamily::kSm90) {
+    const sm90::LaunchOptions options = sm90_options(device_info(device).sm_count);
+    switch (p.head_dim) {
+      case 64:
+        sm90::launch_prefill_sm90_hd64(p, tiles, options, stream);
+        break;
+      case 128:
+        sm90::launch_prefill_sm90_hd128(p, tiles, options, stream);
+        break;
+      case 192:
+        sm90::launch_prefill_sm90_hd192(p, tiles, options, stream);
+        break;
+      default:
+        sm90::launch_prefill_sm90_hd256(p, tiles, options, stream);
+        break;
+    }
+  } else {
+    switch (p.head_dim) {
+      case 64:
+        prefill_detail::launch_prefill_hd64(p, tiles, stream);
+        break;
+      case 128:
+        if (p.v_head_dim == 128) {
+          prefill_detail::launch_prefill_hd128(p, tiles, stream);
+        } else {
+          prefill_detail::launch_prefill_hd128_narrow_v(p, tiles, stream);
+        }
+        break;
+      default:
+        prefill_detail::launch_prefill_hd256(p, tiles, stream);
+        break;
+    }
   }
   if (tiles.num_merges > 0) {
     if (p.io_dtype == DType::kBFloat16) {
@@ -198,7 +388,7 @@ void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTil
     } else {
       prefill_merge_kernel<__half><<<tiles.num_merges, kMergeThreads, 0, stream>>>(p, tiles);
     }
-    prefill_detail::check_launch("prefill_merge");
+    check_launch("prefill_merge");
   }
 }
 

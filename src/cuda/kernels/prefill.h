@@ -1,13 +1,16 @@
-// The batch prefill kernel (FlashAttention-2 style, mma.sync m16n8k16 on tensor cores, fp32
-// accumulate) and its split-KV merge. Host-callable from plain C++ (no CUDA headers needed
-// beyond cudaStream_t).
+// The batch prefill kernels and their split-KV merge. Two families run a core::PrefillTiles
+// plan: the Hopper kernel (sm90/prefill_kernel.cuh: warp-specialised, wgmma, persistent) on
+// compute capability 9.0 when the build holds sm_90a code, and the FlashAttention-2 style
+// mma.sync kernel (prefill_kernel.cuh) elsewhere. Host-callable from plain C++ (no CUDA headers
+// needed beyond cudaStream_t).
 //
 // Supported (anything else throws kvattn::Error kNotSupported naming the values):
 //   io dtype bf16 or fp16; KV dtype equal to io dtype, or fp8 e4m3 / e5m2 (dequantized exactly
 //   to the io dtype in shared memory; k_scale folds into the logit scale, v_scale into the
 //   output); head_dim 64, 128 or 256 (those compiled, see KVATTN_CUDA_HEAD_DIMS) with
-//   v_head_dim == head_dim, or head_dim 128 with v_head_dim a multiple of 16 below 128 (the
-//   q.k product over head_dim, O over v_head_dim; out and v rows are v_head_dim wide); paged
+//   v_head_dim == head_dim, head_dim 128 with v_head_dim a multiple of 16 below 128 (the q.k
+//   product over head_dim, O over v_head_dim; out and v rows are v_head_dim wide), and on the
+//   Hopper kernel head_dim 192 with v_head_dim 128 (DeepSeek's MHA prefill); paged
 //   (kv_indices, any page size; a slot outside [0, num_slots) is never read, its key and value
 //   count as zero vectors) or ragged (kv_indices == nullptr) K/V; masks none / causal
 //   (bottom-right) / custom (per request [q_len, row_len], row_len >= kv_len, keys = the last
@@ -24,29 +27,44 @@
 
 namespace kvattn::cuda {
 
+/// The prefill kernel families.
+enum class PrefillKernelFamily {
+  kMmaSync,  ///< mma.sync m16n8k16, cp.async double buffer (sm_80+; the A/B baseline on sm_90)
+  kSm90,     ///< Hopper: warp-specialised, wgmma, mbarrier pipeline, persistent grid (sm_90a)
+};
+
 /// The kernel's tile shape for a head_dim: feed tile_rows / kv_tile into
 /// core::PrefillTileShape. ctas_per_sm is how many CTAs fit on one SM (for concurrent_ctas).
 struct PrefillKernelShape {
   int tile_rows = 0;
   int kv_tile = 0;
   int ctas_per_sm = 0;
+  PrefillKernelFamily family = PrefillKernelFamily::kMmaSync;
 };
 
-/// Throws kNotSupported for a head_dim that is not compiled.
-PrefillKernelShape prefill_kernel_shape(int head_dim);
+/// Which family runs (head_dim, v_head_dim) on `device` (-1: the current device): the Hopper
+/// kernel on a compute capability 9.0 device when the build holds sm_90a code and the pair has
+/// an instance, else mma.sync. The environment variable KVATTN_PREFILL_KERNEL=mma or =sm90
+/// forces a family (A/B runs); forcing sm90 where it cannot run throws kNotSupported.
+PrefillKernelFamily prefill_kernel_family(int head_dim, int v_head_dim, int device = -1);
 
-/// Whether the prefill kernel serves this pair (v_head_dim == head_dim, or head_dim 128 with
-/// v_head_dim a multiple of 16 below 128); says nothing about which head_dims are compiled.
+/// Whether some prefill kernel serves this pair (v_head_dim == head_dim, head_dim 128 with
+/// v_head_dim a multiple of 16 below 128, or 192 / 128); says nothing about which head_dims
+/// are compiled or which GPU runs it.
 bool prefill_v_head_dim_supported(int head_dim, int v_head_dim);
 
-/// The shape for a (head_dim, v_head_dim) pair: throws kNotSupported naming both values for a
-/// pair the kernel does not serve, and for a head_dim that is not compiled.
-PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim);
+/// The shape of the family that runs the pair on `device` (-1: current): throws kNotSupported
+/// naming both values for a pair no kernel serves there, and for a head_dim not compiled.
+PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim, int device = -1);
+
+/// prefill_kernel_shape(head_dim, head_dim) on the current device.
+PrefillKernelShape prefill_kernel_shape(int head_dim);
 
 /// Runs the prefill over every tile of `tiles` (device pointers, from core::write_prefill_buffer)
-/// and, when tiles.num_merges > 0, the merge of split tiles. All pointers in `p` are device
-/// pointers. Asynchronous on `stream`; throws kvattn::Error kDeviceError when a launch fails and
-/// kNotSupported / kInvalidArgument on an unsupported or inconsistent call.
+/// and, when tiles.num_merges > 0, the merge of split tiles, on the current device (whose family
+/// must be the one the plan's shape came from: tiles.tile_rows is checked). All pointers in `p`
+/// are device pointers. Asynchronous on `stream`; throws kvattn::Error kDeviceError when a launch
+/// fails and kNotSupported / kInvalidArgument on an unsupported or inconsistent call.
 void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                           cudaStream_t stream);
 

@@ -28,23 +28,14 @@
 
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
+#include "cuda/cuda_util.h"
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/step_check.cuh"
+#include "cuda/kernels/toolkit/compiled_head_dims.h"
+#include "cuda/kernels/toolkit/ptx.cuh"
 #include "kvattn/error.h"
 
-#ifndef KVATTN_CUDA_HEAD_DIMS
-#define KVATTN_CUDA_HEAD_DIMS 64, 128, 256
-#endif
-
 namespace kvattn::cuda::prefill_detail {
-
-constexpr int kCompiledHeadDims[] = {KVATTN_CUDA_HEAD_DIMS};
-constexpr bool head_dim_compiled(int head_dim) {
-  for (int d : kCompiledHeadDims) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
 
 /// Tile shape per head_dim. Registers bound it: a warp holds kMAtoms * 16 rows of O in fp32
 /// (kMAtoms * head_dim / 2 registers a thread), so head_dim 256 keeps one atom a warp.
@@ -75,97 +66,26 @@ struct PrefillTraits {
   static_assert((kTileRows * kChunks) % kThreads == 0, "whole Q chunks per thread");
 };
 
-// ---- PTX wrappers ---------------------------------------------------------------------------
+// The shared device toolkit (toolkit/ptx.cuh): one definition of every wrapper.
+using ptx::cp_async_commit;
+using ptx::fast_exp2;
+using ptx::fast_tanh;
+using ptx::fp8x2_to;
+using ptx::kLn2;
+using ptx::kLog2e;
+using ptx::ldmatrix_x4;
+using ptx::ldmatrix_x4_trans;
+using ptx::mma_16816;
+using ptx::pack2;
+using ptx::smem_address;
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-/// 16-byte global -> shared copy; reads nothing and writes zeros when !valid.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
+  ptx::cp_async_zfill<16>(dst, src, valid);
 }
-/// 4-byte global -> shared copy (zero-fills when !valid).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
+  ptx::cp_async_zfill<4>(dst, src, valid);
 }
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-/// d += a * b for one m16n8k16 tile, fp32 accumulate.
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float fast_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-/// Two fp8 values (low byte first) -> two T, exactly (every e4m3 and e5m2 value is a half and a
-/// bf16 value).
-template <typename T>
-__device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),
-                                                   e5m2 ? __NV_E5M2 : __NV_E4M3);
-  if constexpr (std::is_same_v<T, __half>) {
-    return uint32_t(h.x) | (uint32_t(h.y) << 16);
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    return pack2<T>(f.x, f.y);
-  }
-}
+__device__ __forceinline__ void cp_async_wait_all() { ptx::cp_async_wait<0>(); }
 
 // ---- the kernel -----------------------------------------------------------------------------
 
@@ -180,8 +100,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   constexpr int kTileKeys = Tr::kTileKeys;
   constexpr int kKeyTiles = kTileKeys / 8;  // n8 tiles of S
   constexpr int kDimTiles = kHeadDim / 8;   // n8 tiles of O
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kLn2 = 0.6931471805599453f;
   constexpr uint32_t kRowBytes = kChunks * 16;  // one 16-bit row of q/k/v in shared memory
   // Columns of V and O that exist (a multiple of 16, see prefill.cu's check).
   const int v_dim = kNarrowV ? p.v_head_dim : kHeadDim;
@@ -681,13 +599,6 @@ PrefillKernelShape shape_of() {
   shape.kv_tile = Tr::kTileKeys;
   shape.ctas_per_sm = Tr::kMinBlocks;
   return shape;
-}
-
-inline void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw_error(ErrorKind::kDeviceError, what, cudaGetErrorString(err));
-  }
 }
 
 template <int kHeadDim, bool kNarrowV, typename T>

@@ -1,0 +1,73 @@
+// The epilogue of the Hopper prefill kernel: a consumer thread's two rows of O, normalised, to
+// the output (io dtype or fp32) or to the tile's split-KV partial slot, plus the LSE.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/kernels/sm90/tile_scheduler.cuh"
+#include "cuda/kernels/toolkit/online_softmax.cuh"
+#include "cuda/kernels/toolkit/ptx.cuh"
+
+namespace kvattn::cuda::sm90 {
+
+/// Writes rows tile_row(0) and tile_row(1) of tile t. o is in the wgmma accumulator layout
+/// (per n8 block j: o[4j + 2h + e] is column 8j + 2 (lane % 4) + e of row h). An empty tile
+/// (no visible key) passes o = 0 and a fresh softmax: output 0, LSE -inf (the empty partial).
+template <typename T, int kOutRegs>
+__device__ __forceinline__ void store_tile_rows(const core::AttentionParams& p,
+                                                const core::PrefillTiles& tiles,
+                                                const PrefillTile& t, int group, int v_dim,
+                                                const int (&rows)[2], int lane,
+                                                const float (&o)[kOutRegs],
+                                                const RowPairSoftmax& softmax, float scale_log2) {
+  float inv_sum[2], lse[2];
+  softmax.finish(scale_log2, p.v_scale, inv_sum, lse);
+  const int column = (lane & 3) * 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int packed = t.row0 + rows[h];
+    if (packed >= t.rows_total) continue;
+    const int token = packed / group;
+    const int head = t.kv_head * group + packed % group;
+    float* lse_dst = nullptr;
+    if (t.partial >= 0) {
+      // A chunk of a split tile: fp32 rows of its partial slot (already normalised).
+      const int64_t slot_row = int64_t(t.partial) * tiles.tile_rows + rows[h];
+      float* dst = tiles.partial_out + slot_row * v_dim + column;
+#pragma unroll
+      for (int j = 0; j < kOutRegs / 4; ++j) {
+        if (j * 8 >= v_dim) break;
+        *reinterpret_cast<float2*>(dst + j * 8) =
+            make_float2(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+      }
+      lse_dst = tiles.partial_lse + slot_row;
+    } else {
+      const int64_t offset = (int64_t(t.q_begin) + token) * p.out_stride_token +
+                             int64_t(head) * p.out_stride_head + column;
+      if (p.out_fp32) {
+        float* dst = static_cast<float*>(p.out) + offset;
+#pragma unroll
+        for (int j = 0; j < kOutRegs / 4; ++j) {
+          if (j * 8 >= v_dim) break;
+          *reinterpret_cast<float2*>(dst + j * 8) =
+              make_float2(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+        }
+      } else {
+        T* dst = static_cast<T*>(p.out) + offset;
+#pragma unroll
+        for (int j = 0; j < kOutRegs / 4; ++j) {
+          if (j * 8 >= v_dim) break;
+          *reinterpret_cast<uint32_t*>(dst + j * 8) =
+              ptx::pack2<T>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+        }
+      }
+      if (p.lse != nullptr) lse_dst = p.lse + (int64_t(t.q_begin) + token) * p.num_q_heads + head;
+    }
+    if (lse_dst != nullptr && (lane & 3) == 0) *lse_dst = lse[h];
+  }
+}
+
+}  // namespace kvattn::cuda::sm90

@@ -1,0 +1,184 @@
+// The Hopper (sm_90a) batch prefill kernel: warp-specialised (one producer warpgroup, two
+// consumer warpgroups), wgmma for S = Q K^T (both operands in shared memory) and O += P V (P in
+// registers), an mbarrier ring of K/V stages, a persistent grid. It runs every item of a
+// core::PrefillTiles plan, like the mma.sync kernel (prefill_kernel.cuh) it replaces on sm_90:
+// paged or ragged K/V, masks none / causal / custom, window, soft-cap, LSE, split-KV partials,
+// fp32 output, fp8 K/V, v_head_dim up to head_dim (a narrow V uses the head_dim-wide instance).
+//
+// Parts: sm90/prefill_traits.cuh (shapes, shared memory), sm90/tile_scheduler.cuh (which item
+// next, item geometry), sm90/prefill_mainloop.cuh (loads and products), sm90/prefill_epilogue.cuh
+// (stores). Included by the instance files prefill_sm90_hd*.cu only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/cuda_util.h"
+#include "cuda/kernels/prefill.h"
+#include "cuda/kernels/sm90/prefill_epilogue.cuh"
+#include "cuda/kernels/sm90/prefill_mainloop.cuh"
+#include "cuda/kernels/sm90/prefill_traits.cuh"
+#include "cuda/kernels/sm90/tile_scheduler.cuh"
+#include "kvattn/error.h"
+
+namespace kvattn::cuda::sm90 {
+
+template <int kHeadDim, int kHeadDimV, int kStages, typename T>
+__global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::kThreads, 1)
+    batch_prefill_sm90_kernel(const core::AttentionParams p, const core::PrefillTiles tiles,
+                              const __grid_constant__ PrefillTensorMaps maps,
+                              const LaunchOptions options) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tr = PrefillTraits<kHeadDim, kHeadDimV, kStages>;
+  extern __shared__ unsigned char smem_raw[];
+  SharedBuffers<Tr> sm;
+  {
+    const uint32_t raw = ptx::smem_address(smem_raw);
+    const uint32_t aligned = (raw + 1023u) & ~1023u;
+    sm.base = aligned;
+    sm.ptr = smem_raw + (aligned - raw);
+  }
+  if (threadIdx.x == 0) sm.init_barriers(maps.enabled != 0);
+  __syncthreads();
+
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warpgroup = warp / 4;
+  const int group = tiles.group_size;
+  const int v_dim = p.v_head_dim;
+  const StaticTileScheduler scheduler{tiles.num_items};
+  const bool soft_cap = p.logit_cap > 0.f;
+  // k_scale folds into the logit scale, v_scale into the output (exact: dequantisation is a
+  // per-tensor product).
+  const float qk_scale = p.sm_scale * p.k_scale;
+  const float scale_log2 = soft_cap ? ptx::kLog2e : qk_scale * ptx::kLog2e;
+
+  if (warpgroup == 0) {
+    ptx::warpgroup_registers_release<Tr::kProducerRegisters>();
+    PrefillProducer<Tr, T> producer{p,
+                                    sm,
+                                    maps,
+                                    static_cast<int>(threadIdx.x),
+                                    p.kv_indices != nullptr,
+                                    is_fp8_dtype(p.kv_dtype),
+                                    p.kv_dtype == DType::kFloat8E5M2,
+                                    v_dim,
+                                    options.diagnostic};
+    uint32_t it = 0;
+    for (int index = scheduler.first(); scheduler.valid(index); index = scheduler.next(index)) {
+      const PrefillTile t = PrefillTile::load<Tr::kKvTile>(p, tiles, index);
+      if (t.num_blocks > 0) producer.run_tile(t, group, it);
+    }
+  } else {
+    ptx::warpgroup_registers_take<Tr::kConsumerRegisters>();
+    using Consumer = PrefillConsumer<Tr, T>;
+    const int window = p.mask == core::MaskMode::kNone ? -1 : p.window_left;
+    Consumer consumer{p,
+                      sm,
+                      warpgroup - 1,
+                      warp % 4,
+                      lane,
+                      p.mask == core::MaskMode::kCausal,
+                      p.mask == core::MaskMode::kCustom,
+                      window,
+                      soft_cap,
+                      scale_log2,
+                      soft_cap ? qk_scale / p.logit_cap : 0.f,
+                      options.ping_pong,
+                      options.diagnostic,
+                      options.emulated_exp_blocks};
+    // The Q buffer starts free; the first warpgroup starts the ping-pong.
+    ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
+    if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
+    const int rows[2] = {consumer.tile_row(0), consumer.tile_row(1)};
+    uint32_t it = 0, q_phase = 0;
+    float o[Consumer::kOutRegs];
+    for (int index = scheduler.first(); scheduler.valid(index); index = scheduler.next(index)) {
+      const PrefillTile t = PrefillTile::load<Tr::kKvTile>(p, tiles, index);
+      if (!t.has_rows()) continue;  // a padding item writes nothing
+      RowPairSoftmax softmax;
+      if (t.num_blocks > 0) {
+        consumer.run_tile(t, group, o, softmax, it, q_phase);
+      } else {
+#pragma unroll
+        for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;
+      }
+      store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2);
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never selects this kernel then
+#endif
+}
+
+/// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
+/// Host side: the tensor maps of ragged K and V (io dtype, 16-byte aligned rows), or disabled
+/// maps when the call is paged, fp8, or not expressible (the kernel then copies row by row).
+PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile);
+
+/// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
+template <int kHeadDim, int kHeadDimV, int kStages, typename T>
+void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                     const PrefillTensorMaps& maps, const LaunchOptions& options,
+                     cudaStream_t stream) {
+  using Tr = PrefillTraits<kHeadDim, kHeadDimV, kStages>;
+  auto kernel = batch_prefill_sm90_kernel<kHeadDim, kHeadDimV, kStages, T>;
+  static std::atomic<uint64_t> devices_ready{0};
+  int device = 0;
+  const cudaError_t got = cudaGetDevice(&device);
+  const uint64_t bit = (got == cudaSuccess && device < 64) ? (uint64_t{1} << device) : 0;
+  if (bit == 0 || (devices_ready.load(std::memory_order_acquire) & bit) == 0) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Tr::kSmemAllocBytes),
+               "batch_prefill_sm90: cudaFuncSetAttribute");
+    devices_ready.fetch_or(bit, std::memory_order_release);
+  }
+  const int grid = std::min(tiles.num_items, std::max(options.max_ctas, 1));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAllocBytes, stream>>>(p, tiles, maps, options);
+  check_launch("batch_prefill_sm90");
+}
+
+/// The instance of a call: the io dtype, and the ring depth (the tensor-map path takes the
+/// deepest ring that fits, row copies two stages; LaunchOptions::stages overrides for A/B).
+template <int kHeadDim, int kHeadDimV>
+void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                      const LaunchOptions& options, cudaStream_t stream) {
+  constexpr int kDeep = max_prefill_stages(kHeadDim);
+  constexpr int kKvTile = PrefillTraits<kHeadDim, kHeadDimV>::kKvTile;
+  const PrefillTensorMaps maps = make_ragged_tensor_maps(p, kKvTile);
+  const int stages = options.stages > 0 ? options.stages : (maps.enabled ? kDeep : 2);
+  const bool deep = stages >= 3 && kDeep >= 3;
+  auto launch = [&]<int kStages>() {
+    if (p.io_dtype == DType::kBFloat16) {
+      launch_instance<kHeadDim, kHeadDimV, kStages, __nv_bfloat16>(p, tiles, maps, options,
+                                                                   stream);
+    } else {
+      launch_instance<kHeadDim, kHeadDimV, kStages, __half>(p, tiles, maps, options, stream);
+    }
+  };
+  if constexpr (kDeep >= 3) {
+    if (deep) {
+      launch.template operator()<kDeep>();
+      return;
+    }
+  }
+  launch.template operator()<2>();
+}
+
+// One per instance file (prefill_sm90_hd<D>.cu).
+void launch_prefill_sm90_hd64(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                              const LaunchOptions& options, cudaStream_t stream);
+void launch_prefill_sm90_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                               const LaunchOptions& options, cudaStream_t stream);
+void launch_prefill_sm90_hd192(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                               const LaunchOptions& options, cudaStream_t stream);
+void launch_prefill_sm90_hd256(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                               const LaunchOptions& options, cudaStream_t stream);
+
+}  // namespace kvattn::cuda::sm90

@@ -1,0 +1,609 @@
+// The mainloop of the Hopper prefill kernel: the producer warpgroup's loads and the consumer
+// warpgroups' S = Q K^T, online softmax and O += P V on warpgroup MMAs.
+//
+// Pipeline (per tile, blocks n = num_blocks - 1 down to 0, each block in stage it % kStages of
+// a running iteration count `it` that continues across the tiles of a CTA):
+//   producer:  K[n_last], Q, then for each later block: K[n], V[n + 1]; finally V[0]
+//   consumer:  S = Q K[n_last]; softmax
+//              for each later block: issue S = Q K[n] and O += P V[n + 1]; wait for S; release
+//              K; softmax of S (overlapping the P V product on the tensor cores); wait for O;
+//              release V; rescale O; P = S
+//              O += P V[0]
+// The two consumer warpgroups take turns issuing their products (named barriers kScheduleFirst
+// + wg), so one's softmax overlaps the other's matrix work (FA3's ping-pong).
+//
+// Loads: paged and ragged K/V and Q are gathered row by row with 16-byte cp.async (a slot per
+// key, from kv_indices; rows past the block's keys or slots outside the pool are zero-filled,
+// never read), completing on the stage's mbarrier through cp.async.mbarrier.arrive; fp8 K/V
+// are loaded into registers, widened exactly to the io dtype and stored into the stage.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/kernels/sm90/prefill_traits.cuh"
+#include "cuda/kernels/sm90/tile_scheduler.cuh"
+#include "cuda/kernels/toolkit/online_softmax.cuh"
+#include "cuda/kernels/toolkit/ptx.cuh"
+#include "cuda/kernels/toolkit/wgmma.cuh"
+
+namespace kvattn::cuda::sm90 {
+
+/// Shared-memory addresses of one CTA's buffers and barriers.
+template <class Tr>
+struct SharedBuffers {
+  uint32_t base = 0;        // .shared address, 1024-byte aligned
+  unsigned char* ptr = nullptr;  // the same bytes as a generic pointer
+
+  __device__ __forceinline__ uint32_t q() const { return base + Tr::kQOffset; }
+  __device__ __forceinline__ uint32_t k(int stage) const {
+    return base + Tr::kKOffset + stage * Tr::kKBytes;
+  }
+  __device__ __forceinline__ uint32_t v(int stage) const {
+    return base + Tr::kVOffset + stage * Tr::kVBytes;
+  }
+  __device__ __forceinline__ int32_t* slots(int table) const {
+    return reinterpret_cast<int32_t*>(ptr + Tr::kSlotOffset) + table * Tr::kKvTile;
+  }
+  __device__ __forceinline__ uint32_t scratch_word(int consumer_warp) const {
+    return base + Tr::kScratchOffset + consumer_warp * 4;
+  }
+  __device__ __forceinline__ uint32_t barrier(int index) const {
+    return base + Tr::kBarrierOffset + index * 8;
+  }
+  __device__ __forceinline__ uint32_t q_full() const { return barrier(0); }
+  __device__ __forceinline__ uint32_t k_full(int stage) const { return barrier(1 + stage); }
+  __device__ __forceinline__ uint32_t v_full(int stage) const {
+    return barrier(1 + Tr::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t k_empty(int stage) const {
+    return barrier(1 + 2 * Tr::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t v_empty(int stage) const {
+    return barrier(1 + 3 * Tr::kStages + stage);
+  }
+
+  /// One thread initialises every barrier; the CTA synchronises afterwards. A stage fills by
+  /// one arrival per producer thread (row copies) or by one arrival and the bytes of its tensor
+  /// copies (tma).
+  __device__ __forceinline__ void init_barriers(bool tma) const {
+    constexpr uint32_t kProducerThreads = 128;
+    constexpr uint32_t kConsumerWarps = 4 * Tr::kConsumerWarpgroups;
+    const uint32_t kv_arrivals = tma ? 1 : kProducerThreads;
+    ptx::mbarrier_init(q_full(), kProducerThreads);
+    for (int s = 0; s < Tr::kStages; ++s) {
+      ptx::mbarrier_init(k_full(s), kv_arrivals);
+      ptx::mbarrier_init(v_full(s), kv_arrivals);
+      ptx::mbarrier_init(k_empty(s), kConsumerWarps);
+      ptx::mbarrier_init(v_empty(s), kConsumerWarps);
+    }
+  }
+};
+
+/// Position in the stage ring: iteration `it` uses stage it % kStages in phase (it / kStages).
+template <int kStages>
+struct RingPosition {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ static RingPosition of(uint32_t it) {
+    return {static_cast<int>(it % kStages), (it / kStages) & 1u};
+  }
+};
+
+// ---- producer --------------------------------------------------------------------------------
+
+template <class Tr, typename T>
+struct PrefillProducer {
+  static constexpr int kThreads = 128;
+  using Ring = RingPosition<Tr::kStages>;
+
+  const core::AttentionParams& p;
+  const SharedBuffers<Tr>& sm;
+  const PrefillTensorMaps& maps;  // ragged K/V by TMA when maps.enabled
+  int tid;  // 0..127
+  bool paged;
+  bool fp8;
+  bool e5m2;
+  int v_dim;  // V columns that exist (kHeadDimV, or fewer for a narrow V)
+  int diagnostic;  // LaunchOptions::diagnostic
+
+  // Copy geometry: a thread owns 16-byte chunk column tid % 8 of every 64-column sub-tile and
+  // the rows tid / 8 + 16 i, so its destination offsets are compile-time constants past one
+  // per-thread base (the swizzle term (tid % 8) ^ (row % 8) is the same for all its rows) and a
+  // warp's copies cover four whole 128-byte row segments.
+  static constexpr int kRowStep = kThreads / 8;
+
+  __device__ __forceinline__ int row_in_step() const { return tid / 8; }
+  /// Byte offset of this thread's chunk in row row_in_step() of sub-tile 0 of a tile.
+  __device__ __forceinline__ uint32_t chunk_base() const {
+    const int r0 = row_in_step();
+    return uint32_t(r0) * 128 + uint32_t((tid % 8) ^ (r0 % 8)) * 16;
+  }
+
+  /// Gathers the tile's 128 packed rows of Q (rows past the request are zeros) into the Q
+  /// buffer; arrives on q_full when the copies land.
+  __device__ __forceinline__ void load_q(const PrefillTile& t, int group) const {
+    constexpr int kSubTiles = Tr::kHeadDim / 64;
+    const T* q = static_cast<const T*>(p.q) + (tid % 8) * 8;
+    const uint32_t dst = sm.q() + chunk_base();
+#pragma unroll
+    for (int i = 0; i < Tr::kTileRows / kRowStep; ++i) {
+      const int packed = t.row0 + row_in_step() + i * kRowStep;
+      const bool valid = packed < t.rows_total;
+      const T* src = q;
+      if (valid) {
+        const int token = packed / group;
+        const int head = t.kv_head * group + packed % group;
+        src = q + (int64_t(t.q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head;
+      }
+#pragma unroll
+      for (int sub = 0; sub < kSubTiles; ++sub) {
+        ptx::cp_async_zfill<16>(dst + sub * Tr::kTileRows * 128 + i * kRowStep * 128, src + sub * 64,
+                                valid);
+      }
+    }
+    ptx::cp_async_mbarrier_arrive(sm.q_full());
+  }
+
+  /// The storage row of this thread's row i of a block (-1: none: past the block's keys, or a
+  /// slot outside the pool, already folded into the paged table).
+  __device__ __forceinline__ int64_t block_row(const PrefillTile& t, const int32_t* table,
+                                               int block_start, int rows_valid, int i) const {
+    const int r = row_in_step() + i * kRowStep;
+    if (paged) return table[r];
+    return r < rows_valid ? t.kv_base + block_start + r : int64_t(-1);
+  }
+
+  /// Copies keys [block_start, block_start + rows_valid) of K (kCols = head_dim) or V (kCols =
+  /// the V width) into the swizzled tile at `dst`, as 16-bit values; columns from valid_cols on
+  /// (a narrow V) and rows without a key become zeros.
+  template <int kCols>
+  __device__ __forceinline__ void copy_rows_16bit(const PrefillTile& t, const void* base_void,
+                                                  int64_t stride_token, int64_t stride_head,
+                                                  int valid_cols, uint32_t dst,
+                                                  const int32_t* table, int block_start,
+                                                  int rows_valid) const {
+    constexpr int kSubTiles = kCols / 64;
+    const T* base =
+        static_cast<const T*>(base_void) + int64_t(t.kv_head) * stride_head + (tid % 8) * 8;
+    dst += chunk_base();
+#pragma unroll
+    for (int i = 0; i < Tr::kKvTile / kRowStep; ++i) {
+      const int64_t row = block_row(t, table, block_start, rows_valid, i);
+      const T* src = base + (row >= 0 ? row : 0) * stride_token;
+#pragma unroll
+      for (int sub = 0; sub < kSubTiles; ++sub) {
+        const bool valid = row >= 0 && sub * 64 + (tid % 8) * 8 < valid_cols;
+        ptx::cp_async_zfill<16>(dst + sub * Tr::kKvTile * 128 + i * kRowStep * 128,
+                                src + sub * 64, valid);
+      }
+    }
+  }
+
+  /// The same for fp8 storage: a thread loads 16 fp8 values (16 bytes) of a row and widens them
+  /// exactly to T: two 16-byte chunks, 2 (tid % 4) and 2 (tid % 4) + 1 of the sub-tile, for the
+  /// rows tid / 4 + 32 i.
+  template <int kCols>
+  __device__ __forceinline__ void copy_rows_fp8(const PrefillTile& t, const void* base_void,
+                                                int64_t stride_token, int64_t stride_head,
+                                                int valid_cols, uint32_t dst,
+                                                const int32_t* table, int block_start,
+                                                int rows_valid) const {
+    constexpr int kSubTiles = kCols / 64;
+    constexpr int kFp8RowStep = kThreads / 4;
+    constexpr int kRows = Tr::kKvTile / kFp8RowStep;  // rows a thread loads per sub-tile
+    const uint8_t* base = static_cast<const uint8_t*>(base_void) +
+                          int64_t(t.kv_head) * stride_head + (tid % 4) * 16;
+    const int r0 = tid / 4;
+    const int q4 = tid % 4;
+    unsigned char* tile = sm.ptr + (dst - sm.base);
+    int64_t rows[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = r0 + i * kFp8RowStep;
+      rows[i] = paged ? int64_t(table[r])
+                      : (r < rows_valid ? t.kv_base + block_start + r : int64_t(-1));
+    }
+#pragma unroll 1
+    for (int sub = 0; sub < kSubTiles; ++sub) {
+      const bool cols = sub * 64 + q4 * 16 < valid_cols;
+      uint4 raw[kRows];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        raw[i] = rows[i] >= 0 && cols ? __ldg(reinterpret_cast<const uint4*>(
+                                            base + rows[i] * stride_token + sub * 64))
+                                      : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = r0 + i * kFp8RowStep;
+        const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+        uint32_t widened[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          widened[2 * w] = ptx::fp8x2_to<T>(static_cast<uint16_t>(words[w] & 0xffffu), e5m2);
+          widened[2 * w + 1] = ptx::fp8x2_to<T>(static_cast<uint16_t>(words[w] >> 16), e5m2);
+        }
+        unsigned char* row_bytes = tile + sub * Tr::kKvTile * 128 + r * 128;
+        *reinterpret_cast<uint4*>(row_bytes + ((2 * q4) ^ (r % 8)) * 16) =
+            make_uint4(widened[0], widened[1], widened[2], widened[3]);
+        *reinterpret_cast<uint4*>(row_bytes + ((2 * q4 + 1) ^ (r % 8)) * 16) =
+            make_uint4(widened[4], widened[5], widened[6], widened[7]);
+      }
+    }
+  }
+
+  /// Loads block `block` of K (is_v false) or V into stage position `at`, after the consumers
+  /// released it; arrives on the stage's full barrier when the data is in place.
+  __device__ __forceinline__ void load_block(const PrefillTile& t, bool is_v, int block,
+                                             Ring at, const int32_t* table) const {
+    if (maps.enabled) {
+      // A V block that runs past the request's keys is copied row by row with zeros past them:
+      // a box would bring in the next request's rows, and P = 0 times a NaN there is NaN (K
+      // rows need no care: masked scores are -inf whatever K holds).
+      const bool partial_v = is_v && t.kv_begin + (block + 1) * Tr::kKvTile > t.kv_end;
+      if (!partial_v) {
+        if (tid == 0) load_block_tma(t, is_v, block, at);
+        return;
+      }
+      ptx::mbarrier_wait(sm.v_empty(at.stage), at.phase ^ 1u);
+      const int block_start = t.kv_begin + block * Tr::kKvTile;
+      copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
+                                     sm.v(at.stage), nullptr, block_start,
+                                     t.kv_end - block_start);
+      ptx::cp_async_wait<0>();  // this thread's rows landed
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(kProducerTable, kThreads);
+      if (tid == 0) ptx::mbarrier_arrive(sm.v_full(at.stage));  // the stage's one arrival
+      return;
+    }
+    ptx::mbarrier_wait(is_v ? sm.v_empty(at.stage) : sm.k_empty(at.stage), at.phase ^ 1u);
+    const int block_start = t.kv_begin + block * Tr::kKvTile;
+    const int rows_valid = min(Tr::kKvTile, t.kv_end - block_start);
+    const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
+    if (diagnostic & kDiagnosticNoKvLoads) {
+      ptx::mbarrier_arrive(full);
+    } else if (!fp8) {
+      if (is_v) {
+        copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
+                                       sm.v(at.stage), table, block_start, rows_valid);
+      } else {
+        copy_rows_16bit<Tr::kHeadDim>(t, p.k, p.k_stride_token, p.k_stride_head, Tr::kHeadDim,
+                                      sm.k(at.stage), table, block_start, rows_valid);
+      }
+      ptx::cp_async_mbarrier_arrive(full);
+    } else {
+      if (is_v) {
+        copy_rows_fp8<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
+                                     sm.v(at.stage), table, block_start, rows_valid);
+      } else {
+        copy_rows_fp8<Tr::kHeadDim>(t, p.k, p.k_stride_token, p.k_stride_head, Tr::kHeadDim,
+                                    sm.k(at.stage), table, block_start, rows_valid);
+      }
+      ptx::fence_proxy_async_shared();  // the stores above are read by wgmma (async proxy)
+      ptx::mbarrier_arrive(full);
+    }
+  }
+
+  /// Ragged K/V by tensor map, one thread: a box per 64-column sub-tile. Rows past the
+  /// request's keys are other requests' rows (the consumers mask them; finite, so P = 0 keeps
+  /// them out of O) or past the tensor (zeros).
+  __device__ __forceinline__ void load_block_tma(const PrefillTile& t, bool is_v, int block,
+                                                 Ring at) const {
+    ptx::mbarrier_wait(is_v ? sm.v_empty(at.stage) : sm.k_empty(at.stage), at.phase ^ 1u);
+    const int row = static_cast<int>(t.kv_base) + t.kv_begin + block * Tr::kKvTile;
+    const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
+    if (diagnostic & kDiagnosticNoKvLoads) {
+      ptx::mbarrier_arrive(full);
+      return;
+    }
+    const int sub_tiles = (is_v ? Tr::kHeadDimV : Tr::kHeadDim) / 64;
+    ptx::mbarrier_arrive_expect_tx(full, sub_tiles * Tr::kKvTile * 128);
+    const uint32_t dst = is_v ? sm.v(at.stage) : sm.k(at.stage);
+    const void* map = is_v ? static_cast<const void*>(&maps.v) : static_cast<const void*>(&maps.k);
+    for (int sub = 0; sub < sub_tiles; ++sub) {
+      ptx::tma_load_3d(dst + sub * Tr::kKvTile * 128, map, sub * 64, t.kv_head, row, full);
+    }
+  }
+
+  /// Paged: the slot of key block_start + tid of the block, -1 past the block's keys or outside
+  /// the pool (such a row is zero-filled, never read); the caller writes it into the block's
+  /// table before the copies need it.
+  __device__ __forceinline__ int32_t fetch_slot(const PrefillTile& t, int block) const {
+    const int j = t.kv_begin + block * Tr::kKvTile + tid;
+    const int block_end = min(t.kv_begin + (block + 1) * Tr::kKvTile, t.kv_end);
+    if (tid >= Tr::kKvTile || j >= block_end) return -1;
+    const int32_t slot = p.kv_indices[t.kv_base + j];
+    return (slot >= 0 && slot < p.num_slots) ? slot : -1;
+  }
+
+  /// Publishes the slots of the block loaded at iteration `it` (paged only).
+  __device__ __forceinline__ const int32_t* publish_slots(uint32_t it, int32_t slot) const {
+    if (!paged) return nullptr;
+    int32_t* table = sm.slots(static_cast<int>(it % Tr::kSlotTables));
+    if (tid < Tr::kKvTile) table[tid] = slot;
+    ptx::named_barrier_sync(kProducerTable, kThreads);
+    return table;
+  }
+
+  /// All the loads of one tile. `it` is the running stage iteration (advanced by num_blocks).
+  /// Step 0 loads K[last] then Q; step s loads K[last - s] and V[last - s + 1]; the last step
+  /// V[0] (one call site per operand keeps the unrolled copy code small).
+  __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, uint32_t& it) const {
+    const int last = t.num_blocks - 1;
+    // Slot tables (paged): the table of iteration i is written before K[i] and read by K[i]
+    // and V[i] (one step later); three tables in rotation and the table barrier of each K load
+    // keep a table from being rewritten while a slower thread still reads it for V.
+    int32_t slot = paged ? fetch_slot(t, last) : -1;
+    const int32_t* k_table = nullptr;
+    const int32_t* v_table = nullptr;
+#pragma unroll 1
+    for (int step = 0; step <= t.num_blocks; ++step) {
+      if (step < t.num_blocks) {
+        const int block = last - step;
+        k_table = publish_slots(it + step, slot);
+        if (paged && block > 0) slot = fetch_slot(t, block - 1);  // in flight during the copies
+        load_block(t, false, block, Ring::of(it + step), k_table);
+      }
+      if (step == 0) {
+        // Q after the first K: the consumers release the Q buffer after the last S of their
+        // previous tile (or at the start).
+        ptx::named_barrier_sync(kQueryEmpty, Tr::kThreads);
+        load_q(t, group);
+      } else {
+        load_block(t, true, last - step + 1, Ring::of(it + step - 1), v_table);
+      }
+      v_table = k_table;
+    }
+    it += t.num_blocks;
+  }
+};
+
+// ---- consumers -------------------------------------------------------------------------------
+
+template <class Tr, typename T>
+struct PrefillConsumer {
+  static constexpr int kScoreRegs = Tr::kKvTile / 2;   // S: 64 x kKvTile over 128 threads
+  static constexpr int kOutRegs = Tr::kHeadDimV / 2;   // O: 64 x kHeadDimV
+  static constexpr int kKeySteps = Tr::kKvTile / 16;   // k16 steps of O += P V
+  static constexpr int kKeyBlocks8 = Tr::kKvTile / 8;  // n8 blocks of S
+  using Ring = RingPosition<Tr::kStages>;
+
+  const core::AttentionParams& p;
+  const SharedBuffers<Tr>& sm;
+  int wg;    // 0 or 1: which 64 rows of the tile
+  int warp;  // 0..3 inside the warpgroup
+  int lane;
+
+  // Logit transform and masks (runtime; the same for every tile of the call).
+  bool causal;
+  bool custom;
+  int window;  // -1: none
+  bool soft_cap;
+  float scale_log2;
+  float cap_inner;
+  bool ping_pong;
+  int diagnostic;           // LaunchOptions::diagnostic
+  int emulated_exp_blocks;  // LaunchOptions::emulated_exp_blocks
+
+  /// Row of the tile (0..127) that this thread's half h holds.
+  __device__ __forceinline__ int tile_row(int h) const {
+    return wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+  }
+
+  // Operand descriptors: Q's (this warpgroup's 64 rows) and stage 0's K and V; a stage and a
+  // k16 block are constant byte steps from them.
+  __device__ __forceinline__ ptx::SmemDescriptor q_desc() const {
+    return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.q() + wg * 64 * 128);
+  }
+  __device__ __forceinline__ ptx::SmemDescriptor k_desc(int stage) const {
+    return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.k(0)).plus(stage * Tr::kKBytes);
+  }
+  __device__ __forceinline__ ptx::SmemDescriptor v_desc(int stage) const {
+    return ptx::smem_descriptor<Tr::kKvTile * 128, ptx::kSwizzleAtomBytes>(sm.v(0))
+        .plus(stage * Tr::kVBytes);
+  }
+
+  /// Issues S = Q K^T on stage `stage` (one wgmma group).
+  __device__ __forceinline__ void issue_scores(float (&s)[kScoreRegs], int stage) const {
+    ptx::fence_registers(s);
+    ptx::wgmma_fence();
+    const ptx::SmemDescriptor q = q_desc();
+    const ptx::SmemDescriptor k = k_desc(stage);
+#pragma unroll
+    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<T, Tr::kKvTile>(s, q.at(ptx::kmajor_step<Tr::kTileRows>(kk)),
+                                    k.at(ptx::kmajor_step<Tr::kKvTile>(kk)), kk > 0);
+    }
+    ptx::wgmma_commit_group();
+    ptx::fence_registers(s);
+  }
+
+  __device__ __forceinline__ static void fence_fragments(uint32_t (&pf)[kKeySteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) ptx::fence_registers(pf[kk]);
+  }
+
+  /// Issues O += P V on stage `stage` (one wgmma group).
+  __device__ __forceinline__ void issue_pv(float (&o)[kOutRegs], uint32_t (&pf)[kKeySteps][4],
+                                           int stage) const {
+    ptx::fence_registers(o);
+    fence_fragments(pf);
+    ptx::wgmma_fence();
+    const ptx::SmemDescriptor v = v_desc(stage);
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) {
+      ptx::wgmma_rs_trans_b<T, Tr::kHeadDimV>(o, pf[kk], v.at(ptx::mnmajor_step(kk)), true);
+    }
+    ptx::wgmma_commit_group();
+    ptx::fence_registers(o);
+    fence_fragments(pf);
+  }
+
+  /// Signals that this warp is done reading a stage (the barrier counts the consumer warps).
+  __device__ __forceinline__ void release(uint32_t empty_barrier) const {
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(empty_barrier);
+  }
+
+  /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf).
+  __device__ __forceinline__ void transform_scores(float (&s)[kScoreRegs], const PrefillTile& t,
+                                                   int group, int block,
+                                                   const uint8_t* mask_base,
+                                                   int64_t mask_row_len) const {
+    if (soft_cap) {
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) s[i] = p.logit_cap * ptx::fast_tanh(s[i] * cap_inner);
+    }
+    const int key0 = t.kv_begin + block * Tr::kKvTile;
+    const int diagonal = t.kv_len - t.q_len;
+    const int first_token = t.row0 / group;
+    const int last_token = (min(t.rows_total, t.row0 + Tr::kTileRows) - 1) / group;
+    // CTA-uniform: masks only where some element of the block can be hidden.
+    const bool needs_mask = custom || key0 + Tr::kKvTile > t.kv_end ||
+                            (causal && key0 + Tr::kKvTile - 1 > diagonal + first_token) ||
+                            (window >= 0 && key0 < diagonal + last_token - window);
+    if (!needs_mask) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int packed = t.row0 + tile_row(h);
+      const int token = min(packed, t.rows_total - 1) / group;
+      const int last_visible = causal ? diagonal + token : t.kv_end;
+      const int first_visible = window >= 0 ? diagonal + token - window : 0;
+      const uint8_t* mask_row = custom ? mask_base + int64_t(token) * mask_row_len : nullptr;
+#pragma unroll
+      for (int n = 0; n < kKeyBlocks8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = key0 + n * 8 + (lane & 3) * 2 + e;
+          bool visible = j < t.kv_end && j <= last_visible && j >= first_visible;
+          if (custom && visible) visible = mask_row[j] != 0;
+          if (!visible) s[4 * n + 2 * h + e] = -INFINITY;
+        }
+      }
+    }
+  }
+
+  /// P (the A fragments of the k16 steps) from probabilities in the S layout.
+  __device__ __forceinline__ static void to_fragments(const float (&s)[kScoreRegs],
+                                                      uint32_t (&pf)[kKeySteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) {
+      pf[kk][0] = ptx::pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = ptx::pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = ptx::pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = ptx::pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  }
+
+  __device__ __forceinline__ static void rescale(float (&o)[kOutRegs], const float (&f)[2]) {
+#pragma unroll
+    for (int j = 0; j < kOutRegs / 4; ++j) {
+      o[4 * j + 0] *= f[0];
+      o[4 * j + 1] *= f[0];
+      o[4 * j + 2] *= f[1];
+      o[4 * j + 3] *= f[1];
+    }
+  }
+
+  __device__ __forceinline__ void schedule_wait() const {
+    if (ping_pong) ptx::named_barrier_sync(kScheduleFirst + wg, 256);
+  }
+  __device__ __forceinline__ void schedule_pass() const {
+    if (ping_pong) ptx::named_barrier_arrive(kScheduleFirst + (wg ^ 1), 256);
+  }
+
+  /// The whole mainloop of one tile (num_blocks > 0): on return o holds the unnormalised output
+  /// and `softmax` the rows' state. `it` and `q_phase` advance.
+  __device__ __forceinline__ void run_tile(const PrefillTile& t, int group,
+                                           float (&o)[kOutRegs], RowPairSoftmax& softmax,
+                                           uint32_t& it, uint32_t& q_phase) const {
+    const uint8_t* mask_base = nullptr;
+    int64_t mask_row_len = 0;
+    if (custom) {
+      // The request's mask is [q_len, row_len], row_len >= kv_len; keys are the last kv_len
+      // columns of a row (the CPU backend's contract).
+      const int64_t begin = p.mask_indptr[t.request];
+      mask_row_len = t.q_len > 0 ? (p.mask_indptr[t.request + 1] - begin) / t.q_len : 0;
+      mask_base = p.custom_mask + begin + (mask_row_len - t.kv_len);
+    }
+#pragma unroll
+    for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
+    softmax = RowPairSoftmax{};
+
+    float s[kScoreRegs];
+    uint32_t pf[kKeySteps][4];
+    float factor[2];
+    int block = t.num_blocks - 1;
+    const uint32_t scratch = sm.scratch_word(wg * 4 + warp);
+
+    ptx::mbarrier_wait(sm.q_full(), q_phase);
+    q_phase ^= 1u;
+    Ring at = Ring::of(it);
+    ptx::mbarrier_wait(sm.k_full(at.stage), at.phase);
+    issue_scores(s, at.stage);
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_registers(s);
+    release(sm.k_empty(at.stage));
+    transform_scores(s, t, group, block, mask_base, mask_row_len);
+    softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+    to_fragments(s, pf);
+
+    for (--block; block >= 0; --block) {
+      const Ring next = Ring::of(it + 1);
+      ptx::mbarrier_wait(sm.k_full(next.stage), next.phase);
+      schedule_wait();
+      issue_scores(s, next.stage);
+      ptx::mbarrier_wait(sm.v_full(at.stage), at.phase);
+      issue_pv(o, pf, at.stage);
+      schedule_pass();
+      ptx::wgmma_wait_group<1>();  // S done; P V may still run
+      ptx::fence_registers(s);
+      release(sm.k_empty(next.stage));
+      bool moved = false;
+      if (!(diagnostic & kDiagnosticNoSoftmax)) {
+        transform_scores(s, t, group, block, mask_base, mask_row_len);
+        if constexpr (kKeyBlocks8 >= 8) {
+          if (emulated_exp_blocks == 4) {
+            moved = softmax.update<kKeyBlocks8, kKeyBlocks8 / 4>(s, scale_log2, factor);
+          } else if (emulated_exp_blocks == 8) {
+            moved = softmax.update<kKeyBlocks8, kKeyBlocks8 / 2>(s, scale_log2, factor);
+          } else {
+            moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+          }
+        } else {
+          moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+        }
+      }
+      // The softmax must run before the wait, overlapping the P V product on the tensor cores
+      // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
+      ptx::fence_registers(s);
+      if (lane == 0) ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
+      // P stays live until the product that reads it asynchronously has completed.
+      fence_fragments(pf);
+      ptx::wgmma_wait_group<0>();
+      ptx::fence_registers(o);
+      release(sm.v_empty(at.stage));
+      if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
+      to_fragments(s, pf);
+      at = next;
+      ++it;
+    }
+    // Every S of the tile is done: the producer may load the next tile's Q.
+    ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
+    ptx::mbarrier_wait(sm.v_full(at.stage), at.phase);
+    issue_pv(o, pf, at.stage);
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_registers(o);
+    release(sm.v_empty(at.stage));
+    ++it;
+  }
+};
+
+}  // namespace kvattn::cuda::sm90

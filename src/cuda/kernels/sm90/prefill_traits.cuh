@@ -1,0 +1,108 @@
+// Shapes, shared-memory layout and register budget of the Hopper (sm_90a) prefill kernel.
+//
+// A CTA is three warpgroups: warpgroup 0 loads (Q once per tile, then K and V blocks through a
+// ring of kStages shared-memory stages guarded by mbarriers), warpgroups 1 and 2 compute, each
+// on 64 of the tile's 128 packed rows (a wgmma is m64). One CTA per SM (the stages fill shared
+// memory), so the tile scheduler is persistent.
+//
+// Worked example, head_dim 128: Q 128 x 128 bf16 = 32 KiB; a K or V block 128 keys x 128 =
+// 32 KiB; three stages of K and V = 192 KiB; 224 KiB plus tables of the 227 KiB an SM offers.
+// A consumer thread holds S (64 x 128 fp32 over 128 threads = 64 registers), P (32), O (64).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/kernels/toolkit/wgmma.cuh"
+
+namespace kvattn::cuda::sm90 {
+
+/// Stages of the K/V ring that fit in shared memory next to Q: three at head_dim <= 128
+/// (Q 32 KiB + 3 x 64 KiB of K and V), two above.
+constexpr int max_prefill_stages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
+
+template <int kHeadDim_, int kHeadDimV_, int kStages_ = 2>
+struct PrefillTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kTileRows = 64 * kConsumerWarpgroups;  // packed rows (GQA group x tokens)
+  // Keys a block: 128 (FA3's choice for causal head_dim <= 192); head_dim 256 halves it so two
+  // stages of K and V (2 x 2 x 32 KiB) and Q (64 KiB) fit, and O (128 registers) + S fit the
+  // consumers' register budget.
+  static constexpr int kKvTile = kHeadDim <= 192 ? 128 : 64;
+  // Stages of the K/V ring (an instance parameter, see launch_for_dtype): the tensor-map path
+  // starts a block's copies two blocks ahead with three; the row copies measured faster with
+  // two (bench/NOTES.md, Hopper prefill v5).
+  static constexpr int kStages = kStages_;
+  // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 of 65536.
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
+
+  // Shared memory (byte offsets from a 1024-byte aligned base).
+  static constexpr int kQBytes = kTileRows * kHeadDim * 2;
+  static constexpr int kKBytes = kKvTile * kHeadDim * 2;
+  static constexpr int kVBytes = kKvTile * kHeadDimV * 2;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKBytes;
+  // Paged K/V: the slot of each key of a block, written by the producer warpgroup; three tables
+  // in rotation (see the producer) so a table is never rewritten while a V copy still reads it.
+  static constexpr int kSlotTables = 3;
+  static constexpr int kSlotOffset = kVOffset + kStages * kVBytes;
+  // One word per consumer warp: the target of ptx::pin_before_wgmma_wait (never read).
+  static constexpr int kScratchOffset = kSlotOffset + kSlotTables * kKvTile * 4;
+  static constexpr int kBarrierOffset = kScratchOffset + kConsumerWarpgroups * 4 * 4;
+  // q_full, then k_full / v_full / k_empty / v_empty per stage.
+  static constexpr int kNumBarriers = 1 + 4 * kStages;
+  static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8;
+  static constexpr int kSmemAllocBytes = kSmemBytes + 1024;  // slack to align the base
+
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "columns come in 64-wide sub-tiles");
+  static_assert(kKvTile % 16 == 0 && kKvTile <= 128, "one slot per producer thread and block key");
+  static_assert(kQOffset % 1024 == 0 && kKOffset % 1024 == 0 && kVOffset % 1024 == 0 &&
+                    kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
+                "swizzled tiles start on 1024-byte boundaries");
+  static_assert(kStages >= 2 && kStages <= max_prefill_stages(kHeadDim), "stages that fit");
+  static_assert(kSmemAllocBytes <= 227 * 1024, "shared memory of one SM");
+};
+
+/// Ragged K/V by tensor map (TMA): 3-d maps over [rows, heads, dim] of k and v with a box of
+/// [kKvTile rows, 1 head, 64 columns] in the 128-byte swizzle, which lands as one sub-tile of the
+/// stage's layout. `enabled` false: the producer copies row by row (paged K/V, fp8, or maps the
+/// driver could not encode). Passed as a __grid_constant__ kernel parameter.
+struct PrefillTensorMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+  int enabled = 0;
+};
+
+/// Launch choices of the Hopper prefill kernel that are not part of the plan (defaults are the
+/// tuned ones; KVATTN_SM90_PINGPONG=0 and KVATTN_SM90_CTAS=<n> override them for A/B runs).
+struct LaunchOptions {
+  int max_ctas = 0;       ///< persistent grid size: min(items, max_ctas); the SM count by default
+  bool ping_pong = true;  ///< the two consumer warpgroups take turns issuing their products
+  /// Benchmarking only (KVATTN_SM90_DIAG; the output is then garbage): bit 0 skips the K/V
+  /// copies (the stages are signalled full at once), bit 1 skips the softmax (P = S). Times with
+  /// a part left out say where the kernel's time goes.
+  int diagnostic = 0;
+  /// K/V ring depth: 0 = the instance's choice (launch_for_dtype); 2 or 3 forces one
+  /// (KVATTN_SM90_STAGES, A/B runs; 3 only where it fits).
+  int stages = 0;
+  /// n8 blocks of a 128-key score row (of 16) whose exponentials run on the FMA pipe
+  /// (KVATTN_SM90_EXP_EMU: 0, 4 or 8; A/B runs).
+  int emulated_exp_blocks = 0;
+};
+constexpr int kDiagnosticNoKvLoads = 1;
+constexpr int kDiagnosticNoSoftmax = 2;
+
+// Named barriers (0 is __syncthreads).
+enum NamedBarrier : int {
+  kQueryEmpty = 1,      // consumers (arrive) -> producer (sync): Q may be overwritten
+  kProducerTable = 2,   // the producer warpgroup: a slot table is written
+  kScheduleFirst = 3,   // ping-pong of the two consumer warpgroups: ids 3 and 4
+};
+
+}  // namespace kvattn::cuda::sm90

@@ -1,0 +1,84 @@
+// The online softmax of one MMA row pair, in registers: the GPU form of core::SoftmaxState
+// (core/softmax_state.h), shared by the tensor-core prefill kernels.
+//
+// A thread of an m16 MMA fragment (mma.sync m16n8 or one warp's rows of a wgmma m64) holds, for
+// each n8 block j of a score tile, s[4j + 2h + e]: row (lane / 4) + 8h, column 8j + 2 (lane % 4)
+// + e. The four lanes of a quad share a row. Scores stay raw (q.k, or soft-capped logits) and
+// exponentials run in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA + EX2.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/kernels/toolkit/ptx.cuh"
+
+namespace kvattn::cuda {
+
+/// Running max and sum of the two rows a thread holds.
+struct RowPairSoftmax {
+  /// A row's reference max moves only when a block's max exceeds it by more than this many
+  /// log2 units, so p <= 2^8 (exact enough in fp32 sums and in a bf16/fp16 P) and the output is
+  /// rescaled only on the rare blocks where some row's max jumps (FA4's trick; with random data
+  /// some row of a warp finds a new max on almost every block, so an exact-max rescale would
+  /// cost an FMUL per output register per block).
+  static constexpr float kRescaleLog2 = 8.f;
+
+  float max[2] = {-INFINITY, -INFINITY};
+  float sum[2] = {0.f, 0.f};  ///< this thread's partial sums (the quad's four add up in finish)
+
+  /// Turns the scores of one block into probabilities in place and folds them into the state.
+  /// factor[h] is what the output accumulated so far must be multiplied by; returns true when
+  /// some factor is not 1 (the caller rescales only then).
+  /// The last kEmulated of the kBlocks n8 blocks take their exponentials from
+  /// ptx::exp2_polynomial (FMA pipe) rather than ex2 (MUFU), balancing the two pipes.
+  template <int kBlocks, int kEmulated = 0>
+  __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
+                                         float (&factor)[2]) {
+    static_assert(kEmulated >= 0 && kEmulated <= kBlocks, "blocks to emulate");
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) {
+        block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      }
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
+      // True when the row had no max yet and now has one; false when both are -inf (NaN).
+      const bool move = (block_max - max[h]) * scale_log2 > kRescaleLog2;
+      factor[h] = move ? ptx::fast_exp2((max[h] - block_max) * scale_log2) : 1.f;
+      max[h] = move ? block_max : max[h];
+      sum[h] *= factor[h];
+      moved |= move;
+      // A row that has seen only masked keys keeps max -inf; exponentiate against 0 then.
+      const float offset = max[h] == -INFINITY ? 0.f : -max[h] * scale_log2;
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, offset);
+          const float p = j >= kBlocks - kEmulated ? ptx::exp2_polynomial(x) : ptx::fast_exp2(x);
+          s[4 * j + 2 * h + e] = p;
+          sum[h] += p;
+        }
+      }
+    }
+    return moved;
+  }
+
+  /// The final per-row normaliser and natural-log LSE (an empty row: 0 and -inf, the empty
+  /// partial). out_scale multiplies the normaliser (fp8 V: v_scale).
+  __device__ __forceinline__ void finish(float scale_log2, float out_scale, float (&inv_sum)[2],
+                                         float (&lse)[2]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float total = sum[h];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      inv_sum[h] = total > 0.f ? out_scale / total : 0.f;
+      lse[h] = total > 0.f ? (max[h] * scale_log2 + __log2f(total)) * ptx::kLn2 : -INFINITY;
+    }
+  }
+};
+
+}  // namespace kvattn::cuda

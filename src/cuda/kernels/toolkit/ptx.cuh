@@ -1,0 +1,236 @@
+// The device toolkit: the one definition of every PTX wrapper and numeric helper the kvattn
+// kernels share (decode, the mma.sync prefill, the Hopper prefill, merges). Plain sm_80+
+// instructions here; the sm_90a-only warpgroup instructions live in toolkit/wgmma.cuh.
+//
+// Shared-memory addresses are 32-bit `.shared` window addresses (smem_address()), as the PTX
+// instructions take them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kvattn::cuda::ptx {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): scores run in the exp2 domain
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): back to natural-log LSEs
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- cp.async -------------------------------------------------------------------------------
+
+/// Copies kBytes (4, 8 or 16) from global to shared memory asynchronously; with `valid` false
+/// the shared bytes become zeros and nothing is read from `src`. 16-byte copies bypass L1.
+template <int kBytes>
+__device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, bool valid) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  const int src_bytes = valid ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+                 "n"(kBytes), "r"(src_bytes)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/// Waits until at most kPending committed groups of this thread are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+/// Arrives on `mbarrier` once every cp.async this thread issued so far has landed. The arrival
+/// counts toward the barrier's expected count (.noinc), so the barrier is initialised with one
+/// arrival per producing thread.
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t mbarrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(mbarrier)
+               : "memory");
+}
+
+// ---- mbarrier (CTA scope) --------------------------------------------------------------------
+
+__device__ __forceinline__ void mbarrier_init(uint32_t mbarrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(mbarrier), "r"(arrivals)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t mbarrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(mbarrier)
+               : "memory");
+}
+
+/// Arrives and tells the barrier to expect `bytes` more from bulk copies (TMA) of this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t mbarrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mbarrier),
+               "r"(bytes)
+               : "memory");
+}
+
+/// Waits until the phase of parity `parity` of `mbarrier` has completed. A fresh barrier is in
+/// phase 0, so waiting on parity 1 returns at once: producers start there for "slot empty".
+/// The suspend-time hint lets the hardware park the warp until the phase completes instead of
+/// returning at once (a spinning warp takes issue slots from the warps that compute).
+__device__ __forceinline__ void mbarrier_wait(uint32_t mbarrier, uint32_t parity) {
+  constexpr uint32_t kSuspendTimeHintNs = 0x989680;  // 10 ms: as long as the hardware allows
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(mbarrier), "r"(parity), "n"(kSuspendTimeHintNs)
+        : "memory");
+  } while (!done);
+}
+
+// ---- bulk tensor copies (TMA, sm_90) ----------------------------------------------------------
+
+/// Copies the box at coordinates (c0 innermost, c1, c2) of the 3-d tensor map at generic address
+/// `tensor_map` (a __grid_constant__ kernel parameter) into shared memory at `dst`; the bytes
+/// complete on `mbarrier` (which must expect them). Elements outside the tensor read as zeros.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tensor_map, int c0, int c1,
+                                            int c2, uint32_t mbarrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(mbarrier)
+      : "memory");
+}
+
+// ---- named barriers (ids 1..15; 0 is __syncthreads) ---------------------------------------
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+/// Orders this thread's ordinary shared-memory writes before later async-proxy reads (wgmma,
+/// bulk copies) that a barrier makes wait for them.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- programmatic dependent launch -------------------------------------------------------
+
+/// Waits until the grids this one depends on have completed (a no-op without PDL).
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/// Lets the next grid of the stream be scheduled (its griddepcontrol.wait still waits for us).
+__device__ __forceinline__ void grid_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+}
+
+// ---- warp-level matrix instructions (mma.sync) ---------------------------------------------
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+/// d += a * b for one m16n8k16 tile, fp32 accumulate; T is __nv_bfloat16 or __half.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// ---- numerics ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// 2^x on the FMA and integer pipes instead of the MUFU (whose 16 results a clock per SM
+/// bound the softmax of a 128-key block): x = j + f with j an integer (rounded through the float
+/// adder's 1.5 x 2^23 trick) and |f| <= 1/2, 2^f by a degree-3 minimax polynomial (relative
+/// error 8.4e-5 over the range, far below a bf16 or fp16 P's rounding), 2^j added to the
+/// exponent bits. Below x = -125 the result is 0 (ex2.approx.ftz flushes there too; masked
+/// scores, -inf, must give exactly 0), and the math runs on x clamped there so that the
+/// exponent addition never underflows into the sign bit.
+__device__ __forceinline__ float exp2_polynomial(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 x 2^23: adding it rounds to an integer
+  constexpr float kLowest = -125.f;
+  const float xc = fmaxf(x, kLowest);
+  const float t = xc + kRound;
+  const float f = xc - (t - kRound);
+  float p = 0.05534589f;
+  p = fmaf(p, f, 0.24260599f);
+  p = fmaf(p, f, 0.69322751f);
+  p = fmaf(p, f, 0.99992778f);
+  // The low bits of t hold j; shifted up 23 they add j to p's exponent (the rest shifts out).
+  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+  return x < kLowest ? 0.f : r;
+}
+
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// Two floats -> one register of two T (lo in the low half), round to nearest.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+/// Two fp8 values (low byte first) -> two T, exactly (every e4m3 and e5m2 value is a half and a
+/// bf16 value).
+template <typename T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),
+                                                   e5m2 ? __NV_E5M2 : __NV_E4M3);
+  if constexpr (std::is_same_v<T, __half>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+}  // namespace kvattn::cuda::ptx
