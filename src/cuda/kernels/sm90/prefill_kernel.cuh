@@ -22,6 +22,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/sm90/prefill_epilogue.cuh"
+#include "cuda/kernels/step_check.cuh"
 #include "cuda/kernels/sm90/prefill_mainloop.cuh"
 #include "cuda/kernels/sm90/prefill_traits.cuh"
 #include "cuda/kernels/sm90/tile_scheduler.cuh"
@@ -35,6 +36,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                               const __grid_constant__ PrefillTensorMaps maps,
                               const LaunchOptions options) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // A refused step writes nothing (core/attention_params.h, step_error): every CTA returns here,
+  // before any barrier or copy exists.
+  if (::kvattn::cuda::detail::step_refused(p.step_error)) return;
   using Tr = PrefillTraits<kHeadDim, kHeadDimV, kStages>;
   extern __shared__ unsigned char smem_raw[];
   SharedBuffers<Tr> sm;
