@@ -5,7 +5,8 @@
 # `kvattn check`. Build here and carry the binaries:
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/
 #   device run: bash bench/device_prefill_run.sh .carry [steps]     (carry: [".carry"])
-# steps: a comma list of probe,tests,bench,bench_mma,variants,suite,check,sanitize,ncu
+# steps: a comma list of probe,tests,tests_variants,bench,bench_mma,variants,suite,check,grid,
+# sanitize,ncu
 # (default: probe,tests,bench,suite,check,sanitize).
 # Logs and JSON go to $OUT; a summary is printed last.
 set -u
@@ -42,12 +43,11 @@ if want tests_variants; then  # the kernel tests under each variant (same bars)
   done
 fi
 if [ $ok = 1 ] && want bench; then
-  LOG=bench.log KVATTN_PREFILL_BENCH=1 KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-sm90.json" \
-    step bench_sm90 150 "$BIN" --gtest_filter='PrefillBench.*'
+  LOG=bench.log KVATTN_PREFILL_BENCH=1 step bench_sm90 150 "$BIN" --gtest_filter='PrefillBench.*'
 fi
 if [ $ok = 1 ] && want bench_mma; then
-  LOG=bench.log KVATTN_PREFILL_KERNEL=mma KVATTN_PREFILL_BENCH=1 \
-    KVATTN_PREFILL_BENCH_JSON="$OUT/prefill-mma.json" step bench_mma 150 "$BIN" --gtest_filter='PrefillBench.*'
+  LOG=bench.log KVATTN_PREFILL_KERNEL=mma KVATTN_PREFILL_BENCH=1 step bench_mma 150 "$BIN" \
+    --gtest_filter='PrefillBench.*'
 fi
 if [ $ok = 1 ] && want variants; then  # launch-option A/B of the Hopper kernel
   for v in ${VARIANTS:-KVATTN_SM90_PINGPONG=0 KVATTN_SM90_CTAS=1000000}; do
@@ -57,12 +57,18 @@ if [ $ok = 1 ] && want variants; then  # launch-option A/B of the Hopper kernel
   done
 fi
 if [ $ok = 1 ] && want suite; then step suite 240 "$BIN" --gtest_brief=1; fi
-if [ $ok = 1 ] && want check; then step check 120 "$CARRY/kvattn" check --device cuda; fi
+if [ $ok = 1 ] && want check; then LOG=checks.log step check 120 "$CARRY/kvattn" check --device cuda; fi
+if [ $ok = 1 ] && want grid; then  # the SPEC §6 prefill / extend rows through the backend
+  for w in prefill extend; do
+    LOG=bench.log step "grid $w" 150 "$CARRY/kvattn" bench --device cuda --workload $w \
+      --json "$OUT/h200-$w-$(date +%Y%m%d).json"
+  done
+fi
 if [ $ok = 1 ] && want sanitize; then
-  step memcheck 180 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN" \
-    --gtest_filter='PrefillKernel.CausalPagedPage1Shuffled:PrefillKernel.Fp8Kv:PrefillKernel.SplitKv*:PrefillKernel.KvLenZeroAndOne:PrefillKernel.HeadDim192V128'
-  step racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN" \
-    --gtest_filter='PrefillKernel.CausalPagedPage1Shuffled:PrefillKernel.Fp8Kv'
+  LOG=checks.log step memcheck 180 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN" \
+    --gtest_filter='PrefillKernel.CausalPagedPage1Shuffled:PrefillKernel.RaggedWithLse:PrefillKernel.Fp8Kv:PrefillKernel.SplitKv*:PrefillKernel.KvLenZeroAndOne:PrefillKernel.HeadDim192V128'
+  LOG=checks.log step racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN" \
+    --gtest_filter='PrefillKernel.CausalPagedPage1Shuffled:PrefillKernel.RaggedWithLse:PrefillKernel.Fp8Kv'
 fi
 if want ncu; then
   # One row (prefill 1 x 4096 hd128 ragged, index 2) under Nsight Compute, every section.
@@ -82,10 +88,7 @@ for f in probe tests tests_variants suite; do
   echo "== $f"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|expected|rel_l2|threw|Timeout|error" "$OUT/$f.log" | head -40
 done
-[ -f "$OUT/check.log" ] && { echo "== check"; grep -E "FAIL|passed, " "$OUT/check.log" | head -12; }
-for f in memcheck racecheck; do
-  [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$OUT/$f.log" | head -6; }
-done
-[ -f "$OUT/bench.log" ] && { echo "== bench"; grep -E "^####|^prefill|^extend|GEMM|FAILED" "$OUT/bench.log"; }
+[ -f "$OUT/checks.log" ] && { echo "== check / sanitizers"; grep -E "^####|FAIL|passed, |ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$OUT/checks.log" | head -30; }
+[ -f "$OUT/bench.log" ] && { echo "== bench"; grep -E "^####|^prefill|^extend|GEMM|FAILED|ceiling" "$OUT/bench.log"; }
 [ -f "$OUT/ncu.log" ] && { echo "== ncu"; grep -E "Duration|Compute \(SM\) Throughput|Issue Slots|Executed Ipc A|Warp Cycles Per Issued|highest-utilized|Bank|stall|Stall" "$OUT/ncu.log" | head -30; }
 echo "== steps"; printf '%s\n' "${summary[@]}"

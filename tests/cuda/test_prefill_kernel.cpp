@@ -840,6 +840,26 @@ TEST_F(PrefillKernel, ManyTilesLongKeys) {
   run_case(c);
 }
 
+// Ragged K/V over several requests at every head_dim (the tensor-map path; a block can run into
+// the next request's rows), bf16 and fp32 output.
+TEST_F(PrefillKernel, RaggedManyRequestsEveryHeadDim) {
+  for (int d : {64, 128, 256}) {
+    for (bool fp32_out : {false, true}) {
+      Case c;
+      c.name = "ragged causal hd" + std::to_string(d) + (fp32_out ? " fp32 out" : " bf16");
+      c.head_dim = d;
+      c.num_q_heads = 8;
+      c.num_kv_heads = 2;
+      c.q_lens = {160, 97, 130, 64};
+      c.kv_lens = {160, 97, 130, 64};
+      c.paged = false;
+      c.out_fp32 = fp32_out;
+      c.seed = 60 + d + (fp32_out ? 1 : 0);
+      run_case(c);
+    }
+  }
+}
+
 TEST_F(PrefillKernel, HeadDim192V128) {
   if (prefill_kernel_family(192, 128) != PrefillKernelFamily::kSm90) {
     GTEST_SKIP() << "head_dim 192 runs on the Hopper kernel only";

@@ -208,9 +208,13 @@ std::string ScenarioSpec::shape_label() const {
 //    exactly (3 or 2 mantissa bits fit in 7 or 10) and fold the scales in fp32. A
 //    float-vs-double rounding tie that stores a neighbouring fp8 value is judged by the pool
 //    check (one ulp allowed), and the reference then reads what was stored.
-//  - fp32 queries on the CUDA backend outside DECODE: the tensor-core kernel multiplies bf16 (or
-//    fp16) copies of q and the new K/V, so the bar is bf16's ("bf16-bounded"). CUDA DECODE runs
-//    the CUDA-core kernel in fp32 for fp32 queries (the tensor-core one never serves fp32 io).
+//  - fp32 queries on the CUDA backend outside DECODE: the tensor-core kernels multiply bf16 (or
+//    fp16) copies of q and the new K/V, so the arithmetic is bf16's ("bf16-bounded") and, unlike
+//    a bf16 call, the inputs themselves are rounded (2^-9 of each q and k element, which the
+//    exponentials amplify), which the reference does not model: twice bf16's bar. Measured on
+//    the H200 (2026-12-02): 1.04e-2 and 1.09e-2 on the ragged fp32-q extend row with the Hopper
+//    kernel, 8.2e-3 with the mma.sync one. CUDA DECODE runs the CUDA-core kernel in fp32 for
+//    fp32 queries (the tensor-core one never serves fp32 io).
 DType arithmetic_dtype(DType q_dtype, DType kv_dtype, BackendKind kind, ForwardMode mode) {
   (void)kv_dtype;  // see above: the reference reads the stored KV values
   if (q_dtype == DType::kFloat32 && kind == BackendKind::kCuda && mode != ForwardMode::kDecode)
@@ -230,7 +234,10 @@ double tolerance_for_dtype(DType arithmetic) {
 }
 
 double tolerance_for(DType q_dtype, DType kv_dtype, BackendKind kind, ForwardMode mode) {
-  return tolerance_for_dtype(arithmetic_dtype(q_dtype, kv_dtype, kind, mode));
+  const DType arithmetic = arithmetic_dtype(q_dtype, kv_dtype, kind, mode);
+  // fp32 inputs rounded to 16 bits on the way in (see above): twice the arithmetic's bar.
+  const double input_rounding = arithmetic != q_dtype ? 2.0 : 1.0;
+  return input_rounding * tolerance_for_dtype(arithmetic);
 }
 
 double tolerance_for(DType q_dtype, DType kv_dtype) {

@@ -207,6 +207,23 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.max_kv_len = 150;
   });
   add("extend v_head_dim 64", extend, [](ScenarioSpec& s) { s.v_head_dim = 64; });
+  // DeepSeek-V2/V3's prefill in MHA form (CUDA: the Hopper kernel; decode through the 256
+  // instance).
+  add("extend hd192 v128", extend, [](ScenarioSpec& s) {
+    s.head_dim = 192;
+    s.v_head_dim = 128;
+    s.max_kv_len = 150;
+  });
+  add("extend ragged hd192 v128", extend, [](ScenarioSpec& s) {
+    s.head_dim = 192;
+    s.v_head_dim = 128;
+    s.force_ragged = true;
+    s.max_kv_len = 150;
+  });
+  add("decode hd192 v128", decode, [](ScenarioSpec& s) {
+    s.head_dim = 192;
+    s.v_head_dim = 128;
+  });
   add("extend fp16", extend, [](ScenarioSpec& s) {
     s.q_dtype = DType::kFloat16;
     s.kv_dtype = DType::kFloat16;

@@ -183,12 +183,12 @@ PrefillKernelShape sm90_shape() {
   return shape;
 }
 
-/// The Hopper kernel's launch options: a persistent grid of one CTA per SM and the ping-pong
-/// of its consumer warpgroups, unless KVATTN_SM90_CTAS / KVATTN_SM90_PINGPONG (A/B runs) say
+/// The Hopper kernel's launch options: a persistent grid of one CTA per SM, no ping-pong of its
+/// consumer warpgroups, unless KVATTN_SM90_CTAS / KVATTN_SM90_PINGPONG (A/B runs) say
 /// otherwise (read once).
 sm90::LaunchOptions sm90_options(int sm_count) {
   static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
-  static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 1, 0);
+  static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 0, 0);
   static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
   static const int stages = env_int("KVATTN_SM90_STAGES", 0, 0);
   static const int emulated = env_int("KVATTN_SM90_EXP_EMU", 0, 0);

@@ -9,8 +9,8 @@
 //              K; softmax of S (overlapping the P V product on the tensor cores); wait for O;
 //              release V; rescale O; P = S
 //              O += P V[0]
-// The two consumer warpgroups take turns issuing their products (named barriers kScheduleFirst
-// + wg), so one's softmax overlaps the other's matrix work (FA3's ping-pong).
+// Optionally (LaunchOptions::ping_pong, off by default) the two consumer warpgroups take turns
+// issuing their products (named barriers kScheduleFirst + wg), FA3's ping-pong.
 //
 // Loads: paged and ragged K/V and Q are gathered row by row with 16-byte cp.async (a slot per
 // key, from kv_indices; rows past the block's keys or slots outside the pool are zero-filled,
