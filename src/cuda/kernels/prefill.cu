@@ -191,11 +191,9 @@ sm90::LaunchOptions sm90_options(int sm_count) {
   static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 0, 0);
   static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
   static const int stages = env_int("KVATTN_SM90_STAGES", 0, 0);
-  static const int emulated = env_int("KVATTN_SM90_EXP_EMU", 0, 0);
   sm90::LaunchOptions options;
   options.diagnostic = diagnostic;
   options.stages = stages;
-  options.emulated_exp_blocks = emulated;
   options.max_ctas = ctas > 0 ? ctas : sm_count;
   options.ping_pong = ping_pong != 0;
   return options;

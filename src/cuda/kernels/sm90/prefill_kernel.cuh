@@ -95,8 +95,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                       scale_log2,
                       soft_cap ? qk_scale / p.logit_cap : 0.f,
                       options.ping_pong,
-                      options.diagnostic,
-                      options.emulated_exp_blocks};
+                      options.diagnostic};
     // The Q buffer starts free; the first warpgroup starts the ping-pong.
     ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
     if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);

@@ -389,8 +389,7 @@ struct PrefillConsumer {
   float scale_log2;
   float cap_inner;
   bool ping_pong;
-  int diagnostic;           // LaunchOptions::diagnostic
-  int emulated_exp_blocks;  // LaunchOptions::emulated_exp_blocks
+  int diagnostic;  // LaunchOptions::diagnostic
 
   /// Row of the tile (0..127) that this thread's half h holds.
   __device__ __forceinline__ int tile_row(int h) const {
@@ -569,17 +568,7 @@ struct PrefillConsumer {
       bool moved = false;
       if (!(diagnostic & kDiagnosticNoSoftmax)) {
         transform_scores(s, t, group, block, mask_base, mask_row_len);
-        if constexpr (kKeyBlocks8 >= 8) {
-          if (emulated_exp_blocks == 4) {
-            moved = softmax.update<kKeyBlocks8, kKeyBlocks8 / 4>(s, scale_log2, factor);
-          } else if (emulated_exp_blocks == 8) {
-            moved = softmax.update<kKeyBlocks8, kKeyBlocks8 / 2>(s, scale_log2, factor);
-          } else {
-            moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
-          }
-        } else {
-          moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
-        }
+        moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
       }
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).

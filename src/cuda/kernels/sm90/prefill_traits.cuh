@@ -95,9 +95,6 @@ struct LaunchOptions {
   /// K/V ring depth: 0 = the instance's choice (launch_for_dtype); 2 or 3 forces one
   /// (KVATTN_SM90_STAGES, A/B runs; 3 only where it fits).
   int stages = 0;
-  /// n8 blocks of a 128-key score row (of 16) whose exponentials run on the FMA pipe
-  /// (KVATTN_SM90_EXP_EMU: 0, 4 or 8; A/B runs).
-  int emulated_exp_blocks = 0;
 };
 constexpr int kDiagnosticNoKvLoads = 1;
 constexpr int kDiagnosticNoSoftmax = 2;

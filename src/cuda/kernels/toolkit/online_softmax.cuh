@@ -28,12 +28,9 @@ struct RowPairSoftmax {
   /// Turns the scores of one block into probabilities in place and folds them into the state.
   /// factor[h] is what the output accumulated so far must be multiplied by; returns true when
   /// some factor is not 1 (the caller rescales only then).
-  /// The last kEmulated of the kBlocks n8 blocks take their exponentials from
-  /// ptx::exp2_polynomial (FMA pipe) rather than ex2 (MUFU), balancing the two pipes.
-  template <int kBlocks, int kEmulated = 0>
+  template <int kBlocks>
   __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
                                          float (&factor)[2]) {
-    static_assert(kEmulated >= 0 && kEmulated <= kBlocks, "blocks to emulate");
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -56,8 +53,7 @@ struct RowPairSoftmax {
       for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, offset);
-          const float p = j >= kBlocks - kEmulated ? ptx::exp2_polynomial(x) : ptx::fast_exp2(x);
+          const float p = ptx::fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, offset));
           s[4 * j + 2 * h + e] = p;
           sum[h] += p;
         }

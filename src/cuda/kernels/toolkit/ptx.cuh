@@ -179,28 +179,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-/// 2^x on the FMA and integer pipes instead of the MUFU (whose 16 results a clock per SM
-/// bound the softmax of a 128-key block): x = j + f with j an integer (rounded through the float
-/// adder's 1.5 x 2^23 trick) and |f| <= 1/2, 2^f by a degree-3 minimax polynomial (relative
-/// error 8.4e-5 over the range, far below a bf16 or fp16 P's rounding), 2^j added to the
-/// exponent bits. Below x = -125 the result is 0 (ex2.approx.ftz flushes there too; masked
-/// scores, -inf, must give exactly 0), and the math runs on x clamped there so that the
-/// exponent addition never underflows into the sign bit.
-__device__ __forceinline__ float exp2_polynomial(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 x 2^23: adding it rounds to an integer
-  constexpr float kLowest = -125.f;
-  const float xc = fmaxf(x, kLowest);
-  const float t = xc + kRound;
-  const float f = xc - (t - kRound);
-  float p = 0.05534589f;
-  p = fmaf(p, f, 0.24260599f);
-  p = fmaf(p, f, 0.69322751f);
-  p = fmaf(p, f, 0.99992778f);
-  // The low bits of t hold j; shifted up 23 they add j to p's exponent (the rest shifts out).
-  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < kLowest ? 0.f : r;
-}
-
 __device__ __forceinline__ float fast_tanh(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
