@@ -791,9 +791,8 @@ TEST(PrefillKernelSupport, VHeadDimPairs) {
   } else {
     EXPECT_THROW(prefill_kernel_shape(192, 128), Error);
   }
-  const int unsupported[][2] = {{128, 72}, {128, 8},   {128, 0},  {128, 144}, {128, 256},
-                                {64, 32},  {256, 128}, {256, 64}, {96, 64},   {192, 192},
-                                {192, 64}};
+  const int unsupported[][2] = {{128, 72},  {128, 8},  {128, 0}, {128, 144}, {128, 256}, {64, 32},
+                                {256, 128}, {256, 64}, {96, 64}, {192, 192}, {192, 64}};
   for (const auto& pair : unsupported) {
     EXPECT_FALSE(prefill_v_head_dim_supported(pair[0], pair[1])) << pair[0] << "/" << pair[1];
     try {

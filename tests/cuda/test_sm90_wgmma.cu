@@ -26,10 +26,9 @@ constexpr int kRows = 64;  // one warpgroup's M
 // through the swizzled layout. q [64][kD], k [kN][kD], v [kN][kDv] row-major bf16; s_out
 // [64][kN], o_out [64][kDv] fp32.
 template <int kN, int kD, int kDv>
-__global__ void __launch_bounds__(128) wgmma_probe_kernel(const __nv_bfloat16* q,
-                                                          const __nv_bfloat16* k,
-                                                          const __nv_bfloat16* v, float* s_out,
-                                                          float* o_out) {
+__global__ void __launch_bounds__(128)
+    wgmma_probe_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                       float* s_out, float* o_out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = ptx::smem_address(smem_raw);
@@ -144,10 +143,9 @@ void run_probe(uint32_t seed) {
   auto kernel = wgmma_probe_kernel<kN, kD, kDv>;
   ASSERT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
             cudaSuccess);
-  kernel<<<1, 128, smem>>>(static_cast<const __nv_bfloat16*>(q),
-                           static_cast<const __nv_bfloat16*>(k),
-                           static_cast<const __nv_bfloat16*>(v), static_cast<float*>(s),
-                           static_cast<float*>(o));
+  kernel<<<1, 128, smem>>>(
+      static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(k),
+      static_cast<const __nv_bfloat16*>(v), static_cast<float*>(s), static_cast<float*>(o));
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> sh(size_t(kRows) * kN), oh(size_t(kRows) * kDv);

@@ -1,9 +1,9 @@
 // Dispatch of the batch prefill (validation, head_dim -> instance file) and the merge of split
 // tiles.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -11,8 +11,8 @@
 #include <cstring>
 
 #include "core/softmax_state.h"
-#include "cuda/kernels/prefill.h"
 #include "cuda/cuda_util.h"
+#include "cuda/kernels/prefill.h"
 #include "cuda/kernels/prefill_kernel.cuh"
 #include "cuda/kernels/sm90/prefill_kernel.cuh"
 #include "kvattn/error.h"
@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     if (packed >= rows_total) break;
     const int token = packed / group;
     const int head = merge.kv_head * group + packed % group;
-    const int64_t out_row = (int64_t(q_begin) + token) * p.out_stride_token +
-                            int64_t(head) * p.out_stride_head;
+    const int64_t out_row =
+        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head;
     float merged_lse = -INFINITY;
     for (int d0 = lane * 4; d0 < dim; d0 += 128) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -232,8 +232,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 /// A [rows, heads, cols] 16-bit tensor with a [kv_tile, 1, 64] box in the 128-byte swizzle.
-bool encode_rows(CUtensorMap* map, const void* base, DType dtype, int64_t rows, int heads,
-                 int cols, int64_t stride_token, int64_t stride_head, int kv_tile) {
+bool encode_rows(CUtensorMap* map, const void* base, DType dtype, int64_t rows, int heads, int cols,
+                 int64_t stride_token, int64_t stride_head, int kv_tile) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(heads), cuuint64_t(rows)};
@@ -266,11 +266,10 @@ PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv
       !stride_ok(p.v_stride_token) || !stride_ok(p.v_stride_head)) {
     return maps;
   }
-  const bool encoded =
-      encode_rows(&maps.k, p.k, p.kv_dtype, p.num_slots, p.num_kv_heads, p.head_dim,
-                  p.k_stride_token, p.k_stride_head, kv_tile) &&
-      encode_rows(&maps.v, p.v, p.kv_dtype, p.num_slots, p.num_kv_heads, p.v_head_dim,
-                  p.v_stride_token, p.v_stride_head, kv_tile);
+  const bool encoded = encode_rows(&maps.k, p.k, p.kv_dtype, p.num_slots, p.num_kv_heads,
+                                   p.head_dim, p.k_stride_token, p.k_stride_head, kv_tile) &&
+                       encode_rows(&maps.v, p.v, p.kv_dtype, p.num_slots, p.num_kv_heads,
+                                   p.v_head_dim, p.v_stride_token, p.v_stride_head, kv_tile);
   maps.enabled = encoded ? 1 : 0;
   return maps;
 }

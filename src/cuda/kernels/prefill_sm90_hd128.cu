@@ -6,7 +6,7 @@
 namespace kvattn::cuda::sm90 {
 
 void launch_prefill_sm90_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                              const LaunchOptions& options, cudaStream_t stream) {
+                               const LaunchOptions& options, cudaStream_t stream) {
   if constexpr (head_dim_compiled(128)) {
     launch_for_dtype<128, 128>(p, tiles, options, stream);
   } else {

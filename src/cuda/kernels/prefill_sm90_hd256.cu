@@ -5,7 +5,7 @@
 namespace kvattn::cuda::sm90 {
 
 void launch_prefill_sm90_hd256(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                              const LaunchOptions& options, cudaStream_t stream) {
+                               const LaunchOptions& options, cudaStream_t stream) {
   if constexpr (head_dim_compiled(256)) {
     launch_for_dtype<256, 256>(p, tiles, options, stream);
   } else {

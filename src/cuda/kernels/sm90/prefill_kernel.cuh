@@ -22,10 +22,10 @@
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/sm90/prefill_epilogue.cuh"
-#include "cuda/kernels/step_check.cuh"
 #include "cuda/kernels/sm90/prefill_mainloop.cuh"
 #include "cuda/kernels/sm90/prefill_traits.cuh"
 #include "cuda/kernels/sm90/tile_scheduler.cuh"
+#include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda::sm90 {
@@ -159,8 +159,7 @@ void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& 
   const bool deep = stages >= 3 && kDeep >= 3;
   auto launch = [&]<int kStages>() {
     if (p.io_dtype == DType::kBFloat16) {
-      launch_instance<kHeadDim, kHeadDimV, kStages, __nv_bfloat16>(p, tiles, maps, options,
-                                                                   stream);
+      launch_instance<kHeadDim, kHeadDimV, kStages, __nv_bfloat16>(p, tiles, maps, options, stream);
     } else {
       launch_instance<kHeadDim, kHeadDimV, kStages, __half>(p, tiles, maps, options, stream);
     }

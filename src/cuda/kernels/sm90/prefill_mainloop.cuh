@@ -38,7 +38,7 @@ namespace kvattn::cuda::sm90 {
 /// Shared-memory addresses of one CTA's buffers and barriers.
 template <class Tr>
 struct SharedBuffers {
-  uint32_t base = 0;        // .shared address, 1024-byte aligned
+  uint32_t base = 0;             // .shared address, 1024-byte aligned
   unsigned char* ptr = nullptr;  // the same bytes as a generic pointer
 
   __device__ __forceinline__ uint32_t q() const { return base + Tr::kQOffset; }
@@ -106,11 +106,11 @@ struct PrefillProducer {
   const core::AttentionParams& p;
   const SharedBuffers<Tr>& sm;
   const PrefillTensorMaps& maps;  // ragged K/V by TMA when maps.enabled
-  int tid;  // 0..127
+  int tid;                        // 0..127
   bool paged;
   bool fp8;
   bool e5m2;
-  int v_dim;  // V columns that exist (kHeadDimV, or fewer for a narrow V)
+  int v_dim;       // V columns that exist (kHeadDimV, or fewer for a narrow V)
   int diagnostic;  // LaunchOptions::diagnostic
 
   // Copy geometry: a thread owns 16-byte chunk column tid % 8 of every 64-column sub-tile and
@@ -144,8 +144,8 @@ struct PrefillProducer {
       }
 #pragma unroll
       for (int sub = 0; sub < kSubTiles; ++sub) {
-        ptx::cp_async_zfill<16>(dst + sub * Tr::kTileRows * 128 + i * kRowStep * 128, src + sub * 64,
-                                valid);
+        ptx::cp_async_zfill<16>(dst + sub * Tr::kTileRows * 128 + i * kRowStep * 128,
+                                src + sub * 64, valid);
       }
     }
     ptx::cp_async_mbarrier_arrive(sm.q_full());
@@ -180,8 +180,8 @@ struct PrefillProducer {
 #pragma unroll
       for (int sub = 0; sub < kSubTiles; ++sub) {
         const bool valid = row >= 0 && sub * 64 + (tid % 8) * 8 < valid_cols;
-        ptx::cp_async_zfill<16>(dst + sub * Tr::kKvTile * 128 + i * kRowStep * 128,
-                                src + sub * 64, valid);
+        ptx::cp_async_zfill<16>(dst + sub * Tr::kKvTile * 128 + i * kRowStep * 128, src + sub * 64,
+                                valid);
       }
     }
   }
@@ -192,14 +192,13 @@ struct PrefillProducer {
   template <int kCols>
   __device__ __forceinline__ void copy_rows_fp8(const PrefillTile& t, const void* base_void,
                                                 int64_t stride_token, int64_t stride_head,
-                                                int valid_cols, uint32_t dst,
-                                                const int32_t* table, int block_start,
-                                                int rows_valid) const {
+                                                int valid_cols, uint32_t dst, const int32_t* table,
+                                                int block_start, int rows_valid) const {
     constexpr int kSubTiles = kCols / 64;
     constexpr int kFp8RowStep = kThreads / 4;
     constexpr int kRows = Tr::kKvTile / kFp8RowStep;  // rows a thread loads per sub-tile
-    const uint8_t* base = static_cast<const uint8_t*>(base_void) +
-                          int64_t(t.kv_head) * stride_head + (tid % 4) * 16;
+    const uint8_t* base =
+        static_cast<const uint8_t*>(base_void) + int64_t(t.kv_head) * stride_head + (tid % 4) * 16;
     const int r0 = tid / 4;
     const int q4 = tid % 4;
     unsigned char* tile = sm.ptr + (dst - sm.base);
@@ -207,8 +206,8 @@ struct PrefillProducer {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = r0 + i * kFp8RowStep;
-      rows[i] = paged ? int64_t(table[r])
-                      : (r < rows_valid ? t.kv_base + block_start + r : int64_t(-1));
+      rows[i] =
+          paged ? int64_t(table[r]) : (r < rows_valid ? t.kv_base + block_start + r : int64_t(-1));
     }
 #pragma unroll 1
     for (int sub = 0; sub < kSubTiles; ++sub) {
@@ -216,9 +215,10 @@ struct PrefillProducer {
       uint4 raw[kRows];
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        raw[i] = rows[i] >= 0 && cols ? __ldg(reinterpret_cast<const uint4*>(
-                                            base + rows[i] * stride_token + sub * 64))
-                                      : make_uint4(0, 0, 0, 0);
+        raw[i] =
+            rows[i] >= 0 && cols
+                ? __ldg(reinterpret_cast<const uint4*>(base + rows[i] * stride_token + sub * 64))
+                : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
@@ -241,8 +241,8 @@ struct PrefillProducer {
 
   /// Loads block `block` of K (is_v false) or V into stage position `at`, after the consumers
   /// released it; arrives on the stage's full barrier when the data is in place.
-  __device__ __forceinline__ void load_block(const PrefillTile& t, bool is_v, int block,
-                                             Ring at, const int32_t* table) const {
+  __device__ __forceinline__ void load_block(const PrefillTile& t, bool is_v, int block, Ring at,
+                                             const int32_t* table) const {
     if (maps.enabled) {
       // A V block that runs past the request's keys is copied row by row with zeros past them:
       // a box would bring in the next request's rows, and P = 0 times a NaN there is NaN (K
@@ -255,8 +255,7 @@ struct PrefillProducer {
       ptx::mbarrier_wait(sm.v_empty(at.stage), at.phase ^ 1u);
       const int block_start = t.kv_begin + block * Tr::kKvTile;
       copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
-                                     sm.v(at.stage), nullptr, block_start,
-                                     t.kv_end - block_start);
+                                     sm.v(at.stage), nullptr, block_start, t.kv_end - block_start);
       ptx::cp_async_wait<0>();  // this thread's rows landed
       ptx::fence_proxy_async_shared();
       ptx::named_barrier_sync(kProducerTable, kThreads);
@@ -405,8 +404,8 @@ struct PrefillConsumer {
     return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.k(0)).plus(stage * Tr::kKBytes);
   }
   __device__ __forceinline__ ptx::SmemDescriptor v_desc(int stage) const {
-    return ptx::smem_descriptor<Tr::kKvTile * 128, ptx::kSwizzleAtomBytes>(sm.v(0))
-        .plus(stage * Tr::kVBytes);
+    return ptx::smem_descriptor<Tr::kKvTile * 128, ptx::kSwizzleAtomBytes>(sm.v(0)).plus(
+        stage * Tr::kVBytes);
   }
 
   /// Issues S = Q K^T on stage `stage` (one wgmma group).
@@ -453,8 +452,7 @@ struct PrefillConsumer {
 
   /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf).
   __device__ __forceinline__ void transform_scores(float (&s)[kScoreRegs], const PrefillTile& t,
-                                                   int group, int block,
-                                                   const uint8_t* mask_base,
+                                                   int group, int block, const uint8_t* mask_base,
                                                    int64_t mask_row_len) const {
     if (soft_cap) {
 #pragma unroll
@@ -520,9 +518,9 @@ struct PrefillConsumer {
 
   /// The whole mainloop of one tile (num_blocks > 0): on return o holds the unnormalised output
   /// and `softmax` the rows' state. `it` and `q_phase` advance.
-  __device__ __forceinline__ void run_tile(const PrefillTile& t, int group,
-                                           float (&o)[kOutRegs], RowPairSoftmax& softmax,
-                                           uint32_t& it, uint32_t& q_phase) const {
+  __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, float (&o)[kOutRegs],
+                                           RowPairSoftmax& softmax, uint32_t& it,
+                                           uint32_t& q_phase) const {
     const uint8_t* mask_base = nullptr;
     int64_t mask_row_len = 0;
     if (custom) {

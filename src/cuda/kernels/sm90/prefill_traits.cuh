@@ -20,7 +20,9 @@ namespace kvattn::cuda::sm90 {
 
 /// Stages of the K/V ring that fit in shared memory next to Q: three at head_dim <= 128
 /// (Q 32 KiB + 3 x 64 KiB of K and V), two above.
-constexpr int max_prefill_stages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
+constexpr int max_prefill_stages(int head_dim) {
+  return head_dim <= 128 ? 3 : 2;
+}
 
 template <int kHeadDim_, int kHeadDimV_, int kStages_ = 2>
 struct PrefillTraits {
@@ -82,7 +84,7 @@ struct PrefillTensorMaps {
 /// Launch choices of the Hopper prefill kernel that are not part of the plan (defaults are the
 /// tuned ones; KVATTN_SM90_PINGPONG=0 and KVATTN_SM90_CTAS=<n> override them for A/B runs).
 struct LaunchOptions {
-  int max_ctas = 0;       ///< persistent grid size: min(items, max_ctas); the SM count by default
+  int max_ctas = 0;  ///< persistent grid size: min(items, max_ctas); the SM count by default
   /// The two consumer warpgroups take turns issuing their products (FA3's scheduler barrier).
   /// Off by default: no measurable gain in any A/B run (bench/NOTES.md), and with it on the
   /// backend's hd256 8 x 2048 ragged prefill failed its check (5e-2, moving: a race not yet
@@ -101,9 +103,9 @@ constexpr int kDiagnosticNoSoftmax = 2;
 
 // Named barriers (0 is __syncthreads).
 enum NamedBarrier : int {
-  kQueryEmpty = 1,      // consumers (arrive) -> producer (sync): Q may be overwritten
-  kProducerTable = 2,   // the producer warpgroup: a slot table is written
-  kScheduleFirst = 3,   // ping-pong of the two consumer warpgroups: ids 3 and 4
+  kQueryEmpty = 1,     // consumers (arrive) -> producer (sync): Q may be overwritten
+  kProducerTable = 2,  // the producer warpgroup: a slot table is written
+  kScheduleFirst = 3,  // ping-pong of the two consumer warpgroups: ids 3 and 4
 };
 
 }  // namespace kvattn::cuda::sm90

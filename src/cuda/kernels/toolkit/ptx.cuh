@@ -56,8 +56,7 @@ __device__ __forceinline__ void cp_async_wait() {
 /// counts toward the barrier's expected count (.noinc), so the barrier is initialised with one
 /// arrival per producing thread.
 __device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t mbarrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(mbarrier)
-               : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(mbarrier) : "memory");
 }
 
 // ---- mbarrier (CTA scope) --------------------------------------------------------------------
@@ -68,8 +67,7 @@ __device__ __forceinline__ void mbarrier_init(uint32_t mbarrier, uint32_t arriva
 }
 
 __device__ __forceinline__ void mbarrier_arrive(uint32_t mbarrier) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(mbarrier)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(mbarrier) : "memory");
 }
 
 /// Arrives and tells the barrier to expect `bytes` more from bulk copies (TMA) of this phase.
