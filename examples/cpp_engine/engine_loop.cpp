@@ -60,7 +60,8 @@ class StepMemory {
   TensorView put(std::vector<T>& host, DType dtype, std::initializer_list<int64_t> shape) {
     if (device_.is_cpu()) return TensorView(host.data(), dtype, device_, shape);
     buffers_.push_back(Buffer::allocate(device_, host.size() * sizeof(T)));
-    copy_bytes(buffers_.back().data(), device_, host.data(), Device::cpu(), host.size() * sizeof(T));
+    copy_bytes(buffers_.back().data(), device_, host.data(), Device::cpu(),
+               host.size() * sizeof(T));
     return TensorView(buffers_.back().data(), dtype, device_, shape);
   }
   TensorView host(std::vector<int32_t>& v) {
@@ -160,7 +161,7 @@ int run(Device device) {
     }
     if (running.empty()) continue;
     const bool has_new = running.size() > num_decoding;
-    const ForwardMode mode = !has_new ? ForwardMode::kDecode
+    const ForwardMode mode = !has_new            ? ForwardMode::kDecode
                              : num_decoding == 0 ? ForwardMode::kExtend
                                                  : ForwardMode::kMixed;
 
@@ -233,8 +234,8 @@ int run(Device device) {
       t = 0;
       for (size_t i = 0; i < running.size(); ++i) {
         for (int j = 0; j < extend_lens[i]; ++j, ++t) {
-          direct_attention(running[i], layer_id, prefix_lens[i] + j,
-                           &q[t * kQHeads * kHeadDim], expected.data());
+          direct_attention(running[i], layer_id, prefix_lens[i] + j, &q[t * kQHeads * kHeadDim],
+                           expected.data());
           for (int e = 0; e < kQHeads * kHeadDim; ++e) {
             const double diff = std::fabs(out[t * kQHeads * kHeadDim + e] - expected[e]);
             step_worst = std::isnan(diff) ? INFINITY : std::max(step_worst, diff);
@@ -274,11 +275,11 @@ int run(Device device) {
   // 16-bit copies (README), which costs bf16's rounding of q and out.
   const double tolerance = device.is_cpu() ? 1e-4 : 2e-2;
   const bool ok = worst <= tolerance && saw_extend && saw_decode;
-  std::printf("%s: %d requests served in %d steps on %s (%lld of %lld slots free again), max "
-              "|out - direct| %.2e (bar %.0e)\n",
-              ok ? "OK" : "FAILED", finished, steps, device.str().c_str(),
-              (long long)allocator.free_slot_count(), (long long)kSlots - kPageSize, worst,
-              tolerance);
+  std::printf(
+      "%s: %d requests served in %d steps on %s (%lld of %lld slots free again), max "
+      "|out - direct| %.2e (bar %.0e)\n",
+      ok ? "OK" : "FAILED", finished, steps, device.str().c_str(),
+      (long long)allocator.free_slot_count(), (long long)kSlots - kPageSize, worst, tolerance);
   return ok ? 0 : 1;
 }
 

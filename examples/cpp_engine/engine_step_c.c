@@ -20,14 +20,14 @@ static float bf16_round(float x) {
   return x;
 }
 
-#define CALL(expr)                                                                   \
-  do {                                                                               \
-    kvattn_status status_ = (expr);                                                  \
-    if (status_ != KVATTN_OK) {                                                      \
-      fprintf(stderr, "%s: %s: %s\n", #expr, kvattn_status_name(status_),            \
-              kvattn_last_error_message());                                          \
-      return 1;                                                                      \
-    }                                                                                \
+#define CALL(expr)                                                        \
+  do {                                                                    \
+    kvattn_status status_ = (expr);                                       \
+    if (status_ != KVATTN_OK) {                                           \
+      fprintf(stderr, "%s: %s: %s\n", #expr, kvattn_status_name(status_), \
+              kvattn_last_error_message());                               \
+      return 1;                                                           \
+    }                                                                     \
   } while (0)
 
 /* q/k/v of `tokens` new tokens at positions first.., the step's forward, and the check. */
@@ -41,7 +41,7 @@ static int step(kvattn_backend* backend, const kvattn_forward_batch* batch, int 
     for (int h = 0; h < kHeads; ++h)
       for (int d = 0; d < kDim; ++d) q[t][h][d] = (float)((h + 1) * (d % 7)) / 16.0f;
     for (int d = 0; d < kDim; ++d) {
-      k[t][0][d] = 0.25f;                                          /* the same key everywhere */
+      k[t][0][d] = 0.25f; /* the same key everywhere */
       v[t][0][d] = sinf(0.37f * (float)(first + t) + 0.11f * (float)d); /* a new value each */
     }
   }
@@ -108,7 +108,8 @@ int main(void) {
   batch.mode = KVATTN_MODE_EXTEND;
   batch.batch_size = 1;
   batch.req_pool_indices = kvattn_tensor_make(&row, KVATTN_DTYPE_INT32, cpu, 1, &one);
-  batch.seq_lens = batch.seq_lens_cpu = kvattn_tensor_make(&seq_len, KVATTN_DTYPE_INT32, cpu, 1, &one);
+  batch.seq_lens = batch.seq_lens_cpu =
+      kvattn_tensor_make(&seq_len, KVATTN_DTYPE_INT32, cpu, 1, &one);
   batch.extend_prefix_lens = batch.extend_prefix_lens_cpu =
       kvattn_tensor_make(&prefix, KVATTN_DTYPE_INT32, cpu, 1, &one);
   batch.extend_seq_lens = batch.extend_seq_lens_cpu =

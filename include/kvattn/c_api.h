@@ -81,7 +81,10 @@ typedef enum kvattn_dtype {
   KVATTN_DTYPE_UINT8 = 7
 } kvattn_dtype;
 
-typedef enum kvattn_device_type { KVATTN_DEVICE_CPU = 0, KVATTN_DEVICE_CUDA = 1 } kvattn_device_type;
+typedef enum kvattn_device_type {
+  KVATTN_DEVICE_CPU = 0,
+  KVATTN_DEVICE_CUDA = 1
+} kvattn_device_type;
 
 typedef struct kvattn_device {
   int32_t type;  /**< kvattn_device_type */
@@ -111,8 +114,8 @@ typedef struct kvattn_kv_cache kvattn_kv_cache;
  *  [num_slots, num_kv_heads, v_head_dim]; page p holds slots [p * page_size, (p+1) * page_size);
  *  page 0 (slot 0) is the padding page. */
 typedef struct kvattn_kv_cache_config {
-  int32_t num_layers;   /**< default 1 */
-  int64_t num_slots;    /**< a multiple of page_size, slot 0 included */
+  int32_t num_layers; /**< default 1 */
+  int64_t num_slots;  /**< a multiple of page_size, slot 0 included */
   int32_t num_kv_heads;
   int32_t head_dim;
   int32_t v_head_dim;   /**< 0 = head_dim */
@@ -144,15 +147,14 @@ kvattn_status kvattn_kv_cache_set_scales(kvattn_kv_cache* cache, int layer_id, f
 typedef struct kvattn_req_to_token_pool kvattn_req_to_token_pool;
 
 kvattn_status kvattn_req_to_token_pool_create(int max_reqs, int max_context_len,
-                                              kvattn_device device,
-                                              kvattn_req_to_token_pool** out);
+                                              kvattn_device device, kvattn_req_to_token_pool** out);
 /** Wraps the caller's contiguous int32 [max_reqs, max_context_len] tensor (never copied). */
 kvattn_status kvattn_req_to_token_pool_wrap(const kvattn_tensor* table,
                                             kvattn_req_to_token_pool** out);
 void kvattn_req_to_token_pool_destroy(kvattn_req_to_token_pool* pool);
 /** Writes `count` host slots into row `req`, positions [start, start + count). */
-kvattn_status kvattn_req_to_token_pool_write(kvattn_req_to_token_pool* pool, int req,
-                                             int64_t start, const int32_t* slots, int64_t count);
+kvattn_status kvattn_req_to_token_pool_write(kvattn_req_to_token_pool* pool, int req, int64_t start,
+                                             const int32_t* slots, int64_t count);
 /** A view of the whole table. */
 kvattn_status kvattn_req_to_token_pool_table(const kvattn_req_to_token_pool* pool,
                                              kvattn_tensor* out);
@@ -211,7 +213,7 @@ typedef struct kvattn_forward_batch {
   kvattn_tensor req_pool_indices; /**< [batch_size] rows of req_to_token */
   kvattn_tensor seq_lens;         /**< [batch_size] tokens of each request after this step */
   kvattn_tensor seq_lens_cpu;
-  int64_t seq_lens_sum; /**< -1 (default) = compute it */
+  int64_t seq_lens_sum;             /**< -1 (default) = compute it */
   kvattn_tensor extend_prefix_lens; /**< [batch_size] EXTEND / MIXED / DRAFT_EXTEND */
   kvattn_tensor extend_prefix_lens_cpu;
   kvattn_tensor extend_seq_lens; /**< [batch_size] new tokens */
@@ -220,20 +222,24 @@ typedef struct kvattn_forward_batch {
   kvattn_tensor encoder_lens;  /**< [batch_size] cross-attention models only */
   kvattn_tensor encoder_lens_cpu;
   kvattn_tensor encoder_out_cache_loc;
-  kvattn_tensor positions;     /**< [num_tokens] (TARGET_VERIFY with a window) */
-  int32_t draft_token_num;     /**< TARGET_VERIFY */
-  kvattn_tensor custom_mask;   /**< TARGET_VERIFY: uint8, see kvattn/forward_batch.h */
+  kvattn_tensor positions;   /**< [num_tokens] (TARGET_VERIFY with a window) */
+  int32_t draft_token_num;   /**< TARGET_VERIFY */
+  kvattn_tensor custom_mask; /**< TARGET_VERIFY: uint8, see kvattn/forward_batch.h */
   kvattn_req_to_token_pool* req_to_token_pool;
   kvattn_kv_cache* kv_cache;
 } kvattn_forward_batch;
 
 void kvattn_forward_batch_init(kvattn_forward_batch* batch);
 
-/* ---- the backend ------------------------------------------------------------------------------ */
+/* ---- the backend ------------------------------------------------------------------------------
+ */
 
 typedef struct kvattn_backend kvattn_backend;
 
-typedef enum kvattn_backend_kind { KVATTN_BACKEND_CPU = 0, KVATTN_BACKEND_CUDA = 1 } kvattn_backend_kind;
+typedef enum kvattn_backend_kind {
+  KVATTN_BACKEND_CPU = 0,
+  KVATTN_BACKEND_CUDA = 1
+} kvattn_backend_kind;
 
 typedef struct kvattn_backend_config {
   kvattn_kv_cache* kv_cache;                   /**< required; outlives the backend */
@@ -241,14 +247,14 @@ typedef struct kvattn_backend_config {
   int32_t num_q_heads;
   int32_t num_kv_heads;
   int32_t head_dim;
-  int32_t v_head_dim;  /**< 0 = head_dim */
-  int32_t q_dtype;     /**< q / k / v / out dtype: fp32, bf16 (default), fp16 */
-  int32_t sliding_window_size;      /**< the model's window, -1 (default) = none */
-  int32_t is_encoder_decoder;       /**< 0/1 */
-  int64_t ragged_extend_threshold;  /**< default 4096 new tokens */
-  int32_t decode_tensor_cores;      /**< 0 auto (default), 1 on, 2 off */
-  int32_t num_threads;              /**< CPU backend: 0 = KVATTN_NUM_THREADS or all cores */
-  void* cuda_stream;                /**< CUDA backend: the caller's cudaStream_t (NULL = default) */
+  int32_t v_head_dim;              /**< 0 = head_dim */
+  int32_t q_dtype;                 /**< q / k / v / out dtype: fp32, bf16 (default), fp16 */
+  int32_t sliding_window_size;     /**< the model's window, -1 (default) = none */
+  int32_t is_encoder_decoder;      /**< 0/1 */
+  int64_t ragged_extend_threshold; /**< default 4096 new tokens */
+  int32_t decode_tensor_cores;     /**< 0 auto (default), 1 on, 2 off */
+  int32_t num_threads;             /**< CPU backend: 0 = KVATTN_NUM_THREADS or all cores */
+  void* cuda_stream;               /**< CUDA backend: the caller's cudaStream_t (NULL = default) */
 } kvattn_backend_config;
 
 void kvattn_backend_config_init(kvattn_backend_config* config);

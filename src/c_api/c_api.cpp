@@ -42,10 +42,14 @@ thread_local LastError last_error;
 
 kvattn_status status_of(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kInvalidArgument: return KVATTN_ERROR_INVALID_ARGUMENT;
-    case ErrorKind::kNotSupported: return KVATTN_ERROR_NOT_SUPPORTED;
-    case ErrorKind::kOutOfResources: return KVATTN_ERROR_OUT_OF_RESOURCES;
-    case ErrorKind::kDeviceError: return KVATTN_ERROR_DEVICE;
+    case ErrorKind::kInvalidArgument:
+      return KVATTN_ERROR_INVALID_ARGUMENT;
+    case ErrorKind::kNotSupported:
+      return KVATTN_ERROR_NOT_SUPPORTED;
+    case ErrorKind::kOutOfResources:
+      return KVATTN_ERROR_OUT_OF_RESOURCES;
+    case ErrorKind::kDeviceError:
+      return KVATTN_ERROR_DEVICE;
   }
   return KVATTN_ERROR_INTERNAL;
 }
@@ -232,22 +236,38 @@ extern "C" {
 
 const char* kvattn_status_name(kvattn_status status) {
   switch (status) {
-    case KVATTN_OK: return "ok";
-    case KVATTN_ERROR_INVALID_ARGUMENT: return "invalid argument";
-    case KVATTN_ERROR_NOT_SUPPORTED: return "not supported";
-    case KVATTN_ERROR_OUT_OF_RESOURCES: return "out of resources";
-    case KVATTN_ERROR_DEVICE: return "device error";
-    case KVATTN_ERROR_INTERNAL: return "internal error";
+    case KVATTN_OK:
+      return "ok";
+    case KVATTN_ERROR_INVALID_ARGUMENT:
+      return "invalid argument";
+    case KVATTN_ERROR_NOT_SUPPORTED:
+      return "not supported";
+    case KVATTN_ERROR_OUT_OF_RESOURCES:
+      return "out of resources";
+    case KVATTN_ERROR_DEVICE:
+      return "device error";
+    case KVATTN_ERROR_INTERNAL:
+      return "internal error";
   }
   return "unknown status";
 }
 
-const char* kvattn_last_error_message(void) { return last_error.message.c_str(); }
-const char* kvattn_last_error_argument(void) { return last_error.argument.c_str(); }
-int64_t kvattn_last_error_step(void) { return last_error.step; }
+const char* kvattn_last_error_message(void) {
+  return last_error.message.c_str();
+}
+const char* kvattn_last_error_argument(void) {
+  return last_error.argument.c_str();
+}
+int64_t kvattn_last_error_step(void) {
+  return last_error.step;
+}
 
-int kvattn_c_api_version(void) { return KVATTN_C_API_VERSION; }
-int kvattn_cuda_compiled(void) { return kvattn::cuda_compiled() ? 1 : 0; }
+int kvattn_c_api_version(void) {
+  return KVATTN_C_API_VERSION;
+}
+int kvattn_cuda_compiled(void) {
+  return kvattn::cuda_compiled() ? 1 : 0;
+}
 int kvattn_cuda_device_count(void) {
   try {
     return kvattn::cuda_device_count();
@@ -267,7 +287,8 @@ kvattn_tensor kvattn_tensor_make(void* data, kvattn_dtype dtype, kvattn_device d
   return t;  // strides all zero: contiguous
 }
 
-// ---- KV cache ------------------------------------------------------------------------------------
+// ---- KV cache
+// ------------------------------------------------------------------------------------
 
 void kvattn_kv_cache_config_init(kvattn_kv_cache_config* config) {
   if (config == nullptr) return;
@@ -309,7 +330,9 @@ kvattn_status kvattn_kv_cache_wrap(const kvattn_kv_cache_config* config,
   });
 }
 
-void kvattn_kv_cache_destroy(kvattn_kv_cache* cache) { delete cache; }
+void kvattn_kv_cache_destroy(kvattn_kv_cache* cache) {
+  delete cache;
+}
 
 kvattn_status kvattn_kv_cache_k_buffer(const kvattn_kv_cache* cache, int layer_id,
                                        kvattn_tensor* out) {
@@ -337,7 +360,8 @@ kvattn_status kvattn_kv_cache_set_scales(kvattn_kv_cache* cache, int layer_id, f
   });
 }
 
-// ---- req_to_token --------------------------------------------------------------------------------
+// ---- req_to_token
+// --------------------------------------------------------------------------------
 
 kvattn_status kvattn_req_to_token_pool_create(int max_reqs, int max_context_len,
                                               kvattn_device device,
@@ -363,10 +387,12 @@ kvattn_status kvattn_req_to_token_pool_wrap(const kvattn_tensor* table,
   });
 }
 
-void kvattn_req_to_token_pool_destroy(kvattn_req_to_token_pool* pool) { delete pool; }
+void kvattn_req_to_token_pool_destroy(kvattn_req_to_token_pool* pool) {
+  delete pool;
+}
 
-kvattn_status kvattn_req_to_token_pool_write(kvattn_req_to_token_pool* pool, int req,
-                                             int64_t start, const int32_t* slots, int64_t count) {
+kvattn_status kvattn_req_to_token_pool_write(kvattn_req_to_token_pool* pool, int req, int64_t start,
+                                             const int32_t* slots, int64_t count) {
   return guard([&] {
     require(pool, "pool");
     kvattn::check_arg(count >= 0, "count", "got ", count, ", expected >= 0");
@@ -384,7 +410,8 @@ kvattn_status kvattn_req_to_token_pool_table(const kvattn_req_to_token_pool* poo
   });
 }
 
-// ---- slot allocator ------------------------------------------------------------------------------
+// ---- slot allocator
+// ------------------------------------------------------------------------------
 
 kvattn_status kvattn_slot_allocator_create(int64_t num_slots, int page_size,
                                            kvattn_slot_allocator** out) {
@@ -397,7 +424,9 @@ kvattn_status kvattn_slot_allocator_create(int64_t num_slots, int page_size,
   });
 }
 
-void kvattn_slot_allocator_destroy(kvattn_slot_allocator* allocator) { delete allocator; }
+void kvattn_slot_allocator_destroy(kvattn_slot_allocator* allocator) {
+  delete allocator;
+}
 
 kvattn_status kvattn_slot_allocator_allocate_tokens(kvattn_slot_allocator* allocator,
                                                     int64_t current_len, int32_t last_slot,
@@ -426,7 +455,8 @@ int64_t kvattn_slot_allocator_free_slot_count(const kvattn_slot_allocator* alloc
   return allocator == nullptr ? 0 : allocator->allocator.free_slot_count();
 }
 
-// ---- layer, batch --------------------------------------------------------------------------------
+// ---- layer, batch
+// --------------------------------------------------------------------------------
 
 void kvattn_layer_init(kvattn_layer* layer) {
   if (layer == nullptr) return;
@@ -441,7 +471,8 @@ void kvattn_forward_batch_init(kvattn_forward_batch* batch) {
   batch->seq_lens_sum = -1;
 }
 
-// ---- backend -------------------------------------------------------------------------------------
+// ---- backend
+// -------------------------------------------------------------------------------------
 
 void kvattn_backend_config_init(kvattn_backend_config* config) {
   if (config == nullptr) return;
@@ -487,7 +518,9 @@ kvattn_status kvattn_backend_create(kvattn_backend_kind kind, const kvattn_backe
 static_assert(int(kvattn::TensorCoreDecode::kAuto) == 0 &&
               int(kvattn::TensorCoreDecode::kOn) == 1 && int(kvattn::TensorCoreDecode::kOff) == 2);
 
-void kvattn_backend_destroy(kvattn_backend* backend) { delete backend; }
+void kvattn_backend_destroy(kvattn_backend* backend) {
+  delete backend;
+}
 
 kvattn_status kvattn_backend_init_forward_metadata(kvattn_backend* backend,
                                                    const kvattn_forward_batch* batch) {

@@ -16,13 +16,25 @@ namespace {
 
 }  // namespace
 
-bool compiled() noexcept { return false; }
-void* allocate(size_t, int) { no_device("device"); }
+bool compiled() noexcept {
+  return false;
+}
+void* allocate(size_t, int) {
+  no_device("device");
+}
 void release(void*, int) noexcept {}
-void copy_sync(void*, Device, const void*, Device, size_t) { no_device("device"); }
-void fill_sync(void*, int, int, size_t) { no_device("device"); }
-int device_count() noexcept { return 0; }
-size_t free_bytes(int) { no_device("device"); }
+void copy_sync(void*, Device, const void*, Device, size_t) {
+  no_device("device");
+}
+void fill_sync(void*, int, int, size_t) {
+  no_device("device");
+}
+int device_count() noexcept {
+  return 0;
+}
+size_t free_bytes(int) {
+  no_device("device");
+}
 
 }  // namespace kvattn::device_runtime
 

@@ -95,15 +95,18 @@ void fill_bytes(void* dst, Device device, int value, size_t bytes) {
 void copy_tensor(const TensorView& dst, const TensorView& src) {
   check_arg(dst.dtype() == src.dtype(), "dst", "dtype ", dtype_name(dst.dtype()),
             " differs from src ", dtype_name(src.dtype()));
-  check_arg(dst.numel() == src.numel(), "dst", dst, " and src ", src,
-            " differ in size");
+  check_arg(dst.numel() == src.numel(), "dst", dst, " and src ", src, " differ in size");
   check_arg(dst.is_contiguous() && src.is_contiguous(), "dst", "copy_tensor needs contiguous ",
             "views, got ", dst, " and ", src);
   copy_bytes(dst.data(), dst.device(), src.data(), src.device(), size_t(src.nbytes()));
 }
 
-bool cuda_compiled() { return device_runtime::compiled(); }
+bool cuda_compiled() {
+  return device_runtime::compiled();
+}
 
-int cuda_device_count() { return device_runtime::device_count(); }
+int cuda_device_count() {
+  return device_runtime::device_count();
+}
 
 }  // namespace kvattn

@@ -61,7 +61,8 @@ static void direct_attention(int layer, int r, int pos, const float* q /* [kQHea
     double logits[kMaxContext];
     for (int j = 0; j <= pos; ++j) {
       double dot = 0;
-      for (int d = 0; d < kHeadDim; ++d) dot += (double)q[h * kHeadDim + d] * kv_k[layer][r][j][kvh][d];
+      for (int d = 0; d < kHeadDim; ++d)
+        dot += (double)q[h * kHeadDim + d] * kv_k[layer][r][j][kvh][d];
       logits[j] = dot * scale;
       if (logits[j] > m) m = logits[j];
     }
@@ -191,7 +192,8 @@ int main(void) {
   memset(&w, 0, sizeof(w));
   char line[160];
 
-  check(kvattn_c_api_version() == KVATTN_C_API_VERSION, "the library's ABI version is the header's");
+  check(kvattn_c_api_version() == KVATTN_C_API_VERSION,
+        "the library's ABI version is the header's");
 
   kvattn_kv_cache_config cache_config;
   kvattn_kv_cache_config_init(&cache_config);
@@ -298,14 +300,16 @@ int main(void) {
 
   int32_t many[kSlots];
   status = kvattn_slot_allocator_allocate_tokens(w.allocator, 0, 0, kSlots * 2, many);
-  check(status == KVATTN_ERROR_OUT_OF_RESOURCES, "asking the allocator for too many slots: "
-                                                 "KVATTN_ERROR_OUT_OF_RESOURCES");
+  check(status == KVATTN_ERROR_OUT_OF_RESOURCES,
+        "asking the allocator for too many slots: "
+        "KVATTN_ERROR_OUT_OF_RESOURCES");
 
   if (kvattn_cuda_device_count() == 0) {
     kvattn_backend* cuda = NULL;
     status = kvattn_backend_create(KVATTN_BACKEND_CUDA, &config, &cuda);
-    check(status == KVATTN_ERROR_NOT_SUPPORTED && cuda == NULL,
-          "a CUDA backend without a GPU (or without CUDA in the build): KVATTN_ERROR_NOT_SUPPORTED");
+    check(
+        status == KVATTN_ERROR_NOT_SUPPORTED && cuda == NULL,
+        "a CUDA backend without a GPU (or without CUDA in the build): KVATTN_ERROR_NOT_SUPPORTED");
   }
   check(strcmp(kvattn_status_name(KVATTN_ERROR_DEVICE), "device error") == 0, "status names");
 
