@@ -24,7 +24,7 @@
 #include "tool_support.h"
 
 #if defined(KVATTN_WITH_CUDA)
-#include "cuda/bench_support.h"
+#include "cuda_bench/bench_support.h"
 #endif
 
 namespace kvattn::tools {

@@ -40,7 +40,7 @@
 #if defined(KVATTN_WITH_CUDA)
 #include <cuda_runtime_api.h>
 
-#include "cuda/bench_support.h"
+#include "cuda_bench/bench_support.h"
 #endif
 
 namespace kvattn::tools {

@@ -16,7 +16,6 @@
 #include <thread>
 #include <vector>
 
-#include "cpu/bf16_avx512.h"
 #include "kvattn/memory.h"
 #include "tool_support.h"
 
@@ -181,7 +180,7 @@ double measure_cpu_fma_gflops(int passes) {
 }
 
 double measure_cpu_avx512_gflops(int passes) {
-  if (!cpu::avx512::bf16_available()) return std::numeric_limits<double>::quiet_NaN();
+  if (!cpu_backend_info().avx512_bf16) return std::numeric_limits<double>::quiet_NaN();
   return std::max(chains_gflops(passes, kChains * 16 * 2, fma512_chains),
                   chains_gflops(passes, kChains * 16 * 2 * 2, bf16_dot_chains));
 }

@@ -1,4 +1,4 @@
-// Checking a backend's output against the float64 reference (tests/reference/reference.h) on
+// Checking a backend's output against the float64 reference (src/reference/reference.h) on
 // worlds too big to snapshot whole: only the slots the checked requests reference are copied
 // off the device and decoded, into a compact pool whose slot ids the oracle's own req_to_token
 // rows use.

@@ -10,10 +10,9 @@
 #include <thread>
 
 #include "cli_args.h"
-#include "cpu/thread_pool.h"
 
 #if defined(KVATTN_WITH_CUDA)
-#include "cuda/bench_support.h"
+#include "cuda_bench/bench_support.h"
 #endif
 
 namespace kvattn::tools {
@@ -57,7 +56,7 @@ std::string run_and_read_line(const std::string& command) {
 }  // namespace
 
 int host_threads() {
-  return cpu::resolve_num_threads(0);
+  return cpu_backend_info().num_threads;
 }
 
 double median(std::vector<double> values) {

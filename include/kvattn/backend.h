@@ -158,6 +158,14 @@ class AttentionBackend {
   virtual bool supports_indexer_metadata() const { return false; }
 };
 
+/// What the CPU backend runs on this machine (for an engine's logs and for benchmarks).
+struct CpuBackendInfo {
+  int num_threads = 0;       ///< workers of a backend made with num_threads = 0 (KVATTN_NUM_THREADS
+                             ///< or the CPUs this process may run on)
+  bool avx512_bf16 = false;  ///< whether the AVX-512 BF16 kernels run here (KVATTN_CPU_ISA honoured)
+};
+CpuBackendInfo cpu_backend_info();
+
 /// Makes a backend of `kind`. Throws kNotSupported for kCuda in a build without CUDA or on a
 /// machine without a GPU, and kInvalidArgument for a bad config.
 std::unique_ptr<AttentionBackend> make_backend(BackendKind kind, const BackendConfig& config);

@@ -18,7 +18,7 @@ STORAGE_NAN = {"fp16": np.float16("nan"), "bf16": 0x7FC0, "fp8_e4m3": 0x7F, "fp8
 # What a q/k/v/out array of each q dtype is in NumPy.
 Q_NUMPY = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
 # Error bars per q dtype, relative to each (token, head) row's largest |reference| value: the
-# bars of the C++ scenario harness (tests/reference/scenario.cpp gives the measured spread).
+# bars of the C++ scenario harness (src/reference/scenario.cpp gives the measured spread).
 TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2}
 
 

@@ -9,21 +9,10 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
-#if defined(KVATTN_WITH_CUDA)
-#include "cuda/cuda_memory.h"
-#endif
+
+#include "core/device_runtime.h"
 
 namespace kvattn {
-#if !defined(KVATTN_WITH_CUDA)
-namespace {
-
-[[noreturn]] void no_cuda(const char* what) {
-  throw_error(ErrorKind::kNotSupported, what,
-              "this build of kvattn has no CUDA backend (built without nvcc)");
-}
-
-}  // namespace
-#endif
 
 Buffer Buffer::allocate(Device device, size_t bytes) {
   Buffer b;
@@ -51,12 +40,8 @@ Buffer Buffer::allocate(Device device, size_t bytes) {
 #endif
     return b;
   }
-#if defined(KVATTN_WITH_CUDA)
-  b.data_ = cuda::device_malloc(bytes, device.index);
+  b.data_ = device_runtime::allocate(bytes, device.index);
   return b;
-#else
-  no_cuda("device");
-#endif
 }
 
 Buffer::~Buffer() {
@@ -64,9 +49,7 @@ Buffer::~Buffer() {
   if (device_.is_cpu()) {
     std::free(data_);
   } else {
-#if defined(KVATTN_WITH_CUDA)
-    cuda::device_free(data_, device_.index);
-#endif
+    device_runtime::release(data_, device_.index);
   }
 }
 
@@ -98,11 +81,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
     std::memmove(dst, src, bytes);
     return;
   }
-#if defined(KVATTN_WITH_CUDA)
-  cuda::memcpy_sync(dst, dst_device, src, src_device, bytes);
-#else
-  no_cuda("device");
-#endif
+  device_runtime::copy_sync(dst, dst_device, src, src_device, bytes);
 }
 
 void fill_bytes(void* dst, Device device, int value, size_t bytes) {
@@ -110,37 +89,24 @@ void fill_bytes(void* dst, Device device, int value, size_t bytes) {
     std::memset(dst, value, bytes);
     return;
   }
-#if defined(KVATTN_WITH_CUDA)
-  cuda::memset_sync(dst, device.index, value, bytes);
-#else
-  no_cuda("device");
-#endif
+  device_runtime::fill_sync(dst, device.index, value, bytes);
 }
 
 void copy_tensor(const TensorView& dst, const TensorView& src) {
   check_arg(dst.dtype() == src.dtype(), "dst", "dtype ", dtype_name(dst.dtype()),
             " differs from src ", dtype_name(src.dtype()));
-  check_arg(dst.numel() == src.numel(), "dst", dst, " and src ", src,
-            " differ in size");
+  check_arg(dst.numel() == src.numel(), "dst", dst, " and src ", src, " differ in size");
   check_arg(dst.is_contiguous() && src.is_contiguous(), "dst", "copy_tensor needs contiguous ",
             "views, got ", dst, " and ", src);
   copy_bytes(dst.data(), dst.device(), src.data(), src.device(), size_t(src.nbytes()));
 }
 
 bool cuda_compiled() {
-#if defined(KVATTN_WITH_CUDA)
-  return true;
-#else
-  return false;
-#endif
+  return device_runtime::compiled();
 }
 
 int cuda_device_count() {
-#if defined(KVATTN_WITH_CUDA)
-  return cuda::device_count();
-#else
-  return 0;
-#endif
+  return device_runtime::device_count();
 }
 
 }  // namespace kvattn

@@ -6,10 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include "core/device_runtime.h"
 #include "kvattn/error.h"
-#if defined(KVATTN_WITH_CUDA)
-#include "cuda/cuda_memory.h"
-#endif
 
 namespace kvattn::core {
 namespace {
@@ -76,12 +74,7 @@ size_t available_bytes(Device device) {
     return pages > 0 && page_size > 0 ? size_t(pages) * size_t(page_size)
                                       : std::numeric_limits<size_t>::max();
   }
-#if defined(KVATTN_WITH_CUDA)
-  return cuda::free_device_bytes(device.index);
-#else
-  throw_error(ErrorKind::kNotSupported, "device",
-              "this build of kvattn has no CUDA backend (built without nvcc)");
-#endif
+  return device_runtime::free_bytes(device.index);
 }
 
 void check_fits(Device device, size_t bytes, const std::string& what) {

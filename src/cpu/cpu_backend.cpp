@@ -5,6 +5,7 @@
 
 #include "core/params_fill.h"
 #include "core/validate.h"
+#include "cpu/bf16_avx512.h"
 #include "cpu/kv_write.h"
 #include "kvattn/error.h"
 #include "kvattn/kv_cache.h"
@@ -380,3 +381,14 @@ std::unique_ptr<core::DraftRunner> make_cpu_draft_runner(const BackendConfig& co
 }
 
 }  // namespace kvattn::cpu
+
+namespace kvattn {
+
+CpuBackendInfo cpu_backend_info() {
+  CpuBackendInfo info;
+  info.num_threads = cpu::resolve_num_threads(0);
+  info.avx512_bf16 = cpu::avx512::bf16_available();
+  return info;
+}
+
+}  // namespace kvattn

@@ -2,6 +2,7 @@
 
 #include <atomic>
 
+#include "core/device_runtime.h"
 #include "cuda/cuda_memory.h"
 #include "kvattn/error.h"
 
@@ -82,3 +83,20 @@ int device_count() noexcept {
 }
 
 }  // namespace kvattn::cuda
+
+// The device runtime of the backend-neutral code (core/device_runtime.h) in a build with CUDA.
+namespace kvattn::device_runtime {
+
+bool compiled() noexcept { return true; }
+void* allocate(size_t bytes, int device) { return cuda::device_malloc(bytes, device); }
+void release(void* ptr, int device) noexcept { cuda::device_free(ptr, device); }
+void copy_sync(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  cuda::memcpy_sync(dst, dst_device, src, src_device, bytes);
+}
+void fill_sync(void* dst, int device, int value, size_t bytes) {
+  cuda::memset_sync(dst, device, value, bytes);
+}
+int device_count() noexcept { return cuda::device_count(); }
+size_t free_bytes(int device) { return cuda::free_device_bytes(device); }
+
+}  // namespace kvattn::device_runtime

@@ -1,5 +1,5 @@
 // kvattn's host dtype conversions against the independent double-based model of
-// tests/reference/float_format: every bit pattern decoded; encodes checked on every
+// src/reference/float_format: every bit pattern decoded; encodes checked on every
 // representable value, every exact tie between neighbours and the floats next to it, random
 // floats of every magnitude, subnormals, saturation, inf and NaN.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Bad indices refuse the whole step on the CPU backend: the table of reference/bad_index.h (every
+// Bad indices refuse the whole step on the CPU backend: the table of tests/support/bad_index.h (every
 // index kind, every mode), one parameterised test per case. The CUDA tests run the same table
 // on the device (tests/cuda/test_bad_index_cuda.cpp): both backends must name the same argument
 // with the same ErrorKind.
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "kvattn/kvattn.h"
-#include "reference/bad_index.h"
+#include "support/bad_index.h"
 
 namespace kvattn::testing {
 namespace {

@@ -1,6 +1,6 @@
-// Bad input on the CPU backend: the shared suite (reference/bad_input_suite.h) instantiated for
+// Bad input on the CPU backend: the shared suite (tests/support/bad_input_suite.h) instantiated for
 // BackendKind::kCpu, plus the rules that involve no backend (KV cache and allocator settings).
-#include "reference/bad_input_suite.h"
+#include "support/bad_input_suite.h"
 
 namespace kvattn::testing {
 namespace {

@@ -1,7 +1,7 @@
 // Bad input on the device (issues 13 and 21): a step with a bad index writes nothing and is
 // reported once, by check_errors, attributed to its step; a refused allocation leaves no device
 // memory behind; the CUDA context stays healthy and the next good step is correct. The table of
-// reference/bad_index.h runs here as on the CPU backend (same ErrorKind, same argument). The
+// tests/support/bad_index.h runs here as on the CPU backend (same ErrorKind, same argument). The
 // CUDA-graph path of the same contract is in test_cuda_graphs.cpp (CudaGraphsBadInput). Skips
 // without a CUDA device.
 #include <cuda_runtime_api.h>
@@ -17,7 +17,7 @@
 #include "cuda/cuda_memory.h"
 #include "cuda/cuda_test_support.h"
 #include "kvattn/kvattn.h"
-#include "reference/bad_index.h"
+#include "support/bad_index.h"
 
 namespace kvattn::testing {
 namespace {

@@ -30,7 +30,7 @@ bool io_served_by_prefill(const ScenarioSpec& s) {
 }
 
 // Rows of the standard matrix the CUDA backend refuses with kNotSupported, each with its reason
-// (unsupported_reason, tests/reference/scenario_matrix.cpp). Every other row must run and pass: a
+// (unsupported_reason, src/reference/scenario_matrix.cpp). Every other row must run and pass: a
 // NotSupported elsewhere fails the test, and a listed row that runs fails it too (the list is
 // then out of date).
 const char* cuda_unsupported_reason(const ScenarioSpec& s) {

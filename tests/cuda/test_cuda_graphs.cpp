@@ -11,7 +11,7 @@
 // byte for byte (the step's saves, rounded into the KV dtype, and nothing else), the real output
 // rows must be finite, and the replay must equal an eager run of a fresh backend bit for bit; the
 // first and last replay of each bucket are also compared with the float64 oracle
-// (tests/reference) within the scenario bar of the dtypes. Covered: DECODE on the CUDA-core and
+// (src/reference) within the scenario bar of the dtypes. Covered: DECODE on the CUDA-core and
 // the tensor-core kernels (page 1 and 16, fp16, fp8, GQA group 8, fp32 io, a window model's two
 // index sets), TARGET_VERIFY (window layers fold the tree mask on the device, fp32 io, fp8), the
 // multi-step draft, nothing allocating during replay, and the refusals. Skips without a device.
@@ -35,7 +35,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/bench_support.h"
+#include "cuda_bench/bench_support.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_test_support.h"
 #include "kvattn/kvattn.h"

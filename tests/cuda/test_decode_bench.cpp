@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/bench_support.h"
+#include "cuda_bench/bench_support.h"
 #include "cuda/kernels/decode.h"
 #include "kvattn/kvattn.h"
 

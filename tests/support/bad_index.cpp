@@ -1,4 +1,4 @@
-#include "reference/bad_index.h"
+#include "support/bad_index.h"
 
 #include <algorithm>
 #include <array>

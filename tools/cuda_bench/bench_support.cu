@@ -8,7 +8,7 @@
 #include <chrono>
 #include <vector>
 
-#include "cuda/bench_support.h"
+#include "cuda_bench/bench_support.h"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda::bench {
