@@ -453,47 +453,14 @@ class ServingSession {
     TensorView q_host, k_host, v_host;
   };
 
-  /// Per request of the step: query rows and the req_to_token positions its keys live at.
-  struct RequestRows {
-    int64_t first_row = 0;
-    int64_t q_len = 0;
-    int kv_extent = 0;
-  };
-
-  std::vector<RequestRows> request_rows(const StepSpec& spec) const {
-    std::vector<RequestRows> rows;
-    int64_t offset = 0;
-    for (size_t i = 0; i < spec.seq_lens.size(); ++i) {
-      RequestRows r;
-      r.first_row = offset;
-      switch (spec.mode) {
-        case ForwardMode::kDecode:
-          r.q_len = 1;
-          r.kv_extent = spec.seq_lens[i];
-          break;
-        case ForwardMode::kTargetVerify:
-          r.q_len = spec.draft_token_num;
-          r.kv_extent = spec.seq_lens[i] + spec.draft_token_num;
-          break;
-        default:
-          r.q_len = spec.extend_lens[i];
-          r.kv_extent = spec.seq_lens[i];
-          break;
-      }
-      offset += r.q_len;
-      rows.push_back(r);
-    }
-    return rows;
-  }
-
   /// Runs one step (metadata once, then every layer) and, on sampled steps, checks it.
   void execute(const StepSpec& spec, const char* label, int new_requests) {
-    const std::vector<RequestRows> rows = request_rows(spec);
+    const std::vector<StepRequestRows> rows = step_request_rows(spec);
     StepStats stats;
     stats.mode = spec.mode;
     stats.new_requests = new_requests;
     stats.requests = int(spec.seq_lens.size());
-    for (const RequestRows& r : rows) {
+    for (const StepRequestRows& r : rows) {
       stats.query_tokens += r.q_len;
       stats.kv_tokens += r.kv_extent;
     }
@@ -538,71 +505,21 @@ class ServingSession {
   /// requests in random order while the oracle's cost stays within kCheckPairBudget. The pool
   /// snapshot is taken after the step, but the step's own new K/V are put into it from the
   /// inputs (as the oracle models the save), so a wrong save by the backend shows up too.
-  std::string check_step(const StepSpec& spec, const std::vector<RequestRows>& rows,
+  std::string check_step(const StepSpec& spec, const std::vector<StepRequestRows>& rows,
                          const AttentionLayer& checked_layer, const LayerInputs& inputs,
                          const TensorView& out) {
     const auto start = std::chrono::steady_clock::now();
-    std::vector<size_t> order(rows.size());
-    std::iota(order.begin(), order.end(), size_t(0));
-    for (size_t i = order.size(); i > 1; --i) {
-      std::swap(order[i - 1], order[size_t(data_rng_.next() % i)]);
-    }
-    std::vector<size_t> picked;
-    int64_t pairs = 0;
-    for (size_t i : order) {
-      const int64_t cost = rows[i].q_len * rows[i].kv_extent;
-      if (!picked.empty() && pairs + cost > kCheckPairBudget) continue;
-      picked.push_back(i);
-      pairs += cost;
-      if (picked.size() >= 8) break;
-    }
-    std::sort(picked.begin(), picked.end());
-
-    testing::RefBatch ref;
-    ref.mode = spec.mode;
-    ref.draft_token_num = spec.draft_token_num;
+    const std::vector<size_t> picked = pick_checked_requests(rows, kCheckPairBudget, 8, data_rng_);
     std::vector<std::vector<int32_t>> slot_rows;
-    std::vector<int64_t> token_rows;
-    std::vector<int64_t> mask_offsets(rows.size() + 1, 0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      mask_offsets[i + 1] = mask_offsets[i] + rows[i].q_len * rows[i].kv_extent;
-    }
-    for (size_t k = 0; k < picked.size(); ++k) {
-      const size_t i = picked[k];
+    for (size_t i : picked) {
       const Request* owner = find_request(spec.req_pool_indices[i]);
       const std::vector<int32_t>& slots = owner != nullptr ? owner->slots : shared_slots_;
       slot_rows.emplace_back(slots.begin(), slots.begin() + rows[i].kv_extent);
-      ref.req_pool_indices.push_back(int32_t(k));
-      ref.seq_lens.push_back(spec.seq_lens[i]);
-      if (!spec.prefix_lens.empty()) {
-        ref.prefix_lens.push_back(spec.prefix_lens[i]);
-        ref.extend_lens.push_back(spec.extend_lens[i]);
-      }
-      if (spec.mode == ForwardMode::kTargetVerify) {
-        ref.custom_mask.insert(ref.custom_mask.end(), spec.custom_mask.begin() + mask_offsets[i],
-                               spec.custom_mask.begin() + mask_offsets[i + 1]);
-      }
-      for (int64_t t = 0; t < rows[i].q_len; ++t) token_rows.push_back(rows[i].first_row + t);
     }
-    CompactPool compact = snapshot_rows(cache_, checked_layer.layer_id, slot_rows);
-    // The step's new tokens are the last q_len positions of each checked request's KV range.
-    testing::RefNewKv new_kv;
-    for (size_t k = 0; k < picked.size(); ++k) {
-      const RequestRows& r = rows[picked[k]];
-      const int32_t* row = compact.req_to_token.data() + k * size_t(compact.max_context_len);
-      for (int64_t j = 0; j < r.q_len; ++j) new_kv.slots.push_back(row[r.kv_extent - r.q_len + j]);
-    }
-    new_kv.k = gather_rows_as_double(inputs.k_host, token_rows, int64_t(kKvHeads) * kHeadDim);
-    new_kv.v = gather_rows_as_double(inputs.v_host, token_rows, int64_t(kKvHeads) * kHeadDim);
-    testing::reference_save_kv(compact.pool, new_kv, kDType, 1.0, 1.0);
-    ref.max_context_len = compact.max_context_len;
-    ref.req_to_token = std::move(compact.req_to_token);
-    const std::vector<double> q =
-        gather_rows_as_double(inputs.q_host, token_rows, int64_t(kQHeads) * kHeadDim);
-    const testing::RefOutput expected =
-        testing::reference_attention(checked_layer, ref, compact.pool, q);
-    const OwnedTensor out_host = to_host(out);
-    const double err = max_rel_err(expected, out_host.view, token_rows);
+    const double err = check_step_requests(
+        cache_, checked_layer, spec, rows, picked, slot_rows,
+        StepHostInputs{inputs.q_host, inputs.k_host, inputs.v_host, kQHeads, kKvHeads, kDType},
+        out);
     const bool ok = err <= tolerance_;
     checks_.steps += 1;
     checks_.failed += ok ? 0 : 1;

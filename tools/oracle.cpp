@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <unordered_map>
 
 #include "reference/float_format.h"
@@ -120,6 +121,99 @@ double max_rel_err(const testing::RefOutput& ref, const TensorView& out_host,
     }
   }
   return worst;
+}
+
+std::vector<StepRequestRows> step_request_rows(const StepSpec& spec) {
+  std::vector<StepRequestRows> rows;
+  int64_t offset = 0;
+  for (size_t i = 0; i < spec.seq_lens.size(); ++i) {
+    StepRequestRows r;
+    r.first_row = offset;
+    switch (spec.mode) {
+      case ForwardMode::kDecode:
+        r.q_len = 1;
+        r.kv_extent = spec.seq_lens[i];
+        break;
+      case ForwardMode::kTargetVerify:
+        r.q_len = spec.draft_token_num;
+        r.kv_extent = spec.seq_lens[i] + spec.draft_token_num;
+        break;
+      default:
+        r.q_len = spec.extend_lens[i];
+        r.kv_extent = spec.seq_lens[i];
+        break;
+    }
+    offset += r.q_len;
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+std::vector<size_t> pick_checked_requests(const std::vector<StepRequestRows>& rows,
+                                          int64_t pair_budget, size_t max_requests, Rng& rng) {
+  std::vector<size_t> order(rows.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[size_t(rng.next() % i)]);
+  std::vector<size_t> picked;
+  int64_t pairs = 0;
+  for (size_t i : order) {
+    const int64_t cost = rows[i].q_len * rows[i].kv_extent;
+    if (!picked.empty() && pairs + cost > pair_budget) continue;
+    picked.push_back(i);
+    pairs += cost;
+    if (picked.size() >= max_requests) break;
+  }
+  std::sort(picked.begin(), picked.end());
+  return picked;
+}
+
+double check_step_requests(const KvCache& cache, const AttentionLayer& layer, const StepSpec& spec,
+                           const std::vector<StepRequestRows>& rows,
+                           const std::vector<size_t>& picked,
+                           const std::vector<std::vector<int32_t>>& slot_rows,
+                           const StepHostInputs& inputs, const TensorView& out) {
+  testing::RefBatch ref;
+  ref.mode = spec.mode;
+  ref.draft_token_num = spec.draft_token_num;
+  std::vector<int64_t> token_rows;
+  std::vector<int64_t> mask_offsets(rows.size() + 1, 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    mask_offsets[i + 1] = mask_offsets[i] + rows[i].q_len * rows[i].kv_extent;
+  }
+  for (size_t k = 0; k < picked.size(); ++k) {
+    const size_t i = picked[k];
+    ref.req_pool_indices.push_back(int32_t(k));
+    ref.seq_lens.push_back(spec.seq_lens[i]);
+    if (!spec.prefix_lens.empty()) {
+      ref.prefix_lens.push_back(spec.prefix_lens[i]);
+      ref.extend_lens.push_back(spec.extend_lens[i]);
+    }
+    if (spec.mode == ForwardMode::kTargetVerify) {
+      ref.custom_mask.insert(ref.custom_mask.end(), spec.custom_mask.begin() + mask_offsets[i],
+                             spec.custom_mask.begin() + mask_offsets[i + 1]);
+    }
+    for (int64_t t = 0; t < rows[i].q_len; ++t) token_rows.push_back(rows[i].first_row + t);
+  }
+  CompactPool compact = snapshot_rows(cache, layer.layer_id, slot_rows);
+  // The step's new tokens are the last q_len positions of each checked request's KV range.
+  testing::RefNewKv new_kv;
+  for (size_t k = 0; k < picked.size(); ++k) {
+    const StepRequestRows& r = rows[picked[k]];
+    const int32_t* row = compact.req_to_token.data() + k * size_t(compact.max_context_len);
+    for (int64_t j = 0; j < r.q_len; ++j) new_kv.slots.push_back(row[r.kv_extent - r.q_len + j]);
+  }
+  const int64_t kv_row = int64_t(inputs.num_kv_heads) * layer.head_dim;
+  new_kv.k = gather_rows_as_double(inputs.k_host, token_rows, kv_row);
+  new_kv.v = gather_rows_as_double(inputs.v_host, token_rows,
+                                   int64_t(inputs.num_kv_heads) * layer.resolved_v_head_dim());
+  testing::reference_save_kv(compact.pool, new_kv, inputs.kv_dtype, 1.0, 1.0);
+  ref.max_context_len = compact.max_context_len;
+  ref.req_to_token = std::move(compact.req_to_token);
+  const std::vector<double> q = gather_rows_as_double(inputs.q_host, token_rows,
+                                                      int64_t(inputs.num_q_heads) * layer.head_dim);
+  const testing::RefOutput expected = testing::reference_attention(layer, ref, compact.pool, q);
+  const OwnedTensor out_host = to_host(out);
+  return max_rel_err(expected, out_host.view, token_rows);
 }
 
 }  // namespace kvattn::tools

@@ -9,6 +9,8 @@
 
 #include "kvattn/kvattn.h"
 #include "reference/reference.h"
+#include "step_batch.h"
+#include "tool_support.h"
 
 namespace kvattn::tools {
 
@@ -34,5 +36,38 @@ std::vector<double> gather_rows_as_double(const TensorView& host, const std::vec
 /// the reference has none counts as +inf; a reference row of zeros compares absolutely.
 double max_rel_err(const testing::RefOutput& ref, const TensorView& out_host,
                    const std::vector<int64_t>& out_rows);
+
+/// Per request of a step: its query rows in q / out and how many req_to_token positions its
+/// keys span (the step's new tokens are the last q_len of them).
+struct StepRequestRows {
+  int64_t first_row = 0;
+  int64_t q_len = 0;
+  int kv_extent = 0;
+};
+std::vector<StepRequestRows> step_request_rows(const StepSpec& spec);
+
+/// The requests a step's check takes: a random order, each kept while the oracle's (query, key)
+/// pairs stay within `pair_budget` (the first always), at most `max_requests`; sorted.
+std::vector<size_t> pick_checked_requests(const std::vector<StepRequestRows>& rows,
+                                          int64_t pair_budget, size_t max_requests, Rng& rng);
+
+/// A step's host inputs (q, and the new k / v the step saves) as [tokens, heads, dim] views.
+struct StepHostInputs {
+  TensorView q_host, k_host, v_host;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  DType kv_dtype = DType::kBFloat16;
+};
+
+/// The picked requests' outputs in `out` (layer `layer`) against the float64 reference: the
+/// slots each reads (`slot_rows[k]`: positions [0, kv_extent) of picked request k, as the backend
+/// read them) are snapshot off the cache, the step's new K/V are saved into that copy as the
+/// oracle models the save (so a wrong save by the backend shows too), and the max relative
+/// error (max_rel_err) is returned.
+double check_step_requests(const KvCache& cache, const AttentionLayer& layer, const StepSpec& spec,
+                           const std::vector<StepRequestRows>& rows,
+                           const std::vector<size_t>& picked,
+                           const std::vector<std::vector<int32_t>>& slot_rows,
+                           const StepHostInputs& inputs, const TensorView& out);
 
 }  // namespace kvattn::tools

@@ -116,7 +116,8 @@ struct MemorySample {
 };
 
 const char* kFaultNames[] = {"out_cache_loc past the pool", "out_cache_loc -1",
-                             "req_to_token entry read by the step", "req_pool_indices past the table"};
+                             "req_to_token entry read by the step",
+                             "req_pool_indices past the table"};
 
 class Soak {
  public:
@@ -144,12 +145,14 @@ class Soak {
     fill_random(random_host_.view, seed ^ 0x5eed, 1.f);
     if (device.device.is_cuda()) {
       random_device_ = OwnedTensor::make(device.device, kDType, {elements});
-      copy_bytes(random_device_.view.data(), device.device, random_host_.view.data(),
-                 Device::cpu(), size_t(random_host_.view.nbytes()));
+      copy_bytes(random_device_.view.data(), device.device, random_host_.view.data(), Device::cpu(),
+                 size_t(random_host_.view.nbytes()));
     }
     for (int l = 0; l < kNumLayers; ++l) {  // NaN in every slot nobody wrote
-      fill_bytes(cache_.k_buffer(l).data(), device.device, 0xFF, size_t(cache_.k_buffer(l).nbytes()));
-      fill_bytes(cache_.v_buffer(l).data(), device.device, 0xFF, size_t(cache_.v_buffer(l).nbytes()));
+      fill_bytes(cache_.k_buffer(l).data(), device.device, 0xFF,
+                 size_t(cache_.k_buffer(l).nbytes()));
+      fill_bytes(cache_.v_buffer(l).data(), device.device, 0xFF,
+                 size_t(cache_.v_buffer(l).nbytes()));
     }
     BackendConfig config;
     config.kv_cache = &cache_;
@@ -167,13 +170,15 @@ class Soak {
     const auto start = std::chrono::steady_clock::now();
     std::printf("kvattn soak on %s (%s): %d steps\n", backend_kind_name(device_.kind),
                 device_description(device_).c_str(), steps_);
-    std::printf("model: %d layers, %d q / %d kv heads, head_dim %d, %s; KV pool %lld slots, page %d\n",
-                kNumLayers, kQHeads, kKvHeads, kHeadDim, dtype_name(kDType),
-                static_cast<long long>(cache_.num_slots()), page_size_);
-    std::printf("workload: %.2f arrivals a step, prompts %d..%d (%d system prompts shared by "
-                "60%%), %d..%d new tokens, at most %d running; check every %d, fault every %d\n\n",
-                arrival_rate_, kMinPrompt, kMaxPrompt, kSystemPrompts, kMinNewTokens,
-                kMaxNewTokens, kMaxRunning, check_every_, fault_every_);
+    std::printf(
+        "model: %d layers, %d q / %d kv heads, head_dim %d, %s; KV pool %lld slots, page %d\n",
+        kNumLayers, kQHeads, kKvHeads, kHeadDim, dtype_name(kDType),
+        static_cast<long long>(cache_.num_slots()), page_size_);
+    std::printf(
+        "workload: %.2f arrivals a step, prompts %d..%d (%d system prompts shared by "
+        "60%%), %d..%d new tokens, at most %d running; check every %d, fault every %d\n\n",
+        arrival_rate_, kMinPrompt, kMaxPrompt, kSystemPrompts, kMinNewTokens, kMaxNewTokens,
+        kMaxRunning, check_every_, fault_every_);
     warm_system_prompts();
     int decodes_since_verify = 0;
     for (step_ = 1; step_ <= steps_; ++step_) {
@@ -203,9 +208,7 @@ class Soak {
  private:
   // ---- setup --------------------------------------------------------------------------------
 
-  static int max_context_len() {
-    return 256 + kMaxPrompt + kMaxNewTokens + kDraftTokens + 128;
-  }
+  static int max_context_len() { return 256 + kMaxPrompt + kMaxNewTokens + kDraftTokens + 128; }
 
   static KvCacheConfig cache_config(int page_size, Device device) {
     // Every running request at its largest, whole pages each, the system prompts, page 0.
@@ -274,8 +277,9 @@ class Soak {
         r.system_prompt = int(rng_.uniform_int(0, kSystemPrompts - 1));
         r.prefix_len = prompts_[size_t(r.system_prompt)].len;
       }
-      const double log_len = std::log(double(kMinPrompt)) +
-                             rng_.uniform() * (std::log(double(kMaxPrompt)) - std::log(double(kMinPrompt)));
+      const double log_len =
+          std::log(double(kMinPrompt)) +
+          rng_.uniform() * (std::log(double(kMaxPrompt)) - std::log(double(kMinPrompt)));
       r.prompt_len = int(std::lround(std::exp(log_len)));
       r.max_new_tokens = int(rng_.uniform_int(kMinNewTokens, kMaxNewTokens));
       waiting_.push_back(r);
@@ -585,95 +589,19 @@ class Soak {
 
   // ---- the oracle -------------------------------------------------------------------------------
 
-  struct Rows {
-    int64_t first_row = 0;
-    int64_t q_len = 0;
-    int kv_extent = 0;
-  };
-
-  std::vector<Rows> request_rows(const StepSpec& spec) const {
-    std::vector<Rows> rows;
-    int64_t offset = 0;
-    for (size_t i = 0; i < spec.seq_lens.size(); ++i) {
-      Rows r;
-      r.first_row = offset;
-      if (spec.mode == ForwardMode::kDecode) {
-        r.q_len = 1;
-        r.kv_extent = spec.seq_lens[i];
-      } else if (spec.mode == ForwardMode::kTargetVerify) {
-        r.q_len = spec.draft_token_num;
-        r.kv_extent = spec.seq_lens[i] + spec.draft_token_num;
-      } else {
-        r.q_len = spec.extend_lens[i];
-        r.kv_extent = spec.seq_lens[i];
-      }
-      offset += r.q_len;
-      rows.push_back(r);
-    }
-    return rows;
-  }
-
   /// The slots of positions [0, extent) of a req_to_token row, as the backend read them.
   std::vector<int32_t> row_slots(int row, int extent) const { return pool_.read(row, 0, extent); }
 
   void check_step(const StepSpec& spec, const AttentionLayer& checked, const Inputs& in,
                   const TensorView& out) {
-    const std::vector<Rows> rows = request_rows(spec);
-    std::vector<size_t> order(rows.size());
-    std::iota(order.begin(), order.end(), size_t(0));
-    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[size_t(data_rng_.next() % i)]);
-    std::vector<size_t> picked;
-    int64_t pairs = 0;
-    for (size_t i : order) {
-      const int64_t cost = rows[i].q_len * rows[i].kv_extent;
-      if (!picked.empty() && pairs + cost > kCheckPairBudget) continue;
-      picked.push_back(i);
-      pairs += cost;
-      if (picked.size() >= 6) break;
-    }
-    std::sort(picked.begin(), picked.end());
-    testing::RefBatch ref;
-    ref.mode = spec.mode;
-    ref.draft_token_num = spec.draft_token_num;
+    const std::vector<StepRequestRows> rows = step_request_rows(spec);
+    const std::vector<size_t> picked = pick_checked_requests(rows, kCheckPairBudget, 6, data_rng_);
     std::vector<std::vector<int32_t>> slot_rows;
-    std::vector<int64_t> token_rows;
-    std::vector<int64_t> mask_offsets(rows.size() + 1, 0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      mask_offsets[i + 1] = mask_offsets[i] + rows[i].q_len * rows[i].kv_extent;
-    }
-    for (size_t k = 0; k < picked.size(); ++k) {
-      const size_t i = picked[k];
+    for (size_t i : picked)
       slot_rows.push_back(row_slots(spec.req_pool_indices[i], rows[i].kv_extent));
-      ref.req_pool_indices.push_back(int32_t(k));
-      ref.seq_lens.push_back(spec.seq_lens[i]);
-      if (!spec.prefix_lens.empty()) {
-        ref.prefix_lens.push_back(spec.prefix_lens[i]);
-        ref.extend_lens.push_back(spec.extend_lens[i]);
-      }
-      if (spec.mode == ForwardMode::kTargetVerify) {
-        ref.custom_mask.insert(ref.custom_mask.end(), spec.custom_mask.begin() + mask_offsets[i],
-                               spec.custom_mask.begin() + mask_offsets[i + 1]);
-      }
-      for (int64_t t = 0; t < rows[i].q_len; ++t) token_rows.push_back(rows[i].first_row + t);
-    }
-    CompactPool compact = snapshot_rows(cache_, checked.layer_id, slot_rows);
-    // The step's new tokens (the last q_len positions of each request) as the oracle saves them.
-    testing::RefNewKv new_kv;
-    for (size_t k = 0; k < picked.size(); ++k) {
-      const Rows& r = rows[picked[k]];
-      const int32_t* row = compact.req_to_token.data() + k * size_t(compact.max_context_len);
-      for (int64_t j = 0; j < r.q_len; ++j) new_kv.slots.push_back(row[r.kv_extent - r.q_len + j]);
-    }
-    new_kv.k = gather_rows_as_double(in.k_host, token_rows, int64_t(kKvHeads) * kHeadDim);
-    new_kv.v = gather_rows_as_double(in.v_host, token_rows, int64_t(kKvHeads) * kHeadDim);
-    testing::reference_save_kv(compact.pool, new_kv, kDType, 1.0, 1.0);
-    ref.max_context_len = compact.max_context_len;
-    ref.req_to_token = std::move(compact.req_to_token);
-    const std::vector<double> q =
-        gather_rows_as_double(in.q_host, token_rows, int64_t(kQHeads) * kHeadDim);
-    const testing::RefOutput expected = testing::reference_attention(checked, ref, compact.pool, q);
-    const OwnedTensor out_host = to_host(out);
-    const double err = max_rel_err(expected, out_host.view, token_rows);
+    const double err = check_step_requests(
+        cache_, checked, spec, rows, picked, slot_rows,
+        StepHostInputs{in.q_host, in.k_host, in.v_host, kQHeads, kKvHeads, kDType}, out);
     ++checks_;
     worst_ = std::max(worst_, err);
     if (!(err <= tolerance_)) {
@@ -684,7 +612,8 @@ class Soak {
     }
   }
 
-  // ---- memory, progress, summary ------------------------------------------------------------------
+  // ---- memory, progress, summary
+  // ------------------------------------------------------------------
 
   void sample_memory() {
     synchronize(device_.device);
@@ -701,10 +630,11 @@ class Soak {
   }
 
   void progress(double seconds) {
-    std::printf("step %6d: %d running, %zu waiting, %d finished; %d checks (worst %.2e), %d/%d "
-                "faults refused; %.1f s\n",
-                step_, int(running_.size()), waiting_.size(), finished_, checks_, worst_,
-                faults_refused_, faults_, seconds);
+    std::printf(
+        "step %6d: %d running, %zu waiting, %d finished; %d checks (worst %.2e), %d/%d "
+        "faults refused; %.1f s\n",
+        step_, int(running_.size()), waiting_.size(), finished_, checks_, worst_, faults_refused_,
+        faults_, seconds);
     std::fflush(stdout);
   }
 
@@ -735,19 +665,22 @@ class Soak {
     auto count = [&](ForwardMode m) { return mode_counts_[int(m)]; };
     const char* what = device_.device.is_cuda() ? "device memory in use" : "host resident set";
     std::printf("\nsummary\n");
-    std::printf("  steps: %d (%d extend, %d mixed, %d decode, %d verify, %d idle; plus %d system "
-                "prompts)\n",
-                steps_, count(ForwardMode::kExtend) - kSystemPrompts, count(ForwardMode::kMixed),
-                count(ForwardMode::kDecode), count(ForwardMode::kTargetVerify),
-                count(ForwardMode::kIdle), kSystemPrompts);
+    std::printf(
+        "  steps: %d (%d extend, %d mixed, %d decode, %d verify, %d idle; plus %d system "
+        "prompts)\n",
+        steps_, count(ForwardMode::kExtend) - kSystemPrompts, count(ForwardMode::kMixed),
+        count(ForwardMode::kDecode), count(ForwardMode::kTargetVerify), count(ForwardMode::kIdle),
+        kSystemPrompts);
     std::printf("  requests: %d arrived, %d finished, %d running and %zu waiting at the end\n",
                 arrived_, finished_, int(running_.size()), waiting_.size());
-    std::printf("  checks against the float64 reference: %d, %d wrong, worst max_rel_err %.2e "
-                "(tolerance %.0e)\n",
-                checks_, wrong_, worst_, tolerance_);
-    std::printf("  bad steps: %d sent, %d refused whole and named (%d reported by check_errors, "
-                "the rest by the call), pool and req_to_token unchanged\n",
-                faults_, faults_refused_, faults_by_check_errors_);
+    std::printf(
+        "  checks against the float64 reference: %d, %d wrong, worst max_rel_err %.2e "
+        "(tolerance %.0e)\n",
+        checks_, wrong_, worst_, tolerance_);
+    std::printf(
+        "  bad steps: %d sent, %d refused whole and named (%d reported by check_errors, "
+        "the rest by the call), pool and req_to_token unchanged\n",
+        faults_, faults_refused_, faults_by_check_errors_);
     std::printf("  %s: %zu samples; growth after the warm-up %.2f MiB (bound %.0f MiB)\n", what,
                 memory_.size(), growth, max_growth_mib_);
     std::printf("  time: %.1f s (%.1f s in the backend's calls)\n", seconds, step_seconds_);
@@ -814,7 +747,8 @@ std::string soak_usage() {
   return "usage: kvattn soak [options]\n"
          "\n"
          "A long serving run through one backend: requests arrive at random (60% behind one of\n"
-         "4 shared system prompts), EXTEND / MIXED / DECODE / TARGET_VERIFY steps, requests finish\n"
+         "4 shared system prompts), EXTEND / MIXED / DECODE / TARGET_VERIFY steps, requests "
+         "finish\n"
          "and their pages and rows are reused. Sampled steps are checked against the float64\n"
          "reference; every --fault-every steps a step is sent with a bad index and must be\n"
          "refused whole (pool and req_to_token unchanged), named, attributed to its step and\n"

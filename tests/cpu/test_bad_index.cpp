@@ -4,7 +4,6 @@
 // with the same ErrorKind.
 #include <gtest/gtest.h>
 
-#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -16,17 +15,10 @@
 namespace kvattn::testing {
 namespace {
 
-const std::vector<BadIndexCase>& cases() {
-  static const std::vector<BadIndexCase> table = bad_index_cases();
-  return table;
-}
+const std::vector<BadIndexCase>& cases() { return bad_index_case_table(); }
 
 std::string test_name(const ::testing::TestParamInfo<int>& info) {
-  std::string name;
-  for (char ch : cases()[size_t(info.param)].label) {
-    name += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-  }
-  return name;
+  return bad_index_case_name(info.param);
 }
 
 class BadIndexOnCpu : public ::testing::TestWithParam<int> {};

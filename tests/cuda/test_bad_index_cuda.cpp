@@ -7,7 +7,6 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -22,17 +21,10 @@
 namespace kvattn::testing {
 namespace {
 
-const std::vector<BadIndexCase>& cases() {
-  static const std::vector<BadIndexCase> table = bad_index_cases();
-  return table;
-}
+const std::vector<BadIndexCase>& cases() { return bad_index_case_table(); }
 
 std::string test_name(const ::testing::TestParamInfo<int>& info) {
-  std::string name;
-  for (char ch : cases()[size_t(info.param)].label) {
-    name += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-  }
-  return name;
+  return bad_index_case_name(info.param);
 }
 
 // The context is healthy: no error pending, the device synchronises.

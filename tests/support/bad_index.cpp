@@ -1,6 +1,7 @@
 #include "support/bad_index.h"
 
 #include <algorithm>
+#include <cctype>
 #include <array>
 #include <exception>
 #include <memory>
@@ -302,6 +303,19 @@ std::string bad_index_failure(const BadIndexCase& c, const BadIndexOutcome& o, b
   if (!o.next_step_ok) fail("the next good step failed");
   if (!o.detail.empty()) fail(o.detail);
   return why;
+}
+
+const std::vector<BadIndexCase>& bad_index_case_table() {
+  static const std::vector<BadIndexCase> table = bad_index_cases();
+  return table;
+}
+
+std::string bad_index_case_name(int index) {
+  std::string name;
+  for (char ch : bad_index_case_table()[size_t(index)].label) {
+    name += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+  }
+  return name;
 }
 
 }  // namespace kvattn::testing

@@ -40,6 +40,11 @@ struct BadIndexCase {
 /// plus a bad req_to_token entry the step does not read.
 std::vector<BadIndexCase> bad_index_cases();
 
+/// The table built once (parameterised tests index it), and case `index`'s label as a test
+/// name (letters, digits and '_').
+const std::vector<BadIndexCase>& bad_index_case_table();
+std::string bad_index_case_name(int index);
+
 struct BadIndexOutcome {
   BadIndexBreak expected;  ///< what the case broke (argument to name)
   bool refused = false;
