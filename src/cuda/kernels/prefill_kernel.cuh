@@ -79,14 +79,6 @@ using ptx::mma_16816;
 using ptx::pack2;
 using ptx::smem_address;
 
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  ptx::cp_async_zfill<16>(dst, src, valid);
-}
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  ptx::cp_async_zfill<4>(dst, src, valid);
-}
-__device__ __forceinline__ void cp_async_wait_all() { ptx::cp_async_wait<0>(); }
-
 // ---- the kernel -----------------------------------------------------------------------------
 
 template <int kHeadDim, bool kNarrowV, typename T>
@@ -98,8 +90,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   constexpr int kThreads = Tr::kThreads;
   constexpr int kMAtoms = Tr::kMAtoms;
   constexpr int kTileKeys = Tr::kTileKeys;
-  constexpr int kKeyTiles = kTileKeys / 8;  // n8 tiles of S
-  constexpr int kDimTiles = kHeadDim / 8;   // n8 tiles of O
+  constexpr int kKeyTiles = kTileKeys / 8;      // n8 tiles of S
+  constexpr int kDimTiles = kHeadDim / 8;       // n8 tiles of O
   constexpr uint32_t kRowBytes = kChunks * 16;  // one 16-bit row of q/k/v in shared memory
   // Columns of V and O that exist (a multiple of 16, see prefill.cu's check).
   const int v_dim = kNarrowV ? p.v_head_dim : kHeadDim;
@@ -176,7 +168,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
         src = q + (int64_t(q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head +
               c * 8;
       }
-      cp_async_16(s_q + (r * kChunks + (c ^ (r & 7))) * 16, src, valid);
+      ptx::cp_async_zfill<16>(s_q + (r * kChunks + (c ^ (r & 7))) * 16, src, valid);
     }
   }
 
@@ -189,8 +181,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
     if (tid < kTileKeys) {
       const int j = kv_start + tid;
       const bool valid = j < kv_end;
-      cp_async_4(s_slots + (buffer * kTileKeys + tid) * 4,
-                 valid ? p.kv_indices + kv_base + j : p.kv_indices, valid);
+      ptx::cp_async_zfill<4>(s_slots + (buffer * kTileKeys + tid) * 4,
+                             valid ? p.kv_indices + kv_base + j : p.kv_indices, valid);
     }
   };
   // Issues the copies of keys [kv_start, kv_start + kTileKeys) into buffer `buffer`: 16-bit K/V
@@ -246,8 +238,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       const uint32_t flip = kFp8 ? 0 : ((i * kRowStep) & 7) * 16;
       const E* k_src = valid[i] ? k_base + rows[i] * p.k_stride_token : k_base;
       const E* v_src = valid[i] ? v_base + rows[i] * p.v_stride_token : v_base;
-      cp_async_16((k_dst ^ flip) + offset, k_src, valid[i]);
-      if (copies_v) cp_async_16((v_dst ^ flip) + offset, v_src, valid[i]);
+      ptx::cp_async_zfill<16>((k_dst ^ flip) + offset, k_src, valid[i]);
+      if (copies_v) ptx::cp_async_zfill<16>((v_dst ^ flip) + offset, v_src, valid[i]);
     }
   };
   auto issue_kv = [&](int kv_start, int buffer) {
@@ -297,7 +289,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
       issue_slots(kv_begin, 0);
       issue_slots(kv_begin + kTileKeys, 1);
       cp_async_commit();
-      cp_async_wait_all();
+      ptx::cp_async_wait<0>();
       __syncthreads();
     }
     issue_kv(kv_begin, 0);
@@ -329,7 +321,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
 
   for (int step = 0; step < num_steps; ++step) {
     const int kv_start = kv_begin + step * kTileKeys;
-    cp_async_wait_all();
+    ptx::cp_async_wait<0>();
     __syncthreads();  // tile `step` landed for everyone; everyone is done with the other buffer
     if (fp8) convert_fp8(step & 1);
     if (step + 1 < num_steps) {
