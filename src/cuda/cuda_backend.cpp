@@ -170,9 +170,22 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }
   }
+  const bool tc_wanted = env_int("KVATTN_TC_DECODE", 1, 0) != 0;
+  if (setup.prefill_supported && tc_wanted && tc_decode_serves(config.head_dim, v_head_dim)) {
+    try {
+      const PrefillKernelShape shape = tc_decode_kernel_shape(config.head_dim, v_head_dim, device);
+      setup.tc_decode = true;
+      setup.tc_decode_tile_rows = shape.tile_rows;
+      setup.tc_decode_kv_tile = shape.kv_tile;
+      setup.concurrent_tc_decode_ctas = dev.sm_count * shape.ctas_per_sm;
+      setup.tc_decode_min_split = env_int("KVATTN_TC_DECODE_MIN_SPLIT", 256, 1);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kNotSupported) throw;
+    }
+  }
   const TensorCoreDecode choice = resolve_tensor_core_choice(config.decode_tensor_cores);
-  const bool wanted = choice == TensorCoreDecode::kOn ||
-                      (choice == TensorCoreDecode::kAuto && group > 4);
+  const bool wanted =
+      choice == TensorCoreDecode::kOn || (choice == TensorCoreDecode::kAuto && group > 4);
   // The prefill kernel reads KV in the io dtype or fp8 (kernels/prefill.h).
   const bool kv_ok = kv.dtype == config.q_dtype || is_fp8(kv.dtype);
   setup.tensor_cores = wanted && setup.prefill_supported && io_native && kv_ok;
@@ -241,15 +254,16 @@ void plan_frozen_call(CallState& call, const core::CallCapacity& capacity,
   const std::string what = "CUDA-graph call buffers";
   growth.need(call.metadata, core::checked_sum(prefill_offset, prefill_region.total_bytes, what));
   if (offsets.scratch_bytes > 0) growth.need(call.scratch, offsets.scratch_bytes);
-  growth.need(call.kv_indices,
-              core::checked_bytes({std::max<int64_t>(kv_indices_capacity, 1),
-                                   int64_t(sizeof(int32_t))},
-                                  "kv_indices"));
+  growth.need(call.kv_indices, core::checked_bytes({std::max<int64_t>(kv_indices_capacity, 1),
+                                                    int64_t(sizeof(int32_t))},
+                                                   "kv_indices"));
   growth.need(call.staging, core::checked_sum(prefill_offset, prefill_region.metadata_bytes, what));
   growth.need(call.fence);
 }
 
-void freeze_call(CallState& call) { call.frozen = true; }
+void freeze_call(CallState& call) {
+  call.frozen = true;
+}
 
 StepState* step_state_of(const CallState& first_call) {
   return reinterpret_cast<StepState*>(static_cast<char*>(first_call.metadata.data()) +
@@ -314,7 +328,11 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
       tiles.num_items = call.prefill_items;
       tiles.num_merges = call.prefill_merges;
     }
-    launch_batch_prefill(params, tiles, stream);
+    if (call.tc_decode) {
+      launch_tc_decode(params, tiles, stream);
+    } else {
+      launch_batch_prefill(params, tiles, stream);
+    }
     return;
   }
   DecodeLaunch launch;
@@ -458,9 +476,9 @@ class CudaBackend final : public AttentionBackend {
         graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
     step_.graph_pool = graph_batch && step_.num_tokens <= graph_max_tokens_;
     if (in_capture && graph_batch && !step_.graph_pool) {
-      throw_error(ErrorKind::kOutOfResources, "max_num_tokens",
-                  "init_cuda_graph_state reserved ", graph_max_tokens_, " query tokens; this ",
-                  forward_mode_name(batch.mode), " batch has ", step_.num_tokens);
+      throw_error(ErrorKind::kOutOfResources, "max_num_tokens", "init_cuda_graph_state reserved ",
+                  graph_max_tokens_, " query tokens; this ", forward_mode_name(batch.mode),
+                  " batch has ", step_.num_tokens);
     }
     check_arg(!in_capture || step_.graph_pool, "in_capture",
               "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ",
@@ -623,11 +641,19 @@ class CudaBackend final : public AttentionBackend {
     check_arg(per_request <= INT32_MAX, "max_num_tokens", "got ", max_num_tokens,
               ", over 2^31 tokens a request");
     if (setup_.prefill_supported) {
-      const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(
-          max_bs, int(per_request), prefill_shape(core::MaskMode::kCustom, -1));
-      prefill_region = core::prefill_buffer_layout(capacity.items, capacity.merges,
-                                                   capacity.partials, setup_.prefill_tile_rows,
-                                                   config_.v_head_dim);
+      // Either kernel's plan (plan_call picks by the rows a request): the larger of the two.
+      for (const bool tc : {false, true}) {
+        if (tc && !setup_.tc_decode) continue;
+        const core::PrefillTileShape shape = prefill_shape(core::MaskMode::kCustom, -1, tc);
+        const core::PrefillPlanCapacity capacity =
+            core::prefill_plan_capacity(max_bs, int(per_request), shape);
+        const core::PrefillBufferLayout region =
+            core::prefill_buffer_layout(capacity.items, capacity.merges, capacity.partials,
+                                        shape.tile_rows, config_.v_head_dim);
+        prefill_region.metadata_bytes =
+            std::max(prefill_region.metadata_bytes, region.metadata_bytes);
+        prefill_region.total_bytes = std::max(prefill_region.total_bytes, region.total_bytes);
+      }
     }
     BufferGrowth growth;
     for (size_t s = 0; s < model_sets_.size(); ++s) {
@@ -689,15 +715,17 @@ class CudaBackend final : public AttentionBackend {
     return step_state_of(step_.graph_pool ? graph_calls_[0] : eager_calls_[0]);
   }
 
-  core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left) const {
+  // tc: the decode-shaped kernel's plan shape (setup_.tc_decode), else the prefill family's.
+  core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left, bool tc) const {
     core::PrefillTileShape shape;
     shape.num_q_heads = config_.num_q_heads;
     shape.num_kv_heads = config_.num_kv_heads;
-    shape.tile_rows = setup_.prefill_tile_rows;
-    shape.kv_tile = setup_.prefill_kv_tile;
+    shape.tile_rows = tc ? setup_.tc_decode_tile_rows : setup_.prefill_tile_rows;
+    shape.kv_tile = tc ? setup_.tc_decode_kv_tile : setup_.prefill_kv_tile;
     shape.mask = mask;
     shape.window_left = window_left;
-    shape.concurrent_ctas = setup_.concurrent_prefill_ctas;
+    shape.concurrent_ctas = tc ? setup_.concurrent_tc_decode_ctas : setup_.concurrent_prefill_ctas;
+    if (tc) shape.min_split_keys = setup_.tc_decode_min_split;
     return shape;
   }
 
@@ -714,7 +742,18 @@ class CudaBackend final : public AttentionBackend {
       return;
     }
     call.item_limit = 0;
-    const core::PrefillTileShape shape = prefill_shape(call.layout.mask, call.layout.window_left);
+    // The decode-shaped kernel takes calls of few rows a request (a graph's plan: the captured
+    // q_len, so that every replay of the capture picks the same kernel).
+    int max_q_len = graph_q_len;
+    if (graph_q_len == 0) {
+      for (size_t r = 0; r + 1 < call.layout.qo_indptr.size(); ++r) {
+        max_q_len = std::max(max_q_len, call.layout.qo_indptr[r + 1] - call.layout.qo_indptr[r]);
+      }
+    }
+    const int group = config_.num_q_heads / config_.num_kv_heads;
+    call.tc_decode = setup_.tc_decode && int64_t(max_q_len) * group <= kTcDecodeMaxRows;
+    const core::PrefillTileShape shape =
+        prefill_shape(call.layout.mask, call.layout.window_left, call.tc_decode);
     call.prefill_plan =
         core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape);
     call.prefill_items = int(call.prefill_plan.items.size());

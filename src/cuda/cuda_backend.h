@@ -56,14 +56,27 @@ struct DecodeSetup {
   int concurrent_prefill_ctas = 0;
   int prefill_tile_rows = 0;
   int prefill_kv_tile = 0;
+  /// The decode-shaped tensor-core kernel (kernels/prefill.h, kTcDecode) serves this config: calls
+  /// of at most kTcDecodeMaxRows packed rows a request (verify, draft extend, tensor-core decode)
+  /// run on it. KVATTN_TC_DECODE=0 turns it off (A/B runs).
+  bool tc_decode = false;
+  int tc_decode_tile_rows = 0;
+  int tc_decode_kv_tile = 0;
+  int concurrent_tc_decode_ctas = 0;
+  int tc_decode_min_split = 0;  ///< keys (KVATTN_TC_DECODE_MIN_SPLIT; default 256)
 };
+/// Packed rows a request (q tokens x GQA group) up to which a call runs on the decode-shaped
+/// kernel: two of its 32-row tiles (each reads the request's KV; beyond that the prefill
+/// kernels' larger tiles read it fewer times).
+constexpr int kTcDecodeMaxRows = 64;
 DecodeSetup make_decode_setup(const BackendConfig& config, int device);
 
 /// One batched attention call of a step: its host plan and its buffers, reused step after step.
 struct CallState {
   core::PagedLayout layout;
-  bool paged = true;     ///< keys from the paged cache through kv_indices (else the new tokens)
-  bool prefill = false;  ///< runs the prefill kernel (else the CUDA-core decode kernel)
+  bool paged = true;       ///< keys from the paged cache through kv_indices (else the new tokens)
+  bool prefill = false;    ///< runs the prefill kernel (else the CUDA-core decode kernel)
+  bool tc_decode = false;  ///< prefill: the plan is for the decode-shaped tensor-core kernel
   core::DecodePlan decode_plan;
   int item_limit = 0;  ///< core::decode_item_capacity(batch_size): a captured grid covers this
   core::PrefillTilePlan prefill_plan;  ///< padded to a fixed capacity on the graph pool

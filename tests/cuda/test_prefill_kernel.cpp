@@ -77,6 +77,7 @@ struct Case {
   float v_scale = 1.f;
   float input_range = 2.f;
   uint32_t seed = 1;
+  bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
 };
 
 uint16_t to_16bit(float x, DType t) {
@@ -320,7 +321,8 @@ void run_case(const Case& c) {
   p.head_dim = d;
   p.v_head_dim = dv;
 
-  const PrefillKernelShape shape = prefill_kernel_shape(d, dv);
+  const PrefillKernelShape shape =
+      c.tc_decode ? tc_decode_kernel_shape(d, dv) : prefill_kernel_shape(d, dv);
   core::PrefillTileShape tile_shape;
   tile_shape.num_q_heads = hq;
   tile_shape.num_kv_heads = hkv;
@@ -343,7 +345,11 @@ void run_case(const Case& c) {
   PREFILL_CUDA_OK(
       cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(), cudaMemcpyHostToDevice));
 
-  launch_batch_prefill(p, tiles, nullptr);
+  if (c.tc_decode) {
+    launch_tc_decode(p, tiles, nullptr);
+  } else {
+    launch_batch_prefill(p, tiles, nullptr);
+  }
   PREFILL_CUDA_OK(cudaDeviceSynchronize());
   PREFILL_CUDA_OK(cudaMemcpy(out_host.data(), p.out, out_host.size() * 2, cudaMemcpyDeviceToHost));
   if (c.lse) {
@@ -931,6 +937,142 @@ TEST_F(PrefillKernel, RejectsUnsupported) {
   p.kv_dtype = DType::kFloat16;
   EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);
   EXPECT_THROW(prefill_kernel_shape(80), Error);
+}
+
+// ---- the decode-shaped tensor-core kernel (tc_decode_kernel.cuh) on its own plan shape -------
+
+class TcDecodeKernel : public PrefillKernel {};
+
+// Verify-shaped: few query tokens (tree tokens) over a long prefix, a random custom mask over
+// every column, split across CTAs (and not), paged page 1 shuffled and page 16, ragged.
+TEST_F(TcDecodeKernel, VerifyCustomMaskSplitAndWhole) {
+  Case c;
+  c.tc_decode = true;
+  c.name = "tc verify custom p1 hd128 split";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.q_lens = {8, 8, 3};
+  c.kv_lens = {2056, 777, 3};
+  c.mask = core::MaskMode::kCustom;
+  c.concurrent_ctas = 264;
+  c.seed = 101;
+  run_case(c);
+  c.name = "tc verify custom p16 hd128 whole + extra cols";
+  c.page_size = 16;
+  c.concurrent_ctas = 0;
+  c.mask_extra_cols = 3;
+  c.seed = 102;
+  run_case(c);
+  c.name = "tc verify custom ragged fp16 split";
+  c.paged = false;
+  c.io = c.kv = DType::kFloat16;
+  c.mask_extra_cols = 0;
+  c.concurrent_ctas = 264;
+  c.seed = 103;
+  run_case(c);
+}
+
+// Two row tiles a request (16 tokens x 4 heads = 64 rows), rows not a multiple of the tile
+// (5 tokens x 4 = 20), causal (draft extend) with a window, soft-cap, large logits.
+TEST_F(TcDecodeKernel, CausalWindowSoftCapRowTiles) {
+  Case c;
+  c.tc_decode = true;
+  c.name = "tc causal 64 rows a request hd128";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.q_lens = {16, 5, 1};
+  c.kv_lens = {1040, 333, 70};
+  c.concurrent_ctas = 264;
+  c.seed = 104;
+  run_case(c);
+  c.name = "tc causal window 100 softcap hd64";
+  c.head_dim = 64;
+  c.window = 100;
+  c.cap = 2.f;
+  c.input_range = 3.f;
+  c.seed = 105;
+  run_case(c);
+  c.name = "tc large logits hd128 split";
+  c.head_dim = 128;
+  c.window = -1;
+  c.cap = 0.f;
+  c.input_range = 6.f;
+  c.seed = 106;
+  run_case(c);
+}
+
+// Decode of a large GQA group (q_len 1, group 8 and 16), kv_len 0 and 1, none mask.
+TEST_F(TcDecodeKernel, DecodeGroupsAndShortKv) {
+  Case c;
+  c.tc_decode = true;
+  c.name = "tc decode group 8 hd128 split";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 2;
+  c.q_lens = {1, 1, 1, 1};
+  c.kv_lens = {3000, 1, 0, 65};
+  c.concurrent_ctas = 264;
+  c.seed = 107;
+  run_case(c);
+  c.name = "tc decode group 16 hd64 fp16 none";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 1;
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.mask = core::MaskMode::kNone;
+  c.q_lens = {1, 2};
+  c.kv_lens = {500, 0};
+  c.seed = 108;
+  run_case(c);
+}
+
+TEST_F(TcDecodeKernel, Fp8KvAndFp32Output) {
+  Case c;
+  c.tc_decode = true;
+  c.name = "tc fp8 e4m3 hd128 custom split";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.q_lens = {8, 4};
+  c.kv_lens = {1500, 90};
+  c.mask = core::MaskMode::kCustom;
+  c.kv = DType::kFloat8E4M3;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.concurrent_ctas = 264;
+  c.seed = 109;
+  run_case(c);
+  c.name = "tc fp8 e5m2 hd64 fp16 page 16 causal";
+  c.head_dim = 64;
+  c.io = DType::kFloat16;
+  c.kv = DType::kFloat8E5M2;
+  c.mask = core::MaskMode::kCausal;
+  c.page_size = 16;
+  c.k_scale = 1.5f;
+  c.v_scale = 0.25f;
+  c.seed = 110;
+  run_case(c);
+  c.name = "tc fp32 output hd128 causal";
+  c.head_dim = 128;
+  c.io = c.kv = DType::kBFloat16;
+  c.page_size = 1;
+  c.k_scale = c.v_scale = 1.f;
+  c.out_fp32 = true;
+  c.concurrent_ctas = 0;
+  c.seed = 111;
+  run_case(c);
+}
+
+TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
+  if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  EXPECT_TRUE(tc_decode_serves(128, 128));
+  EXPECT_TRUE(tc_decode_serves(64, 64));
+  EXPECT_FALSE(tc_decode_serves(256, 256));
+  EXPECT_FALSE(tc_decode_serves(128, 64));
+  const PrefillKernelShape shape = tc_decode_kernel_shape(128, 128);
+  EXPECT_EQ(shape.family, PrefillKernelFamily::kTcDecode);
+  EXPECT_EQ(shape.tile_rows, 32);
+  EXPECT_EQ(shape.kv_tile, 64);
+  EXPECT_GE(shape.ctas_per_sm, 1);
+  EXPECT_THROW(tc_decode_kernel_shape(256, 256), Error);
 }
 
 }  // namespace

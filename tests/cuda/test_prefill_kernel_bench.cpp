@@ -105,7 +105,9 @@ struct Workload {
   int prefix;  // cached tokens before the new ones (extend)
   int q_len;   // new tokens per request
   int head_dim;
-  bool paged;  // page 1, shuffled slots
+  bool paged;           // page 1, shuffled slots
+  bool custom = false;  // a tree mask (TARGET_VERIFY): prefix visible, random tree over q_len
+  bool tc = false;      // the decode-shaped kernel (launch_tc_decode) instead of the prefill one
 };
 
 struct Row {
@@ -155,13 +157,39 @@ Row time_workload(const Workload& w) {
   p.kv_indptr = static_cast<const int64_t*>(kv_d.ptr);
   p.kv_indices = w.paged ? static_cast<const int32_t*>(idx_d.ptr) : nullptr;
   p.num_slots = total_kv;
-  p.mask = core::MaskMode::kCausal;
+  p.mask = w.custom ? core::MaskMode::kCustom : core::MaskMode::kCausal;
+  // Tree masks: token i's parent is a random earlier token (or the root); a row sees the prefix,
+  // its ancestors and itself.
+  std::vector<uint8_t> mask;
+  std::vector<int64_t> mask_indptr{0};
+  if (w.custom) {
+    std::mt19937 rng(7);
+    for (int r = 0; r < w.batch; ++r) {
+      std::vector<int> parent(w.q_len, -1);
+      for (int i = 1; i < w.q_len; ++i) parent[i] = int(rng() % (i + 1)) - 1;
+      for (int i = 0; i < w.q_len; ++i) {
+        std::vector<uint8_t> row(kv_len, 0);
+        std::fill(row.begin(), row.begin() + w.prefix, 1);
+        for (int a = i; a >= 0; a = parent[a]) row[w.prefix + a] = 1;
+        mask.insert(mask.end(), row.begin(), row.end());
+      }
+      mask_indptr.push_back(int64_t(mask.size()));
+    }
+  }
+  DeviceBytes mask_d(mask.size()), mask_indptr_d(mask_indptr.size() * 8);
+  if (w.custom) {
+    cudaMemcpy(mask_d.ptr, mask.data(), mask.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(mask_indptr_d.ptr, mask_indptr.data(), mask_indptr.size() * 8,
+               cudaMemcpyHostToDevice);
+    p.custom_mask = static_cast<const uint8_t*>(mask_d.ptr);
+    p.mask_indptr = static_cast<const int64_t*>(mask_indptr_d.ptr);
+  }
   p.sm_scale = 1.f / std::sqrt(float(d));
   p.num_q_heads = hq;
   p.num_kv_heads = hkv;
   p.head_dim = p.v_head_dim = d;
 
-  const PrefillKernelShape shape = prefill_kernel_shape(d);
+  const PrefillKernelShape shape = w.tc ? tc_decode_kernel_shape(d, d) : prefill_kernel_shape(d);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   core::PrefillTileShape ts;
@@ -171,6 +199,10 @@ Row time_workload(const Workload& w) {
   ts.kv_tile = shape.kv_tile;
   ts.mask = p.mask;
   ts.concurrent_ctas = sms * shape.ctas_per_sm;
+  if (w.tc) {
+    const char* split = std::getenv("KVATTN_TC_DECODE_MIN_SPLIT");
+    ts.min_split_keys = split != nullptr ? std::atoi(split) : 256;
+  }
   const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, ts);
   const core::PrefillBufferLayout layout =
       core::write_prefill_buffer(plan, d, nullptr, 0, nullptr, nullptr);
@@ -185,11 +217,18 @@ Row time_workload(const Workload& w) {
   constexpr int kGraphCalls = 10;
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  launch_batch_prefill(p, tiles, stream);  // warm-up outside the capture
+  auto launch = [&]() {
+    if (w.tc) {
+      launch_tc_decode(p, tiles, stream);
+    } else {
+      launch_batch_prefill(p, tiles, stream);
+    }
+  };
+  launch();  // warm-up outside the capture
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-  for (int i = 0; i < kGraphCalls; ++i) launch_batch_prefill(p, tiles, stream);
+  for (int i = 0; i < kGraphCalls; ++i) launch();
   cudaStreamEndCapture(stream, &graph);
   cudaGraphInstantiate(&exec, graph, 0);
   const double ms = median_ms([&]() { cudaGraphLaunch(exec, stream); }, 2, 9, stream) / kGraphCalls;
@@ -249,6 +288,37 @@ TEST(PrefillBench, Grid) {
     std::printf("%-8s %5d %6d %6d %4d %6s %6d %10.1f %8.1f %6.3f\n", r.w.name.c_str(), r.w.batch,
                 r.w.prefix, r.w.q_len, r.w.head_dim, r.w.paged ? "page1" : "ragged", r.items,
                 r.ms * 1e3, r.tflops, r.tflops / gemm);
+  }
+}
+
+// The decode-shaped rows (speculative verify with tree masks, draft extend, decode of a group of
+// 8) on the decode-shaped kernel and on the prefill family, in one run. KV bytes over time is the
+// yardstick (these rows are memory-bound): KVATTN_PREFILL_BENCH=1 runs it too.
+TEST(PrefillBench, DecodeShaped) {
+  if (std::getenv("KVATTN_PREFILL_BENCH") == nullptr) GTEST_SKIP() << "set KVATTN_PREFILL_BENCH=1";
+  if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  struct Spec {
+    const char* name;
+    int batch, prefix, q_len;
+    bool custom;
+  };
+  const std::vector<Spec> specs = {
+      {"verify", 1, 4096, 8, true},     {"verify", 16, 4096, 8, true},
+      {"verify", 64, 4096, 8, true},    {"verify", 64, 1024, 16, true},
+      {"draftext", 16, 4096, 4, false}, {"draftext", 64, 4096, 4, false},
+  };
+  std::printf("\n%-8s %5s %6s %5s %-8s %6s %10s %8s\n", "workload", "batch", "prefix", "q_len",
+              "kernel", "items", "time_us", "KV GB/s");
+  for (const Spec& sp : specs) {
+    for (const bool tc : {true, false}) {
+      Workload w{sp.name, sp.batch, sp.prefix, sp.q_len, 128, true, sp.custom, tc};
+      const Row r = time_workload(w);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const double kv_bytes = double(sp.batch) * (sp.prefix + sp.q_len) * 8 * 2 * 128 * 2;
+      std::printf("%-8s %5d %6d %5d %-8s %6d %10.1f %8.0f\n", sp.name, sp.batch, sp.prefix,
+                  sp.q_len, tc ? "tc" : "prefill", r.items, r.ms * 1e3,
+                  kv_bytes / (r.ms * 1e-3) / 1e9);
+    }
   }
 }
 

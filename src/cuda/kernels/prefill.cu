@@ -9,12 +9,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "core/softmax_state.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/prefill_kernel.cuh"
 #include "cuda/kernels/sm90/prefill_kernel.cuh"
+#include "cuda/kernels/tc_decode_kernel.cuh"
 #include "kvattn/error.h"
 
 namespace kvattn::cuda {
@@ -38,6 +40,9 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     prefill_merge_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
+  // A no-op unless launched as a programmatic dependent (launch_merge): then it waits for the
+  // attention grid that wrote the partials.
+  ptx::grid_dependency_wait();
   if (detail::step_refused(p.step_error)) return;
   const core::PrefillMergeItem merge = tiles.merges[blockIdx.x];
   const int lane = threadIdx.x & 31;
@@ -87,12 +92,39 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
+/// The split-KV merge of a plan's split tiles (nothing when it has none). programmatic: launched
+/// as a programmatic dependent of the attention grid before it (which must let it launch).
+void launch_merge(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                  cudaStream_t stream, bool programmatic = false) {
+  if (tiles.num_merges == 0) return;
+  const dim3 grid(uint32_t(tiles.num_merges));
+  if (p.io_dtype == DType::kBFloat16) {
+    if (programmatic) {
+      detail::launch_programmatic_dependent(prefill_merge_kernel<__nv_bfloat16>, grid,
+                                            dim3(kMergeThreads), 0, stream, "prefill_merge", p,
+                                            tiles);
+      return;
+    }
+    prefill_merge_kernel<__nv_bfloat16><<<grid, kMergeThreads, 0, stream>>>(p, tiles);
+  } else {
+    if (programmatic) {
+      detail::launch_programmatic_dependent(prefill_merge_kernel<__half>, grid, dim3(kMergeThreads),
+                                            0, stream, "prefill_merge", p, tiles);
+      return;
+    }
+    prefill_merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(p, tiles);
+  }
+  check_launch("prefill_merge");
+}
+
 bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
+// Checks the call against the kernel shape its plan must come from: `family` kTcDecode is the
+// decode-shaped kernel, anything else the prefill family of the device.
 PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillTiles& tiles,
-                            int device) {
+                            int device, bool tc_decode) {
   if (p.io_dtype != DType::kBFloat16 && p.io_dtype != DType::kFloat16) {
     throw_error(ErrorKind::kNotSupported, "io_dtype", "prefill supports bf16 and fp16, got ",
                 dtype_name(p.io_dtype));
@@ -102,7 +134,9 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
                 dtype_name(p.io_dtype), ") or fp8, got ", dtype_name(p.kv_dtype));
   }
   // Throws kNotSupported for a head_dim / v_head_dim pair without a compiled instance.
-  const PrefillKernelShape shape = prefill_kernel_shape(p.head_dim, p.v_head_dim, device);
+  const PrefillKernelShape shape = tc_decode
+                                       ? tc_decode_kernel_shape(p.head_dim, p.v_head_dim, device)
+                                       : prefill_kernel_shape(p.head_dim, p.v_head_dim, device);
   check_arg(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "num_q_heads", "got ",
             p.num_q_heads, " q heads over ", p.num_kv_heads, " kv heads");
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -344,7 +378,7 @@ void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTil
   if (device < 0) {
     throw_error(ErrorKind::kDeviceError, "batch_prefill", "no CUDA device is available");
   }
-  const PrefillKernelShape shape = validate(p, tiles, device);
+  const PrefillKernelShape shape = validate(p, tiles, device, /*tc_decode=*/false);
   if (tiles.num_items == 0) return;
   if (shape.family == PrefillKernelFamily::kSm90) {
     const sm90::LaunchOptions options = sm90_options(device_info(device).sm_count);
@@ -379,14 +413,52 @@ void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTil
         break;
     }
   }
-  if (tiles.num_merges > 0) {
-    if (p.io_dtype == DType::kBFloat16) {
-      prefill_merge_kernel<__nv_bfloat16><<<tiles.num_merges, kMergeThreads, 0, stream>>>(p, tiles);
-    } else {
-      prefill_merge_kernel<__half><<<tiles.num_merges, kMergeThreads, 0, stream>>>(p, tiles);
-    }
-    check_launch("prefill_merge");
+  launch_merge(p, tiles, stream);
+}
+
+bool tc_decode_serves(int head_dim, int v_head_dim) {
+  return v_head_dim == head_dim && (head_dim == 64 || head_dim == 128);
+}
+
+PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int device) {
+  if (!tc_decode_serves(head_dim, v_head_dim)) {
+    throw_error(ErrorKind::kNotSupported, "head_dim",
+                "the decode-shaped kernel serves head_dim == v_head_dim in {64, 128}; got "
+                "head_dim ",
+                head_dim, ", v_head_dim ", v_head_dim);
   }
+  if (device < 0) device = current_device();
+  // Computed once per (device, head_dim): an occupancy query per call would cost host time.
+  static std::mutex mutex;
+  static PrefillKernelShape known[64][2];
+  const int slot = head_dim == 64 ? 0 : 1;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= 0 && device < 64 && known[device][slot].tile_rows > 0) return known[device][slot];
+  int previous = -1;
+  const bool switch_device =
+      device >= 0 && cudaGetDevice(&previous) == cudaSuccess && previous != device;
+  if (switch_device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  const PrefillKernelShape shape = head_dim == 64 ? tc_decode::tc_decode_shape_hd64(device)
+                                                  : tc_decode::tc_decode_shape_hd128(device);
+  if (switch_device) check_cuda(cudaSetDevice(previous), "cudaSetDevice");
+  if (device >= 0 && device < 64) known[device][slot] = shape;
+  return shape;
+}
+
+void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                      cudaStream_t stream) {
+  const int device = current_device();
+  if (device < 0) {
+    throw_error(ErrorKind::kDeviceError, "tc_decode", "no CUDA device is available");
+  }
+  validate(p, tiles, device, /*tc_decode=*/true);
+  if (tiles.num_items == 0) return;
+  if (p.head_dim == 64) {
+    tc_decode::launch_tc_decode_hd64(p, tiles, stream);
+  } else {
+    tc_decode::launch_tc_decode_hd128(p, tiles, stream);
+  }
+  launch_merge(p, tiles, stream, /*programmatic=*/true);
 }
 
 }  // namespace kvattn::cuda

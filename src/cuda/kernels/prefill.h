@@ -31,6 +31,10 @@ namespace kvattn::cuda {
 enum class PrefillKernelFamily {
   kMmaSync,  ///< mma.sync m16n8k16, cp.async double buffer (sm_80+; the A/B baseline on sm_90)
   kSm90,     ///< Hopper: warp-specialised, wgmma, mbarrier pipeline, persistent grid (sm_90a)
+  /// Decode-shaped (tc_decode_kernel.cuh): tiles of 32 rows, the 4 warps of a CTA split the keys;
+  /// for calls of few query rows per kv head over long KV (verify, draft extend, decode of large
+  /// GQA groups). sm_80+.
+  kTcDecode,
 };
 
 /// The kernel's tile shape for a head_dim: feed tile_rows / kv_tile into
@@ -59,6 +63,19 @@ PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim, int device
 
 /// prefill_kernel_shape(head_dim, head_dim) on the current device.
 PrefillKernelShape prefill_kernel_shape(int head_dim);
+
+/// The decode-shaped tensor-core kernel (kTcDecode) serves bf16/fp16 io, KV in the io dtype or
+/// fp8, head_dim == v_head_dim in {64, 128} (those compiled), paged or ragged K/V, every mask,
+/// window and soft-cap the prefill kernels serve. tc_decode_serves says whether it serves the
+/// pair; tc_decode_kernel_shape gives its plan shape (throws kNotSupported where it does not).
+bool tc_decode_serves(int head_dim, int v_head_dim);
+PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int device = -1);
+
+/// Runs a plan made with tc_decode_kernel_shape's tile_rows / kv_tile (and its split merge),
+/// as launch_batch_prefill does for the prefill families. The kernel and the merge are launched
+/// as programmatic dependents (kernels/launch.cuh).
+void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                      cudaStream_t stream);
 
 /// Runs the prefill over every tile of `tiles` (device pointers, from core::write_prefill_buffer)
 /// and, when tiles.num_merges > 0, the merge of split tiles, on the current device (whose family

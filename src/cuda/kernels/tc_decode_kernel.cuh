@@ -1,0 +1,598 @@
+// The decode-shaped tensor-core kernel: few query rows per kv head over a long KV (speculative
+// verify, draft extend, decode of large GQA groups). Included by one small instance file per
+// head_dim (tc_decode_hd64.cu, tc_decode_hd128.cu); the io dtype is a template parameter, the KV
+// dtype, masks and soft-cap are runtime branches.
+//
+// It consumes the batch prefill's plan (core/prefill_tiles.h) with tiles of kTileRows packed rows
+// (the tree tokens of a request times the q heads of one kv head) and its split-KV merge: a work
+// item is (request, kv head, row tile, key chunk), and the planner splits long KV into chunks so
+// that every SM has work even at batch 1.
+//
+// Why not the prefill kernels: their tiles are 64-128 rows, so a verify step (8 tokens x 4 heads =
+// 32 rows) wastes most of every MMA and of every CTA, and one CTA per (request, kv head) runs a
+// long prefix on a handful of SMs. Here the 4 warps of a CTA split the *keys*, not the rows:
+// warp w takes keys [16 w, 16 w + 16) of every 64-key step, with its own cp.async pipeline of
+// kStages 16-key K/V stages that only it reads (no CTA barrier in the main loop), computes
+// S = Q K^T for all kTileRows rows (mma.sync m16n8k16, Q read from shared memory with ldmatrix)
+// and O += P V with the online softmax of core::SoftmaxState (toolkit/online_softmax.cuh). The
+// four warps' states are merged in shared memory at the end, and the CTA writes the tile's output
+// (or its partial state for the split merge).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+#include "core/attention_params.h"
+#include "core/prefill_tiles.h"
+#include "cuda/cuda_util.h"
+#include "cuda/kernels/launch.cuh"
+#include "cuda/kernels/prefill.h"
+#include "cuda/kernels/step_check.cuh"
+#include "cuda/kernels/toolkit/compiled_head_dims.h"
+#include "cuda/kernels/toolkit/online_softmax.cuh"
+#include "cuda/kernels/toolkit/ptx.cuh"
+#include "kvattn/error.h"
+
+namespace kvattn::cuda::tc_decode {
+
+template <int kHeadDim>
+struct Traits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMAtoms = 2;  // 32 rows: O is kMAtoms * head_dim / 2 fp32 a thread
+  static constexpr int kTileRows = 16 * kMAtoms;
+  static constexpr int kWarpKeys = 16;                  // one k16 step of P V a warp and stage
+  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys a CTA step (the planner's kv_tile)
+  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks in a 16-bit row
+  static constexpr int kRowBytes = kChunks * 16;
+  static constexpr int kSubBytes = kWarpKeys * kRowBytes;  // a warp's K (or V) stage, 16-bit
+  static constexpr int kStageBytes = 2 * kSubBytes;        // K then V
+  // 16-bit KV: 3 stages at head_dim 128 (104 KB, two CTAs an SM: 2 x 4 x 2 stages x 8 KB = 128 KB
+  // in flight an SM, several times what Little's law asks for), 4 at head_dim 64.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
+  static constexpr int kQBytes = kTileRows * kRowBytes;
+  // fp8 KV: raw stages of half the size plus one converted stage a warp.
+  static constexpr int kRawStageBytes = kStageBytes / 2;
+  static constexpr int kPipeBytes16 = kWarps * kStages * kStageBytes;
+  static constexpr int kPipeBytes8 = kWarps * (kStages * kRawStageBytes + kStageBytes);
+  // The end of the CTA reuses the pipeline: per warp its rows' max and sum and its O in fp32.
+  // O rows are padded by 4 floats so that a quad's float2 stores of 8 rows miss each other's banks.
+  static constexpr int kOStride = kHeadDim + 4;
+  static constexpr int kMergeBytes = kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4;
+  static constexpr int smem_bytes(bool fp8) {
+    const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
+    return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
+  }
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+  static_assert(32 % kChunks == 0 || kChunks % 32 == 0, "whole rows a copy step");
+};
+
+using ptx::cp_async_commit;
+using ptx::fast_tanh;
+using ptx::fp8x2_to;
+using ptx::kLog2e;
+using ptx::ldmatrix_x4;
+using ptx::ldmatrix_x4_trans;
+using ptx::mma_16816;
+using ptx::pack2;
+using ptx::smem_address;
+
+template <int kHeadDim, typename T>
+__global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
+    tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
+  using Tr = Traits<kHeadDim>;
+  constexpr int kChunks = Tr::kChunks;
+  constexpr int kMAtoms = Tr::kMAtoms;
+  constexpr int kDimTiles = kHeadDim / 8;
+  constexpr uint32_t kRowBytes = Tr::kRowBytes;
+  constexpr int kStages = Tr::kStages;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  // Launched as a programmatic dependent: nothing global is read before the kernels before it
+  // completed (they wrote the pool, the plan and the step's error word).
+  ptx::grid_dependency_wait();
+  if (detail::step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
+  const core::PrefillWorkItem item = tiles.items[blockIdx.x];
+  const int request = item.request;
+  const int group = tiles.group_size;
+  const int row0 = item.q_row_begin;
+  const int q_begin = p.qo_indptr[request];
+  const int q_len = p.qo_indptr[request + 1] - q_begin;
+  const int rows_total = q_len * group;
+  if (row0 >= rows_total) return;  // a graph's padding item (the whole CTA returns)
+  const int64_t kv_base = p.kv_indptr[request];
+  const int kv_len = static_cast<int>(p.kv_indptr[request + 1] - kv_base);
+  const int kv_head = item.kv_head;
+  const int kv_begin = item.kv_begin;
+  const int kv_end = item.kv_end;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3 || p.kv_dtype == DType::kFloat8E5M2;
+  const bool e5m2 = p.kv_dtype == DType::kFloat8E5M2;
+  const bool paged = p.kv_indices != nullptr;
+  const bool causal = p.mask == core::MaskMode::kCausal;
+  const bool custom = p.mask == core::MaskMode::kCustom;
+  const int window = p.mask == core::MaskMode::kNone ? -1 : p.window_left;
+  const bool soft_cap = p.logit_cap > 0.f;
+  const float qk_scale = p.sm_scale * p.k_scale;
+  const float scale_log2 = soft_cap ? kLog2e : qk_scale * kLog2e;
+  const float cap_inner = soft_cap ? qk_scale / p.logit_cap : 0.f;
+  const int diagonal = kv_len - q_len;  // token i sees keys <= diagonal + i (causal)
+  const int tile_first_token = row0 / group;
+  const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
+
+  // ---- shared memory: Q, then per warp its stages (and, fp8, its converted stage) -------------
+  const uint32_t s_q = smem_address(smem);
+  const uint32_t s_pipe = s_q + Tr::kQBytes;
+  const int stage_bytes = fp8 ? Tr::kRawStageBytes : Tr::kStageBytes;
+  const uint32_t s_warp = s_pipe + warp * (kStages * stage_bytes + (fp8 ? Tr::kStageBytes : 0));
+  const uint32_t s_convert = s_warp + kStages * stage_bytes;  // fp8 only
+
+  {  // Q: the tile's packed rows (zero past the request's rows)
+    constexpr int kPerThread = Tr::kTileRows * kChunks / Tr::kThreads;
+    const T* q = static_cast<const T*>(p.q);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int index = tid + i * Tr::kThreads;
+      const int r = index / kChunks;
+      const int c = index % kChunks;
+      const int packed = row0 + r;
+      const bool valid = packed < rows_total;
+      const T* src = q;
+      if (valid) {
+        const int token = packed / group;
+        const int head = kv_head * group + packed % group;
+        src = q + (int64_t(q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head +
+              c * 8;
+      }
+      ptx::cp_async_zfill<16>(s_q + (r * kChunks + (c ^ (r & 7))) * 16, src, valid);
+    }
+    cp_async_commit();
+  }
+
+  // ---- this warp's keys: steps u = 0.. of [kv_begin + 64 u + 16 warp, + 16) --------------------
+  const int warp_first = kv_begin + warp * Tr::kWarpKeys;
+  const int warp_steps =
+      warp_first < kv_end ? (kv_end - warp_first + Tr::kTileKeys - 1) / Tr::kTileKeys : 0;
+  auto step_key = [&](int u) { return warp_first + u * Tr::kTileKeys; };
+
+  // Paged: lane l < 16 holds the slot of key l of a step (loaded one issue ahead).
+  const uint32_t slot_limit = static_cast<uint32_t>(min(p.num_slots, int64_t(INT32_MAX)));
+  auto load_slot = [&](int u) -> int32_t {
+    const int key = step_key(u) + (lane & 15);
+    if (!paged || u >= warp_steps || key >= kv_end) return -1;
+    return __ldg(p.kv_indices + kv_base + key);
+  };
+  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later).
+  auto issue = [&](int u, int32_t slot) {
+    const int stage = u % kStages;
+    const int first = step_key(u);
+    if (u >= warp_steps) {  // past the warp's keys: an empty group keeps the wait counts
+      cp_async_commit();
+      return;
+    }
+    if (fp8) {
+      constexpr int kRawChunks = kChunks / 2;  // 16-byte chunks of an fp8 row
+      constexpr int kRowStep = 32 / kRawChunks;
+      const int r0 = lane / kRawChunks;
+      const int c = lane % kRawChunks;
+      const uint32_t k_dst = s_warp + stage * Tr::kRawStageBytes;
+      const uint32_t v_dst = k_dst + Tr::kRawStageBytes / 2;
+      const uint8_t* k_src0 =
+          static_cast<const uint8_t*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * 16;
+      const uint8_t* v_src0 =
+          static_cast<const uint8_t*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * 16;
+#pragma unroll
+      for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
+        const int r = r0 + i * kRowStep;
+        const int32_t s = __shfl_sync(0xffffffffu, slot, r);
+        const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
+        const int64_t row = paged ? int64_t(s) : kv_base + first + r;
+        const uint32_t offset = (r * kRawChunks + c) * 16;
+        ptx::cp_async_zfill<16>(k_dst + offset, valid ? k_src0 + row * p.k_stride_token : k_src0,
+                                valid);
+        ptx::cp_async_zfill<16>(v_dst + offset, valid ? v_src0 + row * p.v_stride_token : v_src0,
+                                valid);
+      }
+    } else {
+      constexpr int kRowStep = 32 / kChunks;
+      const int r0 = lane / kChunks;
+      const int c = lane % kChunks;
+      const uint32_t k_dst = s_warp + stage * Tr::kStageBytes;
+      const uint32_t v_dst = k_dst + Tr::kSubBytes;
+      const T* k_src0 = static_cast<const T*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * 8;
+      const T* v_src0 = static_cast<const T*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * 8;
+#pragma unroll
+      for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
+        const int r = r0 + i * kRowStep;
+        const int32_t s = __shfl_sync(0xffffffffu, slot, r);
+        const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
+        const int64_t row = paged ? int64_t(s) : kv_base + first + r;
+        const uint32_t offset = r * kRowBytes + ((c ^ (r & 7)) * 16);
+        ptx::cp_async_zfill<16>(k_dst + offset, valid ? k_src0 + row * p.k_stride_token : k_src0,
+                                valid);
+        ptx::cp_async_zfill<16>(v_dst + offset, valid ? v_src0 + row * p.v_stride_token : v_src0,
+                                valid);
+      }
+    }
+    cp_async_commit();
+  };
+  // fp8: this lane's raw chunks of stage u -> the warp's converted stage (16-bit, swizzled).
+  auto convert = [&](int u) {
+    constexpr int kRawChunks = kChunks / 2;
+    constexpr int kRowStep = 32 / kRawChunks;
+    const int r0 = lane / kRawChunks;
+    const int c = lane % kRawChunks;
+    const unsigned char* raw = smem + (s_warp - s_q) + (u % kStages) * Tr::kRawStageBytes;
+    unsigned char* dst = smem + (s_convert - s_q);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // K, then V
+#pragma unroll
+      for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
+        const int r = r0 + i * kRowStep;
+        const uint4 bits = *reinterpret_cast<const uint4*>(raw + half * (Tr::kRawStageBytes / 2) +
+                                                           (r * kRawChunks + c) * 16);
+        uint4 lo, hi;
+        lo.x = fp8x2_to<T>(static_cast<uint16_t>(bits.x & 0xffffu), e5m2);
+        lo.y = fp8x2_to<T>(static_cast<uint16_t>(bits.x >> 16), e5m2);
+        lo.z = fp8x2_to<T>(static_cast<uint16_t>(bits.y & 0xffffu), e5m2);
+        lo.w = fp8x2_to<T>(static_cast<uint16_t>(bits.y >> 16), e5m2);
+        hi.x = fp8x2_to<T>(static_cast<uint16_t>(bits.z & 0xffffu), e5m2);
+        hi.y = fp8x2_to<T>(static_cast<uint16_t>(bits.z >> 16), e5m2);
+        hi.z = fp8x2_to<T>(static_cast<uint16_t>(bits.w & 0xffffu), e5m2);
+        hi.w = fp8x2_to<T>(static_cast<uint16_t>(bits.w >> 16), e5m2);
+        unsigned char* row = dst + half * Tr::kSubBytes + r * kRowBytes;
+        *reinterpret_cast<uint4*>(row + ((2 * c) ^ (r & 7)) * 16) = lo;
+        *reinterpret_cast<uint4*>(row + ((2 * c + 1) ^ (r & 7)) * 16) = hi;
+      }
+    }
+  };
+
+  // Prologue: kStages - 1 steps in flight, the slots of the next one loaded.
+  int32_t slot_ahead;
+  {
+    int32_t first_slots[kStages - 1];
+#pragma unroll
+    for (int u = 0; u < kStages - 1; ++u) first_slots[u] = load_slot(u);
+#pragma unroll
+    for (int u = 0; u < kStages - 1; ++u) issue(u, first_slots[u]);
+    slot_ahead = load_slot(kStages - 1);
+  }
+  ptx::cp_async_wait<kStages - 1>();  // this thread's Q chunks landed
+  __syncthreads();                    // ... and everyone's
+
+  float o[kMAtoms][kDimTiles][4];
+  RowPairSoftmax softmax[kMAtoms];
+#pragma unroll
+  for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+    for (int d = 0; d < kDimTiles; ++d) o[a][d][0] = o[a][d][1] = o[a][d][2] = o[a][d][3] = 0.f;
+  }
+
+  // ldmatrix lane offsets of the m16n8k16 fragments (swizzled chunk (c ^ (row & 7))): see the
+  // prefill kernel (prefill_kernel.cuh), whose tiles these warp stages are a 16-key slice of.
+  const uint32_t q_lane = s_q + (lane & 15) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  const uint32_t k_lane =
+      ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + (((lane >> 3) & 1) ^ (lane & 7)) * 16;
+  const uint32_t v_lane =
+      ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  // kCustom: the request's mask is [q_len, row_len] with row_len >= kv_len; keys are the last
+  // kv_len columns of a row.
+  const uint8_t* mask_base = nullptr;
+  int64_t mask_row_len = 0;
+  if (custom) {
+    const int64_t begin = p.mask_indptr[request];
+    mask_row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
+    mask_base = p.custom_mask + begin + (mask_row_len - kv_len);
+  }
+
+  for (int u = 0; u < warp_steps; ++u) {
+    const int first = step_key(u);
+    // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
+    __syncwarp();
+    issue(u + kStages - 1, slot_ahead);
+    slot_ahead = load_slot(u + kStages);
+    // The mask bits of this step: loaded before the wait, so their latency hides behind it.
+    uint32_t hidden = 0;  // bit (a * 8 + h * 4 + n * 2 + e): element s[a][4n + 2h + e] masked
+    const bool needs_mask = custom || first + Tr::kWarpKeys > kv_end ||
+                            (causal && first + Tr::kWarpKeys - 1 > diagonal + tile_first_token) ||
+                            (window >= 0 && first < diagonal + tile_last_token - window);
+    if (needs_mask) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int packed = row0 + a * 16 + (lane >> 2) + 8 * h;
+          const int token = min(packed, rows_total - 1) / group;
+          const int last_visible = causal ? diagonal + token : kv_end - 1;
+          const int first_visible = window >= 0 ? diagonal + token - window : 0;
+          const uint8_t* mask_row = custom ? mask_base + token * mask_row_len : nullptr;
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = first + n * 8 + (lane & 3) * 2 + e;
+              bool visible = j < kv_end && j <= last_visible && j >= first_visible;
+              if (custom && visible) visible = mask_row[j] != 0;
+              if (!visible) hidden |= 1u << (a * 8 + h * 4 + n * 2 + e);
+            }
+          }
+        }
+      }
+    }
+    ptx::cp_async_wait<kStages - 1>();  // step u's copies (this lane's) landed
+    __syncwarp();                       // ... and every lane's
+    uint32_t k_stage, v_stage;
+    if (fp8) {
+      convert(u);
+      __syncwarp();
+      k_stage = s_convert;
+    } else {
+      k_stage = s_warp + (u % kStages) * Tr::kStageBytes;
+    }
+    v_stage = k_stage + Tr::kSubBytes;
+
+    // S = Q K^T over the warp's 16 keys (two n8 blocks).
+    float s[kMAtoms][8];
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[a][i] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, ((k_stage + k_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+        uint32_t qa[4];
+        ldmatrix_x4(qa, (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128 + a * 16 * kRowBytes);
+        float(&s0)[4] = *reinterpret_cast<float(*)[4]>(&s[a][0]);
+        float(&s1)[4] = *reinterpret_cast<float(*)[4]>(&s[a][4]);
+        mma_16816<T>(s0, qa, kb[0], kb[1]);
+        mma_16816<T>(s1, qa, kb[2], kb[3]);
+      }
+    }
+    if (soft_cap) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[a][i] = p.logit_cap * fast_tanh(s[a][i] * cap_inner);
+      }
+    }
+    if (hidden != 0) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if (hidden & (1u << (a * 8 + h * 4 + n * 2 + e))) s[a][4 * n + 2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      }
+    }
+
+    bool moved = false;
+    float factor[kMAtoms][2];
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) moved |= softmax[a].update<2>(s[a], scale_log2, factor[a]);
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+        for (int d = 0; d < kDimTiles; ++d) {
+          o[a][d][0] *= factor[a][0];
+          o[a][d][1] *= factor[a][0];
+          o[a][d][2] *= factor[a][1];
+          o[a][d][3] *= factor[a][1];
+        }
+      }
+    }
+
+    // O += P V: P straight from the S accumulators (two n8 blocks = one k16 A fragment).
+    uint32_t pa[kMAtoms][4];
+#pragma unroll
+    for (int a = 0; a < kMAtoms; ++a) {
+      pa[a][0] = pack2<T>(s[a][0], s[a][1]);
+      pa[a][1] = pack2<T>(s[a][2], s[a][3]);
+      pa[a][2] = pack2<T>(s[a][4], s[a][5]);
+      pa[a][3] = pack2<T>(s[a][6], s[a][7]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, ((v_stage + v_lane) ^ ((dp % 4) * 32)) + (dp / 4) * 128);
+#pragma unroll
+      for (int a = 0; a < kMAtoms; ++a) {
+        mma_16816<T>(o[a][2 * dp], pa[a], vb[0], vb[1]);
+        mma_16816<T>(o[a][2 * dp + 1], pa[a], vb[2], vb[3]);
+      }
+    }
+  }
+  ptx::cp_async_wait<0>();
+  // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
+  ptx::grid_launch_dependents();
+  __syncthreads();  // every warp is done with its pipeline: the memory becomes the merge area
+
+  // ---- merge the four warps' states ---------------------------------------------------------
+  // [warp][row] max (raw logit units) and sum, then [warp][row][dim] unnormalized O.
+  float* red_max = reinterpret_cast<float*>(smem + Tr::kQBytes);
+  float* red_sum = red_max + Tr::kWarps * Tr::kTileRows;
+  float* row_lse = red_sum + Tr::kWarps * Tr::kTileRows;  // [row]
+  float* o_part = row_lse + Tr::kTileRows;                // (kTileRows * 4 floats: aligned)
+  float* o_warp = o_part + warp * Tr::kTileRows * Tr::kOStride;
+#pragma unroll
+  for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float total = softmax[a].sum[h];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const int r = a * 16 + (lane >> 2) + 8 * h;
+      if ((lane & 3) == 0) {
+        red_max[warp * Tr::kTileRows + r] = softmax[a].max[h];
+        red_sum[warp * Tr::kTileRows + r] = total;
+      }
+      float* dst = o_warp + r * Tr::kOStride + (lane & 3) * 2;
+#pragma unroll
+      for (int d = 0; d < kDimTiles; ++d) {
+        *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[a][d][2 * h], o[a][d][2 * h + 1]);
+      }
+    }
+  }
+  __syncthreads();
+  // Per row: the CTA's max, each warp's weight (written over its max) and the LSE.
+  if (tid < Tr::kTileRows) {
+    const int r = tid;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) top = fmaxf(top, red_max[w * Tr::kTileRows + r]);
+    float weight[Tr::kWarps];
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float m = red_max[w * Tr::kTileRows + r];
+      weight[w] = m == -INFINITY ? 0.f : ptx::fast_exp2((m - top) * scale_log2);
+      total += red_sum[w * Tr::kTileRows + r] * weight[w];
+    }
+    const bool empty = !(total > 0.f);
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      red_max[w * Tr::kTileRows + r] = empty ? 0.f : weight[w] * p.v_scale / total;
+    }
+    row_lse[r] = empty ? -INFINITY : (top * scale_log2 + __log2f(total)) * ptx::kLn2;
+  }
+  __syncthreads();
+
+  // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a whole
+  // tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
+  const int v_dim = p.v_head_dim;
+  for (int index = tid; index < Tr::kTileRows * (kHeadDim / 4); index += Tr::kThreads) {
+    const int r = index / (kHeadDim / 4);
+    const int d0 = (index % (kHeadDim / 4)) * 4;
+    const int packed = row0 + r;
+    if (packed >= rows_total || d0 >= v_dim) continue;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float weight = red_max[w * Tr::kTileRows + r];
+      const float4 part =
+          *reinterpret_cast<const float4*>(o_part + (w * Tr::kTileRows + r) * Tr::kOStride + d0);
+      acc.x = fmaf(part.x, weight, acc.x);
+      acc.y = fmaf(part.y, weight, acc.y);
+      acc.z = fmaf(part.z, weight, acc.z);
+      acc.w = fmaf(part.w, weight, acc.w);
+    }
+    if (item.partial >= 0) {
+      const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows + r;
+      *reinterpret_cast<float4*>(tiles.partial_out + slot_row * v_dim + d0) = acc;
+      if (d0 == 0) tiles.partial_lse[slot_row] = row_lse[r];
+      continue;
+    }
+    const int token = packed / group;
+    const int head = kv_head * group + packed % group;
+    const int64_t out_row =
+        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head + d0;
+    if (p.out_fp32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row) = acc;
+    } else {
+      uint2 packed2;
+      packed2.x = pack2<T>(acc.x, acc.y);
+      packed2.y = pack2<T>(acc.z, acc.w);
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + out_row) = packed2;
+    }
+    if (d0 == 0 && p.lse != nullptr) {
+      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = row_lse[r];
+    }
+  }
+}
+
+// ---- host side of an instance ----------------------------------------------------------------
+
+template <int kHeadDim>
+PrefillKernelShape shape_of(int device) {
+  using Tr = Traits<kHeadDim>;
+  PrefillKernelShape shape;
+  shape.tile_rows = Tr::kTileRows;
+  shape.kv_tile = Tr::kTileKeys;
+  shape.family = PrefillKernelFamily::kTcDecode;
+  int ctas = 0;
+  auto kernel = tc_decode_kernel<kHeadDim, __nv_bfloat16>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Tr::smem_bytes(true)),
+             "cudaFuncSetAttribute(tc_decode_kernel)");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, Tr::kThreads,
+                                                           Tr::smem_bytes(false)),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor(tc_decode_kernel)");
+  (void)device;
+  shape.ctas_per_sm = ctas > 0 ? ctas : 1;
+  return shape;
+}
+
+template <int kHeadDim, typename T>
+void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                  cudaStream_t stream) {
+  using Tr = Traits<kHeadDim>;
+  auto kernel = tc_decode_kernel<kHeadDim, T>;
+  static std::atomic<uint64_t> devices_ready{0};
+  int device = 0;
+  const cudaError_t got = cudaGetDevice(&device);
+  const uint64_t bit = (got == cudaSuccess && device < 64) ? (uint64_t{1} << device) : 0;
+  if (bit == 0 || (devices_ready.load(std::memory_order_acquire) & bit) == 0) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Tr::smem_bytes(true)),
+               "cudaFuncSetAttribute(tc_decode_kernel)");
+    devices_ready.fetch_or(bit, std::memory_order_release);
+  }
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3 || p.kv_dtype == DType::kFloat8E5M2;
+  detail::launch_programmatic_dependent(kernel, dim3(uint32_t(tiles.num_items)), dim3(Tr::kThreads),
+                                        size_t(Tr::smem_bytes(fp8)), stream, "tc_decode_kernel", p,
+                                        tiles);
+}
+
+/// The launcher of one instance file (kNotSupported when the head_dim was not compiled).
+template <int kHeadDim>
+void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                        cudaStream_t stream) {
+  if constexpr (head_dim_compiled(kHeadDim)) {
+    if (p.io_dtype == DType::kBFloat16) {
+      launch_typed<kHeadDim, __nv_bfloat16>(p, tiles, stream);
+    } else {
+      launch_typed<kHeadDim, __half>(p, tiles, stream);
+    }
+  } else {
+    throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
+                " (KVATTN_CUDA_HEAD_DIMS)");
+  }
+}
+
+template <int kHeadDim>
+PrefillKernelShape shape_if_compiled(int device) {
+  if constexpr (head_dim_compiled(kHeadDim)) {
+    return shape_of<kHeadDim>(device);
+  } else {
+    throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
+                " (KVATTN_CUDA_HEAD_DIMS)");
+  }
+}
+
+// One pair per instance file (tc_decode_hd<D>.cu).
+void launch_tc_decode_hd64(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                           cudaStream_t stream);
+void launch_tc_decode_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
+                            cudaStream_t stream);
+PrefillKernelShape tc_decode_shape_hd64(int device);
+PrefillKernelShape tc_decode_shape_hd128(int device);
+
+}  // namespace kvattn::cuda::tc_decode
