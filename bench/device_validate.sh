@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One device call that validates the CUDA backend end to end and times the decode-shaped rows:
+#   1. the kernel tests of the decode-shaped kernel and the verify/draft graph tests,
+#   2. the decode-shaped timing table (tc_decode vs the prefill family, same run),
+#   3. the whole CUDA test binary,
+#   4. tests/cuda/run_device_checks.sh (bad input, refused steps, memcheck, racecheck, soak),
+#   5. `kvattn check --device cuda` and compute-sanitizer memcheck over it,
+#   6. Python on the GPU: the torch tests (bad index / huge first) and the Hugging Face Llama
+#      example (python/examples/hf_llama_paged.py --device cuda).
+# Build here and carry the binaries and the wheel:
+#   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
+#   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
+#   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
+# STEPS=a,b,... picks steps (tc,tcbench,all,checks,check,python); logs go to $OUT/logs.tgz and a
+# summary is printed last (also $OUT/summary.txt).
+set -u
+CARRY=${1:-.carry}
+OUT=${OUT:-/tmp/kvattn-device}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+STEPS=${STEPS:-tc,tcbench,all,checks,check,python}
+summary=()
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc %-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  return $rc
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$LOGS/gpu.txt" 2>&1
+T=$CARRY/kvattn_cuda_tests
+
+want tc && step tc 120 "$T" \
+  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphsVerify.*:CudaGraphsDraft.*'
+want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
+  --gtest_filter='PrefillBench.DecodeShaped'
+want all && step all 200 "$T" --gtest_brief=1
+want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 200 \
+  bash tests/cuda/run_device_checks.sh "$T"
+want check && step check 60 "$CARRY/kvattn" check --device cuda
+want check && step checkmem 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$CARRY/kvattn" check --device cuda
+if want python; then
+  step pyinstall 60 python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+    .whl/py312/kvattn-0.1.0-cp312-cp312-linux_x86_64.whl
+  PYTHONPATH=/tmp/site step pybad 120 python3 -m pytest -q -p no:cacheprovider \
+    python/tests/test_gpu_torch.py -k "bad_index or huge"
+  PYTHONPATH=/tmp/site step pytorch 200 python3 -m pytest -q -p no:cacheprovider \
+    python/tests/test_gpu_torch.py
+  PYTHONPATH=/tmp/site step llama 150 python3 python/examples/hf_llama_paged.py --device cuda
+fi
+
+{
+  echo "== GPU"; cat "$LOGS/gpu.txt"
+  echo "== tc kernel + verify/draft graph tests"
+  grep -E "^\[  (PASSED|FAILED) |FAILED  |Failure|  tc |rel_l2" "$LOGS/tc.log" 2>/dev/null | head -40
+  echo "== decode-shaped timing"; grep -vE "^\[|^Note|^$" "$LOGS/tcbench.log" 2>/dev/null | tail -16
+  echo "== all CUDA tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  " "$LOGS/all.log" 2>/dev/null | head -30
+  echo "== device checks"; tail -40 "$LOGS/checks.log" 2>/dev/null
+  echo "== check"; grep -E "FAIL|passed|not supported" "$LOGS/check.log" 2>/dev/null | tail -5
+  grep -E "ERROR SUMMARY" "$LOGS/checkmem.log" 2>/dev/null
+  echo "== python"; tail -3 "$LOGS/pybad.log" 2>/dev/null; tail -3 "$LOGS/pytorch.log" 2>/dev/null
+  echo "== llama example"; tail -8 "$LOGS/llama.log" 2>/dev/null
+  echo "== steps"; printf '%s\n' "${summary[@]}"
+} > "$OUT/summary.txt"
+tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$LOGS"
+cat "$OUT/summary.txt"
