@@ -21,9 +21,16 @@ mkdir -p "$LOGS"
 STEPS=${STEPS:-tc,tcbench,all,checks,check,python}
 summary=()
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
+DEADLINE=${DEADLINE:-570}  # seconds: no step runs past it (the summary still gets written)
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
+  local left=$((DEADLINE - SECONDS - 10))
+  if [ "$left" -lt 15 ]; then
+    summary+=("$(printf '%-10s skipped: deadline' "$name")")
+    return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
