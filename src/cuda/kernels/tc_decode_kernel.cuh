@@ -68,6 +68,10 @@ struct Traits {
     const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
     return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
   }
+  /// The opt-in the kernel needs for either KV width.
+  static constexpr int max_smem_bytes() {
+    return smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
+  }
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(32 % kChunks == 0 || kChunks % 32 == 0, "whole rows a copy step");
 };
@@ -530,7 +534,7 @@ PrefillKernelShape shape_of(int device) {
   int ctas = 0;
   auto kernel = tc_decode_kernel<kHeadDim, __nv_bfloat16>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  Tr::smem_bytes(true)),
+                                  Tr::max_smem_bytes()),
              "cudaFuncSetAttribute(tc_decode_kernel)");
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, Tr::kThreads,
                                                            Tr::smem_bytes(false)),
@@ -551,7 +555,7 @@ void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tile
   const uint64_t bit = (got == cudaSuccess && device < 64) ? (uint64_t{1} << device) : 0;
   if (bit == 0 || (devices_ready.load(std::memory_order_acquire) & bit) == 0) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Tr::smem_bytes(true)),
+                                    Tr::max_smem_bytes()),
                "cudaFuncSetAttribute(tc_decode_kernel)");
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
