@@ -1,6 +1,7 @@
 // `kvattn bench`: the SPEC §6 grid on one device, each row held to a ceiling measured in the same
-// run (read-only streaming bandwidth for decode; the matrix-product rate for prefill / extend),
-// with a sampled check of every row against the float64 reference.
+// run (read-only streaming bandwidth for decode and the speculative-decoding rows; the
+// matrix-product rate for prefill / extend), with a sampled check of every row against the
+// float64 reference.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,6 +12,8 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bench_graphs.h"
@@ -43,7 +46,8 @@ const std::vector<OptionSpec>& bench_options() {
       {"--quick", "", "a few representative rows, fewer repetitions"},
       {"--json", "FILE",
        "write the SPEC §6 results file (e.g. bench/results/cpu-grid-<date>.json)"},
-      {"--workload", "all|decode|prefill|extend", "only rows of this workload (default all)"},
+      {"--workload", "all|decode|prefill|extend|verify|draft",
+       "only rows of this workload (default all; draft: the draft_extend rows)"},
       {"--max-row-seconds", "S",
        "CPU: skip rows whose one call is estimated above S s (default 15; --quick 1)"},
       {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
@@ -58,10 +62,13 @@ const std::vector<OptionSpec>& bench_options() {
 
 /// One row of the grid.
 struct GridRow {
-  std::string workload;  ///< "decode", "prefill" or "extend"
+  /// "decode", "prefill", "extend", "verify" (TARGET_VERIFY) or "draft_extend" (DRAFT_EXTEND)
+  std::string workload;
   int batch = 1;
-  int kv_len = 0;  ///< KV tokens per request: decode the context, extend prefix + new
-  int qo_len = 1;  ///< query tokens per request
+  /// KV tokens per request: decode the context; extend / draft_extend prefix + new; verify
+  /// prefix + tree tokens
+  int kv_len = 0;
+  int qo_len = 1;  ///< query tokens per request (verify: the tree tokens)
   int prefix_len = 0;
   int page_size = 1;
   int head_dim = 128;
@@ -69,8 +76,16 @@ struct GridRow {
   bool in_quick = false;
 
   bool is_decode() const { return workload == "decode"; }
+  bool is_verify() const { return workload == "verify"; }
+  bool is_draft_extend() const { return workload == "draft_extend"; }
+  /// Speculative decoding: a few query tokens per request over a long prefix.
+  bool is_speculative() const { return is_verify() || is_draft_extend(); }
+  /// Rows whose time is the K/V read (decode, and the speculative rows: 4-16 query tokens per
+  /// request over a 1024-4096 token prefix): reported in GB/s of K/V read, as a fraction of the
+  /// read ceiling.
+  bool memory_bound() const { return is_decode() || is_speculative(); }
   int64_t tokens() const { return int64_t(batch) * qo_len; }
-  /// Decode: bytes of K and V read.
+  /// Memory-bound rows: bytes of K and V read (every KV token of every request once).
   double kv_bytes() const {
     return double(batch) * kv_len * kKvHeads * 2.0 * head_dim * dtype_size(kDType);
   }
@@ -81,7 +96,7 @@ struct GridRow {
   std::string label() const {
     std::ostringstream os;
     os << workload << " b" << batch << " kv" << kv_len;
-    if (!is_decode()) os << " q" << qo_len;
+    if (!is_decode()) os << (is_verify() ? " tree" : " q") << qo_len;
     os << " d" << head_dim << " " << variant;
     return os.str();
   }
@@ -126,6 +141,34 @@ std::vector<GridRow> make_grid() {
   extend.variant = "causal";
   extend.in_quick = true;
   rows.push_back(extend);
+  // Speculative decoding, page 1 with shuffled slots as the decode rows. TARGET_VERIFY: a random
+  // draft tree per request (step_batch.h random_tree_parents), its mask rows seeing the prefix,
+  // their ancestors and themselves; DRAFT_EXTEND: the draft model's causal extend by the
+  // accepted tokens.
+  for (auto [batch, prefix, tree] :
+       {std::tuple{1, 4096, 8}, {16, 4096, 8}, {64, 4096, 8}, {64, 1024, 16}}) {
+    GridRow row;
+    row.workload = "verify";
+    row.batch = batch;
+    row.prefix_len = prefix;
+    row.qo_len = tree;
+    row.kv_len = prefix + tree;
+    row.variant = "page1-shuffled";
+    row.in_quick = batch == 1;  // 1 s of a --quick run on 2 CPU cores (2026-12-02)
+    rows.push_back(row);
+  }
+  for (int batch : {16, 64}) {
+    GridRow row;
+    row.workload = "draft_extend";
+    row.batch = batch;
+    row.prefix_len = 4096;
+    row.qo_len = 4;
+    row.kv_len = 4096 + 4;
+    row.variant = "causal";
+    // Not in --quick: b16 adds 5 s to it on 2 CPU cores (2026-12-02), most of that filling its
+    // 8 input sets of 270 MiB.
+    rows.push_back(row);
+  }
   return rows;
 }
 
@@ -181,13 +224,25 @@ class BenchWorld {
     Rng rng(seed);
     assign_slots(rng);
     StepSpec spec;
-    spec.mode = row.is_decode() ? ForwardMode::kDecode : ForwardMode::kExtend;
+    spec.mode = row.is_decode()         ? ForwardMode::kDecode
+                : row.is_verify()       ? ForwardMode::kTargetVerify
+                : row.is_draft_extend() ? ForwardMode::kDraftExtend
+                                        : ForwardMode::kExtend;
+    if (row.is_verify()) spec.draft_token_num = row.qo_len;
     for (int r = 0; r < row.batch; ++r) {
       spec.req_pool_indices.push_back(r);
-      spec.seq_lens.push_back(row.kv_len);
       if (row.is_decode()) {
+        spec.seq_lens.push_back(row.kv_len);
         spec.out_cache_loc.push_back(slots_[r][row.kv_len - 1]);
+      } else if (row.is_verify()) {
+        // seq_lens count the committed prefix; the tree tokens' K/V go to the slots after it.
+        spec.seq_lens.push_back(row.prefix_len);
+        spec.out_cache_loc.insert(spec.out_cache_loc.end(), slots_[r].begin() + row.prefix_len,
+                                  slots_[r].end());
+        append_tree_mask(row.prefix_len, random_tree_parents(row.qo_len, /*chain=*/0, rng),
+                         spec.custom_mask);
       } else {
+        spec.seq_lens.push_back(row.kv_len);
         spec.prefix_lens.push_back(row.prefix_len);
         spec.extend_lens.push_back(row.qo_len);
         spec.out_cache_loc.insert(spec.out_cache_loc.end(), slots_[r].begin() + row.prefix_len,
@@ -219,8 +274,21 @@ class BenchWorld {
     config.q_dtype = kDType;
     config.cuda_stream = cuda_stream;
     backend_ = make_backend(device.kind, config);
-    backend_->init_forward_metadata(step_->batch());
+    if (graph_step()) {
+      // TARGET_VERIFY as an engine runs it on CUDA: a captured bucket of the backend's graph
+      // buffers (sized for this batch and tree), whose padded plan the timed calls replay. The
+      // timing captures forward (time_on_stream); without these buffers the backend refuses to
+      // capture the tensor-core path. in_graph runs once here: it is per step, not per layer.
+      backend_->init_cuda_graph_state(row.batch, row.tokens());
+      backend_->init_forward_metadata_out_graph(step_->batch(), /*in_capture=*/true);
+      backend_->init_forward_metadata_in_graph(step_->batch());
+    } else {
+      backend_->init_forward_metadata(step_->batch());
+    }
   }
+
+  /// Whether the row runs on the backend's CUDA-graph buffers and must be timed captured.
+  bool graph_step() const { return row_.is_verify() && device_.kind == BackendKind::kCuda; }
 
   /// Bytes the world holds on the device: the pool of all layers plus every input set.
   static int64_t world_bytes(const GridRow& row, int sets) {
@@ -241,14 +309,16 @@ class BenchWorld {
                       step_->batch(), /*save_kv_cache=*/true);
   }
 
-  /// Max relative error of sampled query rows of set 0 against the float64 reference. Each
-  /// sampled query (request r, absolute position p) sees positions [0, p] of its request, which
-  /// the oracle computes as a decode of length p + 1: exact for causal full attention.
+  /// Max relative error of sampled query rows of set 0 against the float64 reference. Decode,
+  /// prefill and extend: each sampled query (request r, absolute position p) sees positions
+  /// [0, p] of its request, which the oracle computes as a decode of length p + 1: exact for
+  /// causal full attention. Speculative rows: speculative_max_rel_err.
   double sampled_max_rel_err() {
     // With one input set every call leaves the same state; otherwise set 0's output must be the
     // last one written.
     if (sets_ > 1) forward(0);
     synchronize(device_.device);
+    if (row_.is_speculative()) return speculative_max_rel_err();
     struct Sample {
       int request;
       int64_t out_row;
@@ -300,6 +370,33 @@ class BenchWorld {
   }
 
  private:
+  /// Every query of the first and the last request (their 8-16 tree tokens, or 4 new tokens)
+  /// against the oracle run in the step's own mode: TARGET_VERIFY rows under the tree mask the
+  /// backend was given, DRAFT_EXTEND causal (tools/oracle.h check_step_requests; the step's new
+  /// K/V are saved into the oracle's copy as it models the save).
+  double speculative_max_rel_err() {
+    const StepSpec& spec = step_->spec();
+    const std::vector<StepRequestRows> rows = step_request_rows(spec);
+    std::vector<size_t> picked = {0};
+    if (row_.batch > 1) picked.push_back(size_t(row_.batch - 1));
+    std::vector<std::vector<int32_t>> slot_rows;
+    for (size_t r : picked) {
+      slot_rows.emplace_back(slots_[r].begin(), slots_[r].begin() + rows[r].kv_extent);
+    }
+    const OwnedTensor q_host = to_host(q_[0].view);
+    const OwnedTensor k_host = to_host(k_[0].view);
+    const OwnedTensor v_host = to_host(v_[0].view);
+    StepHostInputs inputs;
+    inputs.q_host = q_host.view;
+    inputs.k_host = k_host.view;
+    inputs.v_host = v_host.view;
+    inputs.num_q_heads = kQHeads;
+    inputs.num_kv_heads = kKvHeads;
+    inputs.kv_dtype = kDType;
+    return check_step_requests(cache_, layer(0), spec, rows, picked, slot_rows, inputs,
+                               out_[0].view);
+  }
+
   static int64_t num_slots(const GridRow& row) {
     const int64_t pages_per_request = (row.kv_len + row.page_size - 1) / row.page_size;
     return (1 + row.batch * pages_per_request) * row.page_size;  // + the reserved page 0
@@ -428,8 +525,9 @@ void write_json(const std::string& path, const std::string& device_name, const R
     first = false;
     out << "{\"workload\": " << json_string(g.workload) << ", \"impl\": \"kvattn\""
         << ", \"batch\": " << g.batch << ", \"kv_len\": " << g.kv_len
-        << ", \"qo_len\": " << g.qo_len << ", \"prefix_len\": " << g.prefix_len
-        << ", \"page_size\": " << g.page_size << ", \"head_dim\": " << g.head_dim
+        << ", \"qo_len\": " << g.qo_len << ", \"prefix_len\": " << g.prefix_len;
+    if (g.is_verify()) out << ", \"tree_tokens\": " << g.qo_len;
+    out << ", \"page_size\": " << g.page_size << ", \"head_dim\": " << g.head_dim
         << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
         << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
         << ", \"variant\": " << json_string(g.variant)
@@ -461,7 +559,7 @@ int64_t host_available_bytes() {
 }
 
 void print_header(bool cpu) {
-  std::printf("%-8s %5s %6s %6s %6s %4s %4s %-16s %10s %14s %8s %11s  %s\n", "workload", "batch",
+  std::printf("%-12s %5s %6s %6s %6s %4s %4s %-16s %10s %14s %8s %11s  %s\n", "workload", "batch",
               "kv_len", "qo_len", "prefix", "page", "hd", "variant", "time",
               cpu ? "GB/s|GFLOP/s" : "GB/s|TFLOP/s", "fraction", "max_rel_err", "note");
 }
@@ -475,7 +573,7 @@ void print_row(const RowResult& r, bool cpu) {
   char text[48];
   if (r.measured) {
     time = format_us(r.time_us);
-    if (g.is_decode()) {
+    if (g.memory_bound()) {
       std::snprintf(text, sizeof(text), "%.1f GB/s", r.gbps);
     } else if (cpu) {
       std::snprintf(text, sizeof(text), "%.1f GFLOP/s", r.tflops * 1e3);
@@ -492,7 +590,7 @@ void print_row(const RowResult& r, bool cpu) {
       err = "inf";
     }
   }
-  std::printf("%-8s %5d %6d %6d %6d %4d %4d %-16s %10s %14s %8s %11s  %s\n", g.workload.c_str(),
+  std::printf("%-12s %5d %6d %6d %6d %4d %4d %-16s %10s %14s %8s %11s  %s\n", g.workload.c_str(),
               g.batch, g.kv_len, g.qo_len, g.prefix_len, g.page_size, g.head_dim, g.variant.c_str(),
               time.c_str(), rate.c_str(), fraction.c_str(), err.c_str(), r.note.c_str());
   std::fflush(stdout);
@@ -506,13 +604,21 @@ std::string bench_usage() {
          "Times the SPEC §6 grid (32 q / 8 kv heads, bf16): decode batch {1,16,64,256} x kv_len\n"
          "{1024,4096,16384,32768 (batch <= 16)} with page 1 and page 16 (pages shuffled);\n"
          "causal prefill (1,1024) (1,4096) (1,16384) (8,2048) at head_dim 128, 64 and 256;\n"
-         "extend batch 8 x (4096 prefix + 512 new). The ceilings are measured first, in the same\n"
-         "run: CPU read-only streaming bandwidth (1 GiB, all cores, AVX2) and the fp32 FMA rate\n"
-         "(and the AVX-512 rate where the CPU kernels use it);\n"
-         "CUDA read-only streaming (4 GiB), device copy and cuBLAS bf16 GEMM 8192^3. Decode\n"
-         "reports GB/s of K+V read as a fraction of the read bandwidth; prefill and extend report\n"
-         "FLOP/s (4*b*h*d*q*(prefix + q/2)) as a fraction of the matrix / FMA rate. Every row is\n"
-         "checked on sampled queries against the float64 reference (max_rel_err).\n"
+         "extend batch 8 x (4096 prefix + 512 new). Speculative decoding, page 1 shuffled:\n"
+         "TARGET_VERIFY (workload verify) batch {1,16,64} x 4096 prefix x 8 tree tokens and\n"
+         "64 x 1024 x 16, a random draft tree per request (a tree token sees the prefix, its\n"
+         "ancestors and itself), on CUDA captured on the backend's CUDA-graph buffers as an\n"
+         "engine runs it; DRAFT_EXTEND (workload draft_extend; --workload draft) batch {16,64} x\n"
+         "4096 prefix x 4 new tokens, causal, eager (the backend captures DECODE and\n"
+         "TARGET_VERIFY only). Times are per call: one layer's forward.\n"
+         "The ceilings are measured first, in the same run: CPU read-only streaming bandwidth\n"
+         "(1 GiB, all cores, AVX2) and the fp32 FMA rate (and the AVX-512 rate where the CPU\n"
+         "kernels use it); CUDA read-only streaming (4 GiB), device copy and cuBLAS bf16 GEMM\n"
+         "8192^3. Decode, verify and draft_extend report GB/s of K+V read as a fraction of the\n"
+         "read bandwidth; prefill and extend report FLOP/s (4*b*h*d*q*(prefix + q/2)) as a\n"
+         "fraction of the matrix / FMA rate. Every row is checked on sampled queries against the\n"
+         "float64 reference (max_rel_err; verify and draft_extend: every query of the first and\n"
+         "last request, in the step's own mode and mask).\n"
          "On the CPU, rows estimated too slow or too big for the machine are listed as skipped.\n"
          "Progress goes to stderr. Exit code 1 when a row fails or exceeds the bf16 error bar.\n"
          "\n"
@@ -526,8 +632,9 @@ int run_bench(const std::vector<std::string>& args) {
   const ToolDevice device = select_device(parsed.get("--device", ""));
   const bool cpu = device.device.is_cpu();
   const bool quick = parsed.has("--quick");
-  const std::string workload =
-      parsed.get_choice("--workload", "all", {"all", "decode", "prefill", "extend"});
+  std::string workload = parsed.get_choice(
+      "--workload", "all", {"all", "decode", "prefill", "extend", "verify", "draft"});
+  if (workload == "draft") workload = "draft_extend";
   const double max_row_seconds = parsed.get_double("--max-row-seconds", quick ? 1.0 : 15.0, 0, 1e6);
   const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
   const std::string json_path = parsed.get("--json", "");
@@ -598,16 +705,17 @@ int run_bench(const std::vector<std::string>& args) {
         "16) %.1f GB/s\n",
         ceilings.cpu_random_slot_gbps, ceilings.cpu_random_page16_gbps);
     std::printf(
-        "fraction: decode of read GB/s; prefill/extend of the compute rate (fp32 FMA, or AVX-512 "
-        "where those kernels run). Rows whose one call is estimated over %.1f s, "
-        "or whose world needs over %.1f GiB, are skipped.\n",
+        "fraction: decode, verify, draft_extend of read GB/s; prefill/extend of the compute rate "
+        "(fp32 FMA, or AVX-512 where those kernels run). Rows whose one call is estimated over "
+        "%.1f s, or whose world needs over %.1f GiB, are skipped.\n",
         max_row_seconds, double(memory_limit) / double(kGiB));
   } else {
     std::printf(
         "ceilings (this run): read %.0f GB/s (4 GiB), copy %.0f GB/s, bf16 GEMM 8192^3 "
         "%.0f TFLOP/s\n",
         ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
-    std::printf("fraction: decode of read GB/s; prefill/extend of the GEMM rate.\n");
+    std::printf(
+        "fraction: decode, verify, draft_extend of read GB/s; prefill/extend of the GEMM rate.\n");
   }
   std::printf("\n");
   print_header(cpu);
@@ -621,10 +729,13 @@ int run_bench(const std::vector<std::string>& args) {
     const GridRow& row = grid[i];
     // A rough time for one call from this run's ceilings: decode at a quarter of the read
     // bandwidth, prefill at a quarter of the FMA rate (what the CPU backend reached on the
-    // 2-core development machine, 2026-11-29: 14-33% of read, 25-55% of FMA).
-    const double estimate_s = row.is_decode()
-                                  ? row.kv_bytes() / (0.25 * ceilings.read_gbps * 1e9)
-                                  : row.flops() / (0.25 * ceilings.cpu_fma_fp32_gflops * 1e9);
+    // 2-core development machine, 2026-11-29: 14-33% of read, 25-55% of FMA); the speculative
+    // rows (a few queries per request over a long prefix) at the slower of the two.
+    const double read_s = row.kv_bytes() / (0.25 * ceilings.read_gbps * 1e9);
+    const double compute_s = row.flops() / (0.25 * ceilings.cpu_fma_fp32_gflops * 1e9);
+    const double estimate_s = row.is_decode()        ? read_s
+                              : row.is_speculative() ? std::max(read_s, compute_s)
+                                                     : compute_s;
     // A call of seconds is timed twice (see time_cpu below): more input sets would go unused.
     const bool long_call = cpu && estimate_s > 1.0;
     const int64_t per_call = BenchWorld::call_bytes(row);
@@ -654,14 +765,20 @@ int run_bench(const std::vector<std::string>& args) {
           cuda::bench::TimingOptions options;
           options.calls_per_rep = sets;
           options.max_seconds = quick ? 0.3 : 1.0;
+          // DRAFT_EXTEND runs eagerly in an engine (no graph buffers for it): time it so.
+          options.use_graph = !row.is_draft_extend();
           const cuda::bench::Timing t = cuda::bench::time_on_stream(
               [&](int call) { world.forward(call); }, stream_handle, options);
+          if (world.graph_step() && !t.graph) {
+            throw_error(ErrorKind::kDeviceError, "verify",
+                        "forward on the CUDA-graph buffers could not be captured");
+          }
           timing = {t.median_us, t.reps, t.graph};
 #endif
         }
         result.measured = true;
         result.time_us = timing.median_us;
-        if (row.is_decode()) {
+        if (row.memory_bound()) {
           result.gbps = row.kv_bytes() / (result.time_us * 1e3);
           result.fraction = result.gbps / ceilings.read_gbps;
         } else {

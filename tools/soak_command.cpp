@@ -372,17 +372,8 @@ class Soak {
       spec.seq_lens.push_back(r.seq_len);
       spec.out_cache_loc.insert(spec.out_cache_loc.end(), r.slots.begin() + r.seq_len,
                                 r.slots.begin() + r.seq_len + kDraftTokens);
-      std::vector<int> parent(kDraftTokens, -1);
-      for (int i = 1; i < kDraftTokens; ++i) {
-        parent[size_t(i)] = i < kDraftChain ? i - 1 : int(data_rng_.uniform_int(0, i - 1));
-      }
-      const int kv_len = r.seq_len + kDraftTokens;
-      for (int i = 0; i < kDraftTokens; ++i) {
-        std::vector<uint8_t> row(size_t(kv_len), 0);
-        std::fill(row.begin(), row.begin() + r.seq_len, uint8_t(1));
-        for (int a = i; a >= 0; a = parent[size_t(a)]) row[size_t(r.seq_len + a)] = 1;
-        spec.custom_mask.insert(spec.custom_mask.end(), row.begin(), row.end());
-      }
+      append_tree_mask(r.seq_len, random_tree_parents(kDraftTokens, kDraftChain, data_rng_),
+                       spec.custom_mask);
     }
     if (!execute(spec, fault, true)) return;
     for (Request& r : running_) {

@@ -1,9 +1,28 @@
 #include "step_batch.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <numeric>
 
 namespace kvattn::tools {
+
+std::vector<int> random_tree_parents(int num_tokens, int chain, Rng& rng) {
+  std::vector<int> parent(size_t(std::max(num_tokens, 0)), -1);
+  for (int i = 1; i < num_tokens; ++i) {
+    parent[size_t(i)] = i < chain ? i - 1 : int(rng.uniform_int(0, i - 1));
+  }
+  return parent;
+}
+
+void append_tree_mask(int prefix_len, const std::vector<int>& parent, std::vector<uint8_t>& mask) {
+  const size_t kv_len = size_t(prefix_len) + parent.size();
+  for (size_t i = 0; i < parent.size(); ++i) {
+    const size_t row = mask.size();
+    mask.resize(row + kv_len, 0);
+    std::fill_n(mask.begin() + ptrdiff_t(row), prefix_len, uint8_t(1));
+    for (int a = int(i); a >= 0; a = parent[size_t(a)]) mask[row + size_t(prefix_len + a)] = 1;
+  }
+}
 
 StepBatch::StepBatch(const StepSpec& spec, Device device, KvCache* kv_cache,
                      const ReqToTokenPool* req_to_token_pool)

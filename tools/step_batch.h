@@ -22,6 +22,18 @@ struct StepSpec {
   std::vector<uint8_t> custom_mask;       ///< TARGET_VERIFY, SpecInfo::custom_mask layout
 };
 
+/// A random draft tree of `num_tokens` tokens for TARGET_VERIFY: parent[i] is the tree token
+/// that token i hangs off, or -1 for the root (the committed prefix; token 0 only). Tokens
+/// 0..chain-1 form a main chain (each the child of the one before: the tokens the demo and the
+/// soak may accept); every later token hangs off a uniform draw among the tokens before it.
+/// chain <= 1: a random tree throughout. Draws from `rng` once per token past the chain.
+std::vector<int> random_tree_parents(int num_tokens, int chain, Rng& rng);
+
+/// Appends one request's TARGET_VERIFY rows to `mask` (SpecInfo::custom_mask layout: tree token
+/// i's row of prefix_len + parent.size() columns): tree token i sees the whole prefix, its
+/// ancestors and itself.
+void append_tree_mask(int prefix_len, const std::vector<int>& parent, std::vector<uint8_t>& mask);
+
 /// Owns the tensors of one ForwardBatch. Not movable: the batch points into it.
 class StepBatch {
  public:
