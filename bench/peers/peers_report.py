@@ -1,6 +1,7 @@
-"""The torch-free half of the peer benchmark (issue 5): the SPEC section 6 grid, the result rows,
-and the JSON / markdown / PNG writers. run_peers.py imports this; its --self-test drives it with
-made-up timings on a machine without torch or a GPU."""
+"""The torch-free half of the peer benchmark (issue 5): the SPEC section 6 grid plus the
+speculative-decoding rows (issue 19: TARGET_VERIFY, DRAFT_EXTEND, multi-step draft), the result
+rows, and the JSON / markdown / PNG writers. run_peers.py imports this; its --self-test drives it
+with made-up timings on a machine without torch or a GPU."""
 
 from __future__ import annotations
 
@@ -20,25 +21,41 @@ GROUP = Q_HEADS // KV_HEADS
 FP8_DECODE = dict(batch=64, kv_len=16384, page_size=16)
 WINDOW_DECODE = dict(batch=64, kv_len=16384, page_size=16, window=4096)
 
+# Speculative decoding (issue 19), page 1 with shuffled slots as the decode rows. TARGET_VERIFY:
+# (batch, prefix, tree tokens) of an EAGLE-style tree, the first two in --quick. DRAFT_EXTEND:
+# (batch, prefix, accepted tokens). Multi-step draft: (batch, prefix, topk, steps).
+VERIFY_ROWS = ((1, 4096, 8), (16, 4096, 8), (64, 4096, 8), (64, 1024, 16))
+VERIFY_QUICK = ((1, 4096, 8), (16, 4096, 8))
+DRAFT_EXTEND_ROWS = ((16, 4096, 4), (64, 4096, 4))
+MULTISTEP_DRAFT_ROWS = ((16, 4096, 4, 3),)
+
 KVATTN = "kvattn"
 # Every implementation name, in the order tables show them. FlashInfer names follow the wrapper
 # and backend (paged unless "-ragged"); "+merge" is the reference backend's extend path
 # (ragged over the new tokens, paged over the prefix, merge_state).
 PEER_ORDER = (
     "flashinfer-decode", "flashinfer-decode-tc",
-    "flashinfer-fa2", "flashinfer-fa3",
+    "flashinfer-fa2", "flashinfer-fa2-graph", "flashinfer-fa3",
     "flashinfer-fa2-ragged", "flashinfer-fa3-ragged",
     "flashinfer-fa2-ragged+merge", "flashinfer-fa3-ragged+merge",
     "torch-sdpa-flash", "torch-sdpa-cudnn", "torch-flex",
 )
 TORCH_PEERS = ("torch-sdpa-flash", "torch-sdpa-cudnn", "torch-flex")
+# Workloads whose rate is bytes of K+V read (GB/s): a few query tokens per request over a long
+# prefix. verify / draft rows also carry tflops; their SPEC `fraction` is of the GEMM ceiling
+# (SPEC section 6: "of gemm_bf16_tflops for the others"), `read_fraction` of the read ceiling.
+MEMORY_BOUND = ("decode", "verify", "draft")
+WORKLOADS = ("decode", "prefill", "extend", "verify", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One grid row's workload. kv_len counts every KV token a request attends over (decode: the
-    context; extend: prefix + new); qo_len the query tokens per request."""
-    workload: str  # decode, prefill, extend
+    context; extend: prefix + new; verify: prefix + tree tokens; multi-step draft: prefix + topk x
+    steps draft tokens); qo_len the query tokens per request (verify: the tree tokens; multi-step
+    draft: topk x steps rows, topk per step)."""
+    # decode, prefill, extend, verify (TARGET_VERIFY), draft (DRAFT_EXTEND, multi-step draft)
+    workload: str
     batch: int
     kv_len: int
     qo_len: int = 1
@@ -49,10 +66,35 @@ class Case:
     window: int = -1  # sliding window (left tokens), -1 = full attention
     variant: str = ""
     in_quick: bool = False
+    topk: int = 0  # multi-step draft: branches per request (0: not a multi-step draft row)
+    num_steps: int = 0  # multi-step draft: draft decode steps
 
     @property
     def is_decode(self) -> bool:
         return self.workload == "decode"
+
+    @property
+    def is_verify(self) -> bool:
+        return self.workload == "verify"
+
+    @property
+    def is_multistep(self) -> bool:
+        return self.workload == "draft" and self.topk > 0
+
+    @property
+    def is_draft_extend(self) -> bool:
+        return self.workload == "draft" and self.topk == 0
+
+    @property
+    def memory_bound(self) -> bool:
+        return self.workload in MEMORY_BOUND
+
+    @property
+    def kvattn_graph(self) -> bool:
+        """kvattn's calls timed in a CUDA graph: DECODE, and TARGET_VERIFY / the multi-step draft
+        on the graph buffers (init_cuda_graph_state) as an engine runs them. kvattn captures no
+        EXTEND-like step (prefill, extend, DRAFT_EXTEND): those are timed in eager loops."""
+        return self.is_decode or self.is_verify or self.is_multistep
 
     @property
     def tokens(self) -> int:
@@ -70,13 +112,25 @@ class Case:
         return self.kv_len
 
     def kv_bytes(self) -> float:
-        """Decode: bytes of K and V read (SPEC section 6)."""
-        return (float(self.batch) * self.attended_kv_len * KV_HEADS * 2.0 * self.head_dim *
-                self.kv_elem_bytes)
+        """Bytes of K and V read, each distinct token once per call (SPEC section 6 for decode).
+        Verify / DRAFT_EXTEND: the prefix and the new tokens of every request. Multi-step draft
+        (one call = all steps): step t reads the prefix and the topk x (t + 1) draft tokens so
+        far of each request, the prefix counted once, not once per branch."""
+        per_token = KV_HEADS * 2.0 * self.head_dim * self.kv_elem_bytes
+        if self.is_multistep:
+            tokens = sum(self.prefix_len + self.topk * (t + 1) for t in range(self.num_steps))
+            return float(self.batch) * tokens * per_token
+        return float(self.batch) * self.attended_kv_len * per_token
 
     def flops(self) -> float:
         """Prefill / extend: 4 b h d q (prefix + q / 2), the causal half of the new-token
-        square (the same formula as the kvattn bench)."""
+        square (the same formula as the kvattn bench); verify and DRAFT_EXTEND use it too (for a
+        tree it counts the tree part as if causal: an approximation, the prefix dominates).
+        Multi-step draft: 4 h d per query row and key, b x topk rows over prefix + t + 1 keys in
+        step t."""
+        if self.is_multistep:
+            keys = sum(self.prefix_len + t + 1 for t in range(self.num_steps))
+            return 4.0 * self.batch * self.topk * Q_HEADS * self.head_dim * float(keys)
         return (4.0 * self.batch * Q_HEADS * self.head_dim * float(self.qo_len) *
                 (self.prefix_len + self.qo_len / 2.0))
 
@@ -84,11 +138,21 @@ class Case:
     def data_key(self) -> tuple:
         """Cases with the same data_key get the same logical inputs (q, K, V by request and
         position); they differ only in where the KV pool puts the tokens."""
-        return (self.workload, self.batch, self.kv_len, self.qo_len, self.prefix_len,
-                self.head_dim, self.kv_dtype, self.window)
+        key = (self.workload, self.batch, self.kv_len, self.qo_len, self.prefix_len,
+               self.head_dim, self.kv_dtype, self.window)
+        # Multi-step rows only, so the other rows keep their keys (and seeds, and inputs).
+        return key + (self.topk, self.num_steps) if self.topk else key
 
     @property
     def label(self) -> str:
+        page = f"page{self.page_size}-shuffled"
+        if self.is_verify:
+            return f"verify b{self.batch} prefix{self.prefix_len} tree{self.qo_len} {page}"
+        if self.is_draft_extend:
+            return f"draft-extend b{self.batch} prefix{self.prefix_len} new{self.qo_len} {page}"
+        if self.is_multistep:
+            return (f"draft-multistep b{self.batch} prefix{self.prefix_len} topk{self.topk} "
+                    f"steps{self.num_steps} {page}")
         text = f"{self.workload} b{self.batch} kv{self.kv_len}"
         if not self.is_decode:
             text += f" q{self.qo_len}"
@@ -107,7 +171,16 @@ class Case:
         return value % (1 << 31)
 
     def peers(self) -> List[str]:
-        """The peer implementations this case is run through."""
+        """The peer implementations this case is run through. Speculative rows: FlashInfer only
+        (TARGET_VERIFY: the paged prefill wrapper with the tree as custom mask, plain and in
+        FlashInfer's CUDA-graph mode; FA3 takes no custom mask in 0.6.13. DRAFT_EXTEND: paged
+        prefill, causal. Multi-step draft: the decode wrapper per step)."""
+        if self.is_verify:
+            return ["flashinfer-fa2", "flashinfer-fa2-graph"]
+        if self.is_draft_extend:
+            return ["flashinfer-fa2", "flashinfer-fa3"]
+        if self.is_multistep:
+            return ["flashinfer-decode", "flashinfer-decode-tc"]
         if self.is_decode:
             names = ["flashinfer-decode", "flashinfer-decode-tc"]
         elif self.workload == "prefill":
@@ -124,7 +197,11 @@ class Case:
     def flashinfer_modules(self) -> List[tuple]:
         """FlashInfer JIT modules this case needs: (kind, kv_dtype, sliding_window)."""
         swa = self.window >= 0
-        if self.is_decode:
+        if self.is_verify:
+            # The fa2 module holds every mask mode; plan() packs the bool mask with
+            # segment_packbits, which loads the small "quantization" module.
+            return [("fa2", self.kv_dtype, swa), ("quantization", "", False)]
+        if self.is_decode or self.is_multistep:
             return [("decode", self.kv_dtype, swa), ("fa2", self.kv_dtype, swa)]
         modules = [("fa2", self.kv_dtype, swa)]
         if not self.kv_dtype.startswith("fp8"):
@@ -160,8 +237,28 @@ def make_grid(quick: bool = False) -> List[Case]:
                       window=win["window"],
                       variant=f"page{win['page_size']}-shuffled-window{win['window']}",
                       in_quick=True))
+    cases.extend(speculative_cases())
     if quick:
         cases = [c for c in cases if c.in_quick]
+    return cases
+
+
+def speculative_cases() -> List[Case]:
+    """The issue-19 rows, after the SPEC grid (so the grid's run order is unchanged). DRAFT_EXTEND
+    last: it alone needs FA3 (the slowest module to compile), and pass B measures in this order,
+    waiting for each module it reaches."""
+    cases = []
+    for batch, prefix, tree in VERIFY_ROWS:
+        cases.append(Case("verify", batch, prefix + tree, qo_len=tree, prefix_len=prefix,
+                          variant="tree-page1-shuffled",
+                          in_quick=(batch, prefix, tree) in VERIFY_QUICK))
+    for batch, prefix, topk, steps in MULTISTEP_DRAFT_ROWS:
+        cases.append(Case("draft", batch, prefix + topk * steps, qo_len=topk * steps,
+                          prefix_len=prefix, topk=topk, num_steps=steps,
+                          variant=f"multistep-topk{topk}-steps{steps}-page1-shuffled"))
+    for batch, prefix, new in DRAFT_EXTEND_ROWS:
+        cases.append(Case("draft", batch, prefix + new, qo_len=new, prefix_len=prefix,
+                          variant="extend-causal-page1-shuffled"))
     return cases
 
 
@@ -170,7 +267,12 @@ _TINY_BATCH = {1: 1, 8: 2, 16: 2, 64: 3, 256: 4}
 
 def tiny_case(case: Case) -> Case:
     """The CPU dry run's stand-in for a grid row: the same kind of row with lengths / 64 and
-    batches shrunk (distinct shapes stay distinct), so the whole pipeline runs in seconds."""
+    batches shrunk (distinct shapes stay distinct), so the whole pipeline runs in seconds.
+    Speculative rows keep their tree / new tokens, topk and steps; the prefix shrinks."""
+    if case.workload in ("verify", "draft"):
+        prefix = case.prefix_len // 64
+        return dataclasses.replace(case, batch=_TINY_BATCH.get(case.batch, 2),
+                                   prefix_len=prefix, kv_len=prefix + case.qo_len)
     return dataclasses.replace(
         case, batch=_TINY_BATCH.get(case.batch, 2), kv_len=case.kv_len // 64,
         qo_len=max(1, case.qo_len // 64) if not case.is_decode else 1,
@@ -229,12 +331,22 @@ def make_row(case: Case, impl: str, time_us: Optional[float], ceilings: Dict[str
             row["gbps"] = case.kv_bytes() / seconds / 1e9
             read = ceilings.get("read_gbps")
             row["fraction"] = row["gbps"] / read if read else None
+        elif case.memory_bound:  # verify, draft: both rates; fraction of GEMM as SPEC says
+            row["gbps"] = case.kv_bytes() / seconds / 1e9
+            row["tflops"] = case.flops() / seconds / 1e12
+            gemm = ceilings.get("gemm_bf16_tflops")
+            read = ceilings.get("read_gbps")
+            row["fraction"] = row["tflops"] / gemm if gemm else None
+            row["read_fraction"] = row["gbps"] / read if read else None
         else:
             row["tflops"] = case.flops() / seconds / 1e12
             gemm = ceilings.get("gemm_bf16_tflops")
             row["fraction"] = row["tflops"] / gemm if gemm else None
     if case.window >= 0:
         row["window"] = case.window
+    if case.topk:
+        row["topk"] = case.topk
+        row["num_steps"] = case.num_steps
     if error:
         row["error"] = error
     for key, value in extra.items():
@@ -244,14 +356,16 @@ def make_row(case: Case, impl: str, time_us: Optional[float], ceilings: Dict[str
 
 def row_key(row: dict) -> tuple:
     return (row["workload"], row["batch"], row["kv_len"], row["qo_len"], row["prefix_len"],
-            row["page_size"], row["head_dim"], row["kv_dtype"], row["variant"])
+            row["page_size"], row["head_dim"], row["kv_dtype"], row["variant"],
+            row.get("topk", 0), row.get("num_steps", 0))
 
 
 def case_of_row(row: dict) -> Case:
     return Case(row["workload"], row["batch"], row["kv_len"], qo_len=row["qo_len"],
                 prefix_len=row["prefix_len"], page_size=row["page_size"],
                 head_dim=row["head_dim"], kv_dtype=row["kv_dtype"],
-                window=row.get("window", -1), variant=row["variant"])
+                window=row.get("window", -1), variant=row["variant"],
+                topk=row.get("topk", 0) or 0, num_steps=row.get("num_steps", 0) or 0)
 
 
 # ---- JSON --------------------------------------------------------------------------------------
@@ -336,7 +450,9 @@ def markdown_table(header: dict, rows: List[dict]) -> str:
                f"{header.get('date', '?')}, commit {str(header.get('commit', '?'))[:12]}")
     out.append("")
     out.append("Ceilings (this run): read {} GB/s, copy {} GB/s, bf16 GEMM 8192³ {} TFLOP/s. "
-               "Fraction: decode of read, prefill/extend of GEMM.".format(
+               "Fraction: decode of read, prefill/extend of GEMM; verify/draft (memory-bound: "
+               "a few query tokens a request) of read here (their JSON `read_fraction`; the "
+               "JSON `fraction` is of GEMM, as SPEC §6 says).".format(
                    _fmt_num(ceilings.get("read_gbps")), _fmt_num(ceilings.get("copy_gbps")),
                    _fmt_num(ceilings.get("gemm_bf16_tflops"))))
     versions = header.get("versions")
@@ -350,12 +466,13 @@ def markdown_table(header: dict, rows: List[dict]) -> str:
     groups = grouped_rows(rows)
     slower: List[str] = []
     failures: List[str] = []
-    for workload in ("decode", "prefill", "extend"):
+    for workload in WORKLOADS:
         mine = [(k, impls) for k, impls in groups if k[0] == workload]
         if not mine:
             continue
         peers = [p for p in PEER_ORDER if any(p in impls for _, impls in mine)]
-        unit = "GB/s" if workload == "decode" else "TFLOP/s"
+        memory_bound = workload in MEMORY_BOUND
+        unit = "GB/s" if memory_bound else "TFLOP/s"
         out.append("")
         out.append(f"## {workload}")
         out.append("")
@@ -368,8 +485,10 @@ def markdown_table(header: dict, rows: List[dict]) -> str:
             mine_row = impls.get(KVATTN, {})
             label = case_of_row(next(iter(impls.values()))).label
             k_us = mine_row.get("time_us")
-            rate = mine_row.get("gbps") if workload == "decode" else mine_row.get("tflops")
-            cells = [label, _fmt_us(k_us), _fmt_num(rate), _fmt_frac(mine_row.get("fraction")),
+            rate = mine_row.get("gbps") if memory_bound else mine_row.get("tflops")
+            frac = mine_row.get("fraction") if workload in ("decode", "prefill", "extend") \
+                else mine_row.get("read_fraction")
+            cells = [label, _fmt_us(k_us), _fmt_num(rate), _fmt_frac(frac),
                      _fmt_err(mine_row.get("max_rel_err"))]
             for peer in peers:
                 row = impls.get(peer)

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """kvattn side by side with FlashInfer and PyTorch on the SPEC section 6 grid, in one process and
-one device call (issue 5). bench/peers/README.md has the device command.
+one device call (issue 5), plus speculative-decoding rows against FlashInfer (issue 19:
+TARGET_VERIFY with a random tree mask, DRAFT_EXTEND, multi-step draft). bench/peers/README.md has
+the device command.
 
 Pass A runs kvattn, torch SDPA (FLASH_ATTENTION, CUDNN_ATTENTION) and flex_attention on every
 row while a subprocess JIT-compiles the FlashInfer modules the grid needs (CPU work only); pass B
@@ -95,10 +97,24 @@ def median(values: Sequence[float]) -> float:
 
 def sample_queries(case: Case) -> List[Tuple[int, int, int]]:
     """(request, output row, absolute position) of the queries checked against float64: decode,
-    four requests' single query; prefill/extend, the first, middle and last new token of the
-    first and last request (as the kvattn bench samples)."""
+    four requests' single query; prefill/extend/DRAFT_EXTEND, the first, middle and last new
+    token of the first and last request (as the kvattn bench samples); verify, every tree token
+    of the first, middle and last request (position = prefix + tree index); multi-step draft,
+    branches 0 and topk - 1 of the first and last request in every step (output rows step-major,
+    then request, then branch; position = the draft token's own, prefix + step x topk + branch)."""
     samples = []
-    if case.is_decode:
+    if case.is_verify:
+        for r in sorted({0, case.batch // 2, case.batch - 1}):
+            for j in range(case.qo_len):
+                samples.append((r, r * case.qo_len + j, case.prefix_len + j))
+    elif case.is_multistep:
+        rows_per_step = case.batch * case.topk
+        for t in range(case.num_steps):
+            for r in sorted({0, case.batch - 1}):
+                for b in sorted({0, case.topk - 1}):
+                    samples.append((r, t * rows_per_step + r * case.topk + b,
+                                    case.prefix_len + t * case.topk + b))
+    elif case.is_decode:
         for r in (0, case.batch // 3, 2 * case.batch // 3, case.batch - 1):
             samples.append((r, r, case.kv_len - 1))
     else:
@@ -109,10 +125,50 @@ def sample_queries(case: Case) -> List[Tuple[int, int, int]]:
     return unique
 
 
+def tree_parents(seed: int, batch: int, tree_tokens: int) -> List[List[int]]:
+    """A random draft tree per request, as EAGLE's verify step sees it: token 0 hangs off the
+    prefix (parent -1, the root), every later token off an earlier tree token (uniform)."""
+    rng = random.Random(seed)
+    return [[-1] + [rng.randrange(i) for i in range(1, tree_tokens)] for _ in range(batch)]
+
+
+def tree_ancestors(parents: Sequence[int], token: int) -> List[int]:
+    """The tree tokens `token` attends to: itself and its ancestors, ascending."""
+    chain = []
+    while token >= 0:
+        chain.append(token)
+        token = parents[token]
+    return sorted(chain)
+
+
+def tree_depths(parents: Sequence[int]) -> List[int]:
+    """Depth of each tree token (0: a child of the prefix): its position is prefix + depth."""
+    depths: List[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def visible_positions(case: Case, position: int,
+                      parents: Optional[Sequence[int]] = None) -> List[int]:
+    """Key positions (in the request's req_to_token row) a verify or multi-step-draft query
+    sees: the whole prefix, then (verify, query = tree token position - prefix) its ancestors
+    and itself, as the mask row allows; (multi-step draft, query = draft token of step t,
+    branch b) that branch's draft tokens of steps 0..t, at prefix + s x topk + b."""
+    prefix = list(range(case.prefix_len))
+    if case.is_verify:
+        token = position - case.prefix_len
+        return prefix + [case.prefix_len + a for a in tree_ancestors(parents, token)]
+    if case.is_multistep:
+        step, branch = divmod(position - case.prefix_len, case.topk)
+        return prefix + [case.prefix_len + s * case.topk + branch for s in range(step + 1)]
+    raise ValueError(f"visible_positions: not a verify / multi-step row: {case.label}")
+
+
 def module_name(module: tuple) -> str:
     kind, kv_dtype, swa = module
-    if kind == "cascade":
-        return "cascade"
+    if kind in ("cascade", "quantization"):
+        return kind
     return f"{kind}-{kv_dtype}" + ("-swa" if swa else "")
 
 
@@ -129,6 +185,8 @@ def modules_of_impl(case: Case, impl: str) -> List[str]:
         return []
     if impl.endswith("+merge"):
         mods.append(("cascade", "", False))
+    if case.is_verify:
+        mods.append(("quantization", "", False))  # plan() packs the mask (segment_packbits)
     return [module_name(m) for m in mods]
 
 
@@ -198,7 +256,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="the quick subset: decode b<=64 kv<=4096, prefill b1 len<=4096, "
-                             "extend, the fp8 and window rows")
+                             "extend, the fp8 and window rows, verify b1 and b16")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="wall-clock budget of the whole run in seconds (default 480); work "
                              "that would start past it is recorded as skipped")
@@ -267,6 +325,12 @@ def impl_wanted(args: argparse.Namespace, impl: str) -> bool:
     return True
 
 
+def runs_impl(case: Case, impl: str) -> bool:
+    """kvattn runs on every row, a peer on the rows whose peers() name it (the speculative rows
+    have no torch peers)."""
+    return impl == KVATTN or impl in case.peers()
+
+
 def flex_wanted(args: argparse.Namespace, case: Case) -> bool:
     return args.flex == "all" or (args.flex == "prefill" and not case.is_decode)
 
@@ -295,6 +359,7 @@ def jit_prebuild_main(args: argparse.Namespace) -> int:
         importlib.import_module("flashinfer")
         from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
         from flashinfer.jit.cascade import gen_cascade_module
+        from flashinfer.jit.quantization import gen_quantization_module
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which compiles itself
         status(module="*", status="failed", error="import: " + short_error(e, 2000))
         return 1
@@ -305,6 +370,8 @@ def jit_prebuild_main(args: argparse.Namespace) -> int:
         kind, kv_dtype, swa = module
         if kind == "cascade":
             return gen_cascade_module()
+        if kind == "quantization":  # packbits / segment_packbits (verify's custom mask)
+            return gen_quantization_module()
         kv = dtypes[kv_dtype]
         if kind == "decode":
             return gen_batch_decode_module(torch.bfloat16, kv, torch.bfloat16, torch.int32,
@@ -519,26 +586,32 @@ class Mode:
         return self.name == "DECODE"
 
     def is_target_verify(self):
-        return False
+        return self.name == "TARGET_VERIFY"
 
     def is_draft_extend(self):
-        return False
+        return self.name == "DRAFT_EXTEND"
 
     def is_mixed(self):
         return False
 
     def is_extend(self):
-        return self.name == "EXTEND"
+        return self.name in ("EXTEND", "TARGET_VERIFY", "DRAFT_EXTEND")
 
 
 class Data:
     """The logical inputs of one data group, per input set: q [tokens, 32, 128] bf16, K and V
     [batch, kv_len, 8, 128] (bf16, or float8_e4m3fn), and the new tokens' k/v [tokens, 8, 128]
-    (prefill/extend)."""
+    (prefill/extend/DRAFT_EXTEND). Verify, one for all sets (a step's tree, shared by the
+    layers): the tree (parents per request), the mask and the tree positions."""
 
     def __init__(self):
         self.q, self.k, self.v, self.k_new, self.v_new = [], [], [], [], []
         self.checksum = 0.0
+        self.parents: Optional[List[List[int]]] = None  # verify: [batch][tree token]
+        # verify: bool [sum over requests of tree x (prefix + tree)], each request's
+        # [tree, prefix + tree] matrix row-major (SGLang's spec_info.custom_mask layout)
+        self.custom_mask = None
+        self.tree_positions = None  # verify: int64 [batch * tree], prefix + depth
 
 
 class Layout:
@@ -810,16 +883,34 @@ class Runner:
             data.k.append(k)
             data.v.append(v)
             data.q.append(q)
-            if not case.is_decode:
+            if case.workload in ("prefill", "extend") or case.is_draft_extend:
                 data.k_new.append(k[:, case.prefix_len:].reshape(-1, KV_HEADS, HEAD_DIM)
                                   .contiguous())
                 data.v_new.append(v[:, case.prefix_len:].reshape(-1, KV_HEADS, HEAD_DIM)
                                   .contiguous())
+        if case.is_verify:
+            self._build_tree(case, data)
         data.checksum = float(data.q[0][:64].float().sum() + data.k[0][:, :64].float().sum())
         # Built on the default stream; every implementation runs on self.stream, a non-blocking
         # stream that does not wait for the default one: finish here.
         self.sync()
         return data
+
+    def _build_tree(self, case: Case, data: Data) -> None:
+        """The verify step's random tree (from the row's seed: the same in both passes), its
+        mask (each request's [tree, prefix + tree] rows: the whole prefix, then the token's
+        ancestors and itself) and the tree tokens' positions."""
+        torch = self.torch
+        tree, prefix = case.qo_len, case.prefix_len
+        data.parents = tree_parents(case.seed(), case.batch, tree)
+        part = torch.zeros((case.batch, tree, tree), dtype=torch.bool)
+        for r, parents in enumerate(data.parents):
+            for j in range(tree):
+                part[r, j, tree_ancestors(parents, j)] = True
+        mask = torch.cat([torch.ones((case.batch, tree, prefix), dtype=torch.bool), part], dim=2)
+        data.custom_mask = mask.reshape(-1).to(self.device)
+        depths = torch.tensor([tree_depths(p) for p in data.parents], dtype=torch.int64)
+        data.tree_positions = (prefix + depths).reshape(-1).to(self.device)
 
     def build_layout(self, case: Case, data: Data, sets: int) -> Layout:
         torch = self.torch
@@ -865,9 +956,16 @@ class Runner:
         samples = sample_queries(case)
         outs = []
         for request, row, position in samples:
-            low = max(0, position - case.window) if case.window >= 0 else 0
-            k = data.k[0][request, low:position + 1].double()  # [n, 8, 128]
-            v = data.v[0][request, low:position + 1].double()
+            if case.is_verify or case.is_multistep:
+                parents = data.parents[request] if case.is_verify else None
+                keys = torch.tensor(visible_positions(case, position, parents),
+                                    device=data.k[0].device)
+                k = data.k[0][request].index_select(0, keys).double()  # [n, 8, 128]
+                v = data.v[0][request].index_select(0, keys).double()
+            else:
+                low = max(0, position - case.window) if case.window >= 0 else 0
+                k = data.k[0][request, low:position + 1].double()  # [n, 8, 128]
+                v = data.v[0][request, low:position + 1].double()
             q = data.q[0][row].double().view(KV_HEADS, GROUP, HEAD_DIM)
             scores = torch.einsum("gqd,ngd->gqn", q, k) * self.scale
             out = torch.einsum("gqn,ngd->gqd", torch.softmax(scores, dim=-1), v)
@@ -985,6 +1083,8 @@ class Runner:
             out = finish(self.output_of(call))
             err = self.sampled_error(out, case)
             extra = {k: v for k, v in timing.items() if k != "time_us"}
+            if callable(getattr(call, "extra_timing", None)):
+                extra.update(call.extra_timing())
             row = report.make_row(case, impl, timing["time_us"], self.ceilings,
                                   max_rel_err=err, **extra)
             row["_out"] = out
@@ -999,7 +1099,8 @@ class Runner:
                 row["error"] += " [CUDA context lost]"
         row["wall_s"] = round(time.monotonic() - t0, 2)
         if row.get("time_us") is not None:
-            rate = f"{row['gbps']:.0f} GB/s" if case.is_decode else f"{row['tflops']:.0f} TFLOP/s"
+            rate = (f"{row['gbps']:.0f} GB/s" if case.memory_bound else
+                    f"{row['tflops']:.0f} TFLOP/s")
             self.log(f"  {impl}: {row['time_us']:.1f} us ({rate}, {row['timing']}), err "
                      f"{row['max_rel_err']}")
         return row
@@ -1015,7 +1116,8 @@ class Runner:
     def skip_unrecorded(self, group: List[Case], impls: Sequence[str], why: str) -> None:
         for case in group:
             for impl in impls:
-                if impl_wanted(self.args, impl) and (case.label, impl) not in self.rows:
+                if impl_wanted(self.args, impl) and runs_impl(case, impl) and \
+                        (case.label, impl) not in self.rows:
                     self.skip(case, impl, why)
 
     def lost_why(self) -> str:
@@ -1043,17 +1145,32 @@ class Runner:
         self.sync()  # default-stream work above; the backend works on self.stream
         req_pool = types.SimpleNamespace(req_to_token=req_to_token)
         window = case.window if case.window >= 0 else None
+        layers = [types.SimpleNamespace(
+            layer_id=s, tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
+            head_dim=HEAD_DIM, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=self.scale,
+            logit_cap=0.0, sliding_window_size=-1 if window is None else window,
+            is_cross_attention=False, k_scale=None, v_scale=None) for s in range(sets)]
+        if case.is_multistep:
+            return self._kvattn_multistep_setup(case, data, pool, req_pool, layers, req_to_token)
         with self.on_stream():
             backend = KvattnAttnBackend(pool, req_pool, num_q_heads=Q_HEADS,
                                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                         q_dtype=torch.bfloat16, sliding_window_size=window)
+            if case.is_verify:
+                # As an engine sets up its CUDA graphs: fixed buffers for batches of up to
+                # max_bs requests and max_num_tokens query tokens (the tree's, here).
+                backend.init_cuda_graph_state(case.batch, case.tokens)
         if fp8 and hasattr(backend.kv_cache, "set_scales"):
             for s in range(sets):
                 backend.kv_cache.set_scales(s, 1.0, 1.0)
         b = case.batch
-        seq = torch.full((b,), case.kv_len, dtype=torch.int64)
+        # TARGET_VERIFY: seq_lens are the committed prefix (SGLang); the tree comes on top.
+        seq = torch.full((b,), case.prefix_len if case.is_verify else case.kv_len,
+                         dtype=torch.int64)
+        mode = ("DECODE" if case.is_decode else "TARGET_VERIFY" if case.is_verify else
+                "DRAFT_EXTEND" if case.is_draft_extend else "EXTEND")
         fields = dict(
-            forward_mode=Mode("DECODE" if case.is_decode else "EXTEND"), batch_size=b,
+            forward_mode=Mode(mode), batch_size=b,
             req_pool_indices=torch.arange(b, dtype=torch.int64, device=self.device),
             seq_lens=seq.to(self.device), seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()),
             extend_prefix_lens=None, extend_prefix_lens_cpu=None, extend_seq_lens=None,
@@ -1063,6 +1180,13 @@ class Runner:
             fields["out_cache_loc"] = layout.slots[:, -1].contiguous()
             fields["positions"] = torch.full((b,), case.kv_len - 1, dtype=torch.int64,
                                              device=self.device)
+        elif case.is_verify:
+            # The tree's slots, positions (prefix + depth) and mask, as SGLang's verify batch
+            # holds them (spec_info.custom_mask / draft_token_num).
+            fields["out_cache_loc"] = layout.slots[:, case.prefix_len:].reshape(-1).contiguous()
+            fields["positions"] = data.tree_positions
+            fields["spec_info"] = types.SimpleNamespace(custom_mask=data.custom_mask,
+                                                        draft_token_num=case.qo_len)
         else:
             fields["out_cache_loc"] = layout.slots[:, case.prefix_len:].reshape(-1).contiguous()
             fields["positions"] = (torch.arange(case.prefix_len, case.kv_len, device=self.device)
@@ -1075,26 +1199,81 @@ class Runner:
             fields["extend_seq_lens_cpu"] = [case.qo_len] * b
             fields["extend_num_tokens"] = case.tokens
         batch = types.SimpleNamespace(**fields)
-        layers = [types.SimpleNamespace(
-            layer_id=s, tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
-            head_dim=HEAD_DIM, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=self.scale,
-            logit_cap=0.0, sliding_window_size=-1 if window is None else window,
-            is_cross_attention=False, k_scale=None, v_scale=None) for s in range(sets)]
         self.sync()  # the batch fields were made on the default stream
         with self.on_stream():
-            backend.init_forward_metadata(batch)
+            if case.is_verify:
+                # An engine's capture: out_graph (host plan, outside the graph; in_capture
+                # checks that the step runs on the graph buffers), then in_graph (the index
+                # build, device work an engine records in the graph; run once here, it is
+                # per step, not per layer: timed apart below) and the layers' forward.
+                backend.init_forward_metadata_out_graph(batch, in_capture=True)
+                backend.init_forward_metadata_in_graph(batch)
+            else:
+                backend.init_forward_metadata(batch)
         self.sync()
         keep = (backend, batch, layers, req_to_token)  # alive as long as the closure
 
-        if case.is_decode:
+        if case.is_decode or case.is_verify:
             def call(i, keep=keep):
                 return keep[0].forward(data.q[i], None, None, keep[2][i], keep[1],
                                        save_kv_cache=False)
+            if case.is_verify:
+                call.extra_timing = lambda keep=keep: self._timed_extra(
+                    "in_graph", lambda i: keep[0].init_forward_metadata_in_graph(keep[1]))
         else:
             def call(i, keep=keep):
                 return keep[0].forward(data.q[i], data.k_new[i], data.v_new[i], keep[2][i],
                                        keep[1], save_kv_cache=False)
         return call, lambda out: out.view(-1, Q_HEADS, HEAD_DIM)
+
+    def _kvattn_multistep_setup(self, case: Case, data: Data, pool, req_pool, layers,
+                                req_to_token):
+        """KvattnMultiStepDraftBackend as an engine's draft worker runs it in CUDA-graph mode:
+        init_cuda_graph_state(max_bs), init_forward_metadata (every step's index set, seq_lens =
+        the committed prefix), then attn_backends[t].forward for step t. One call = all steps
+        (the K/V of the draft tokens are in the pool already: save_kv_cache=False)."""
+        torch = self.torch
+        from kvattn.torch_backend import KvattnMultiStepDraftBackend
+        b = case.batch
+        with self.on_stream():
+            draft = KvattnMultiStepDraftBackend(pool, req_pool, case.topk, case.num_steps,
+                                                num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
+                                                head_dim=HEAD_DIM, q_dtype=torch.bfloat16)
+            draft.init_cuda_graph_state(b)
+        seq = torch.full((b,), case.prefix_len, dtype=torch.int64)
+        batch = types.SimpleNamespace(
+            forward_mode=Mode("DECODE"), batch_size=b,
+            req_pool_indices=torch.arange(b, dtype=torch.int64, device=self.device),
+            seq_lens=seq.to(self.device), seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()),
+            extend_prefix_lens=None, extend_prefix_lens_cpu=None, extend_seq_lens=None,
+            extend_seq_lens_cpu=None, encoder_lens=None, out_cache_loc=None, positions=None,
+            spec_info=types.SimpleNamespace(topk=case.topk, num_steps=case.num_steps),
+            token_to_kv_pool=pool, req_to_token_pool=req_pool)
+        self.sync()
+        with self.on_stream():
+            draft.init_forward_metadata(batch)
+        self.sync()
+        rows = b * case.topk
+        queries = [[q[t * rows:(t + 1) * rows] for t in range(case.num_steps)] for q in data.q]
+        steps = draft.attn_backends
+        keep = (draft, batch, layers, req_to_token)
+
+        def call(i, keep=keep):
+            return _StepOutputs([steps[t].forward(queries[i][t], None, None, keep[2][i],
+                                                  keep[1], save_kv_cache=False)
+                                 for t in range(case.num_steps)])
+        return call, lambda out: torch.cat(out.parts).view(-1, Q_HEADS, HEAD_DIM)
+
+    def _timed_extra(self, name: str, call: Callable[[int], object]) -> dict:
+        """Row fields `<name>_us` / `<name>_timing` of one more timed call (set-independent),
+        or `<name>_error`."""
+        try:
+            timing = self.time_calls(call, 1)
+            return {f"{name}_us": timing["time_us"], f"{name}_timing": timing["timing"]}
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return {f"{name}_error": short_error(e, 200)}
 
     # ---- torch peers ----
 
@@ -1226,6 +1405,12 @@ class Runner:
         self.sync()
 
         with self.on_stream():
+            if case.is_verify:
+                return self._flashinfer_verify(case, data, impl, kv_caches, kv_indptr,
+                                               kv_indices, last_page_len, outs, keep)
+            if case.is_multistep:
+                return self._flashinfer_multistep(case, data, layout, impl, kv_caches, outs,
+                                                  keep)
             if impl in ("flashinfer-decode", "flashinfer-decode-tc"):
                 tc = impl.endswith("-tc")
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -1278,6 +1463,87 @@ class Runner:
                 return merge_state(o1, s1, o2, s2)[0]
             return call, finish
 
+    def _flashinfer_verify(self, case: Case, data: Data, impl: str, kv_caches, kv_indptr,
+                           kv_indices, last_page_len, outs, keep: list):
+        """TARGET_VERIFY as SGLang's FlashInfer backend runs it: the paged prefill wrapper over
+        prefix + tree, the tree as `custom_mask` (bool, flattened per request; plan() packs it
+        with segment_packbits), causal off. 'flashinfer-fa2': a plain wrapper planned once;
+        'flashinfer-fa2-graph': the reference's captured verify, a use_cuda_graph=True wrapper
+        over fixed index / mask buffers (its plan pads for graph replay). FA3 takes no custom
+        mask in 0.6.13 (prefill_sm90.cuh: MaskMode::kCustom -> cudaErrorNotSupported)."""
+        torch = self.torch
+        fi = self.flashinfer
+        ws = self.fi_workspace
+        b = case.batch
+        i32 = dict(dtype=torch.int32, device=self.device)
+        qo_indptr = torch.arange(b + 1, **i32) * case.qo_len
+        if impl == "flashinfer-fa2":
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        elif impl == "flashinfer-fa2-graph":
+            # Sized as the reference sizes them for one bucket of b requests (its mask buffer:
+            # max_bs x max_context_len bytes; the packed mask needs an eighth of the bits).
+            mask_bytes = b * ((case.qo_len * case.kv_len + 7) // 8)
+            buffers = dict(
+                qo_indptr_buf=torch.empty(b + 1, **i32),
+                paged_kv_indptr_buf=torch.empty(b + 1, **i32),
+                paged_kv_indices_buf=torch.empty(kv_indices.numel(), **i32),
+                paged_kv_last_page_len_buf=torch.empty(b, **i32),
+                custom_mask_buf=torch.empty(mask_bytes, dtype=torch.uint8, device=self.device),
+                mask_indptr_buf=torch.empty(b + 1, **i32))
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True,
+                                                             backend="fa2", **buffers)
+            keep.append(buffers)
+        else:
+            raise ValueError(f"not a verify implementation: {impl}")
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, Q_HEADS, KV_HEADS,
+                     HEAD_DIM, case.page_size, custom_mask=data.custom_mask, causal=False,
+                     sm_scale=self.scale, q_data_type=torch.bfloat16,
+                     kv_data_type=self.kv_torch_dtype(case))
+        keep.append(wrapper)
+
+        def call(i):
+            return wrapper.run(data.q[i], kv_caches[i], out=outs[i])
+        return call, lambda out: out
+
+    def _flashinfer_multistep(self, case: Case, data: Data, layout: Layout, impl: str,
+                              kv_caches, outs, keep: list):
+        """The multi-step draft as SGLang's FlashInfer draft backend runs it: one decode wrapper
+        per step over batch x topk rows (request-major, branch-minor), step t's row reading the
+        prefix and its branch's draft tokens of steps 0..t (at prefix + s x topk + branch, the
+        layout of generate_draft_decode_kv_indices). Each wrapper planned once; a call runs every
+        step (CUDA cores, or tensor cores with backend fa2 for '-tc')."""
+        torch = self.torch
+        fi = self.flashinfer
+        if case.page_size != 1:
+            raise ValueError("the multi-step draft rows use page size 1")
+        b, topk, steps, prefix = case.batch, case.topk, case.num_steps, case.prefix_len
+        rows = b * topk
+        tc = impl.endswith("-tc")
+        slots = layout.pages.to(torch.int32)  # page 1: a page index is a slot
+        prefix_slots = slots[:, :prefix].unsqueeze(1).expand(b, topk, prefix)
+        draft_slots = slots[:, prefix:].reshape(b, steps, topk).transpose(1, 2)  # [b, topk, t]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        last_page_len = torch.ones(rows, **i32)
+        wrappers = []
+        for t in range(steps):
+            indices = torch.cat([prefix_slots, draft_slots[:, :, :t + 1]], dim=2).reshape(-1)
+            indptr = torch.arange(rows + 1, **i32) * (prefix + t + 1)
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.fi_workspace, "NHD", use_tensor_cores=tc, backend="fa2" if tc else "auto")
+            wrapper.plan(indptr, indices.contiguous(), last_page_len, Q_HEADS, KV_HEADS,
+                         HEAD_DIM, 1, q_data_type=torch.bfloat16,
+                         kv_data_type=self.kv_torch_dtype(case), sm_scale=self.scale)
+            wrappers.append(wrapper)
+            keep.append((wrapper, indices, indptr))
+        queries = [[q[t * rows:(t + 1) * rows] for t in range(steps)] for q in data.q]
+        parts = [[out[t * rows:(t + 1) * rows] for t in range(steps)] for out in outs]
+
+        def call(i):
+            for t in range(steps):
+                wrappers[t].run(queries[i][t], kv_caches[i], out=parts[i][t])
+            return outs[i]
+        return call, lambda out: out
+
     # ---- passes ----
 
     def pass_a(self, groups: List[List[Case]]) -> None:
@@ -1291,7 +1557,8 @@ class Runner:
             if self.left() < 30:
                 for case in group:
                     for impl in [KVATTN] + sdpa:
-                        self.skip(case, impl, "skipped: budget")
+                        if runs_impl(case, impl):
+                            self.skip(case, impl, "skipped: budget")
                 continue
             try:
                 self._pass_a_group(group, sdpa, torch_deadline)
@@ -1322,7 +1589,7 @@ class Runner:
                 self.skip(case, KVATTN, self.kvattn_error)
             else:
                 row = self.run_impl(case, KVATTN, lambda: self.kvattn_setup(
-                    case, data, layout, sets), allow_graph=case.is_decode)
+                    case, data, layout, sets), allow_graph=case.kvattn_graph)
                 out = row.get("_out")
                 if out is not None:
                     self.kvattn_out[case.label] = out.to("cpu")
@@ -1332,7 +1599,7 @@ class Runner:
                 self.skip_unrecorded([case], sdpa, self.lost_why())
                 continue
             for impl in sdpa:
-                if not impl_wanted(self.args, impl):
+                if not impl_wanted(self.args, impl) or not runs_impl(case, impl):
                     continue
                 if impl in torch_rows:
                     self.record(case, self._reuse_torch_row(case, torch_rows[impl]))
@@ -1392,6 +1659,7 @@ class Runner:
         prefill and extend first, then decode (starts nothing past `deadline`)."""
         if not impl_wanted(self.args, "torch-flex"):
             return
+        groups = [g for g in groups if runs_impl(g[0], "torch-flex")]
         order = [g for g in groups if not g[0].is_decode] + [g for g in groups if g[0].is_decode]
         for group in order:
             first = group[0]
@@ -1693,6 +1961,14 @@ class _Skip(Exception):
     """A pass-B item not measured, for a reason that becomes its row's error."""
 
 
+class _StepOutputs:
+    """The outputs of a multi-step draft call, one per step (not a tuple or list: output_of
+    takes the first element of those, FlashInfer's (out, lse))."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+
 def read_events(path: str) -> List[dict]:
     """A worker's event lines so far (a line still being written is left for the next read)."""
     events = []
@@ -1909,6 +2185,76 @@ def self_test() -> int:
     check("prefill flops", pre.flops() == 4 * 32 * 128 * 16384 * 8192)
     check("extend flops", ext[0].flops() == 4 * 8 * 32 * 128 * 512 * (4096 + 256))
 
+    # Speculative rows (issue 19): after the SPEC grid, which keeps its rows, keys and seeds.
+    spec = [c for c in full if c.workload in ("verify", "draft")]
+    check("spec rows last", full[-len(spec):] == spec and len(full) - len(spec) == 35)
+    check("spec keys leave the grid's alone", all(len(c.data_key) == 8 for c in full
+                                                  if c.workload not in ("verify", "draft")))
+    verify = [c for c in spec if c.is_verify]
+    check("grid verify", [(c.batch, c.prefix_len, c.qo_len, c.kv_len) for c in verify] ==
+          [(1, 4096, 8, 4104), (16, 4096, 8, 4104), (64, 4096, 8, 4104), (64, 1024, 16, 1040)])
+    check("spec labels", [c.label for c in spec] == [
+        "verify b1 prefix4096 tree8 page1-shuffled", "verify b16 prefix4096 tree8 page1-shuffled",
+        "verify b64 prefix4096 tree8 page1-shuffled",
+        "verify b64 prefix1024 tree16 page1-shuffled",
+        "draft-multistep b16 prefix4096 topk4 steps3 page1-shuffled",
+        "draft-extend b16 prefix4096 new4 page1-shuffled",
+        "draft-extend b64 prefix4096 new4 page1-shuffled"], str([c.label for c in spec]))
+    check("spec modules: fa3 last", [module_name(m) for m in report.needed_flashinfer_modules(
+        spec)] == ["fa2-bf16", "quantization", "decode-bf16", "fa3-bf16"])
+    check("quick: verify b1, b16", [c.label for c in quick if c.workload in ("verify", "draft")]
+          == [c.label for c in verify[:2]])
+    check("rows regex", len(select_cases(parse_args(["--rows", "verify"]))) == 4 and
+          len(select_cases(parse_args(["--rows", "^draft"]))) == 3 and
+          len(select_cases(parse_args(["--rows", "verify", "--quick"]))) == 2)
+    ms = [c for c in spec if c.is_multistep][0]
+    dx = [c for c in spec if c.is_draft_extend][0]
+    check("spec kinds", ms.topk == 4 and ms.num_steps == 3 and ms.qo_len == 12 and
+          ms.kv_len == 4108 and ms.tokens == 16 * 12 and dx.qo_len == 4 and dx.kv_len == 4100 and
+          all(c.kvattn_graph for c in verify + [ms]) and not dx.kvattn_graph)
+    check("spec peers", verify[0].peers() == ["flashinfer-fa2", "flashinfer-fa2-graph"] and
+          dx.peers() == ["flashinfer-fa2", "flashinfer-fa3"] and
+          ms.peers() == ["flashinfer-decode", "flashinfer-decode-tc"] and
+          not runs_impl(verify[0], "torch-sdpa-flash") and runs_impl(verify[0], KVATTN) and
+          runs_impl(ext[0], "torch-sdpa-cudnn"))
+    check("spec modules", modules_of_impl(verify[0], "flashinfer-fa2-graph") ==
+          ["fa2-bf16", "quantization"] and modules_of_impl(ms, "flashinfer-decode-tc") ==
+          ["fa2-bf16"] and modules_of_impl(dx, "flashinfer-fa3") == ["fa3-bf16"] and
+          "quantization" in mods, str(mods))
+    per_token = 8 * 2 * 128 * 2
+    check("verify bytes", verify[2].kv_bytes() == 64 * 4104 * per_token)
+    check("multistep bytes", ms.kv_bytes() == 16 * (4100 + 4104 + 4108) * per_token)
+    check("multistep flops", ms.flops() == 4 * 16 * 4 * 32 * 128 * (4097 + 4098 + 4099))
+    check("verify flops", verify[3].flops() == 4 * 64 * 32 * 128 * 16 * (1024 + 8))
+    samples = sample_queries(verify[1])
+    check("samples verify", len(samples) == 24 and samples[8] == (8, 64, 4096) and
+          samples[-1] == (15, 127, 4103), str(samples))
+    samples = sample_queries(ms)
+    check("samples multistep", len(samples) == 12 and samples[-1] == (15, 191, 4107) and
+          samples[0] == (0, 0, 4096), str(samples))
+    trees = tree_parents(7, 3, 16)
+    check("tree parents", trees == tree_parents(7, 3, 16) and
+          all(t[0] == -1 and all(0 <= t[i] < i for i in range(1, 16)) for t in trees) and
+          trees != tree_parents(8, 3, 16))
+    chain = [-1, 0, 0, 1]
+    check("tree ancestors", tree_ancestors(chain, 3) == [0, 1, 3] and
+          tree_ancestors(chain, 0) == [0] and tree_depths(chain) == [0, 1, 1, 2])
+    small = report.Case("verify", 1, 4 + 4, qo_len=4, prefix_len=4)
+    check("visible verify", visible_positions(small, 4 + 3, chain) == [0, 1, 2, 3, 4, 5, 7])
+    small = report.Case("draft", 1, 3 + 6, qo_len=6, prefix_len=3, topk=2, num_steps=3)
+    check("visible multistep", visible_positions(small, 3 + 2 * 2 + 1) == [0, 1, 2, 4, 6, 8])
+    tiny = [report.tiny_case(c) for c in spec]
+    check("tiny spec rows", len({c.label for c in tiny}) == len(spec) and
+          all(t.qo_len == c.qo_len and t.topk == c.topk and t.kv_len == t.prefix_len + t.qo_len
+              and t.prefix_len == c.prefix_len // 64 for t, c in zip(tiny, spec)))
+    spec_row = report.make_row(verify[2], KVATTN, 100.0, {"read_gbps": 4000.0,
+                                                          "gemm_bf16_tflops": 800.0})
+    check("verify row rates", abs(spec_row["gbps"] - verify[2].kv_bytes() / 1e-4 / 1e9) < 1e-6
+          and abs(spec_row["fraction"] - spec_row["tflops"] / 800.0) < 1e-12 and
+          abs(spec_row["read_fraction"] - spec_row["gbps"] / 4000.0) < 1e-12)
+    check("rows name their case", all(report.case_of_row(report.make_row(c, KVATTN, 1.0, {}))
+                                      .label == c.label for c in full))
+
     check("sets: L2 rotation", choose_sets(4 * MIB, 60 * MIB, 100 * GIB, 12 * MIB) == 60 // 1 or
           choose_sets(4 * MIB, 60 * MIB, 100 * GIB, 12 * MIB) == MAX_SETS)
     check("sets: big inputs", choose_sets(17 * GIB, 60 * MIB, 100 * GIB, 40 * GIB) == 1)
@@ -1967,7 +2313,8 @@ def self_test() -> int:
         table = report.markdown_table(header, rows)
         check("table has every row", all(c.label in table for c in full))
         check("table sections", "## decode" in table and "## prefill" in table and
-              "## extend" in table and "slower than the best peer" in table)
+              "## extend" in table and "## verify" in table and "## draft" in table and
+              "slower than the best peer" in table)
         check("table failures listed", "skipped: budget" in table)
         line = [ln for ln in table.splitlines() if ln.startswith("| " + full[0].label)][0]
         check("table columns", line.count("|") ==
