@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that validates the CUDA backend end to end and times the decode-shaped rows:
 #   1. the kernel tests of the decode-shaped kernel and the verify/draft graph tests,
-#   2. the decode-shaped timing table (tc_decode vs the prefill family, same run),
+#   2. the decode-shaped timing table (tc_decode vs the prefill family, same run) and
+#      `kvattn bench --workload verify|draft` (results JSON in $OUT),
 #   3. the whole CUDA test binary,
 #   4. tests/cuda/run_device_checks.sh (bad input, refused steps, memcheck, racecheck, soak),
 #   5. `kvattn check --device cuda` and compute-sanitizer memcheck over it,
@@ -11,14 +12,14 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tcbench,all,checks,check,python); logs go to $OUT/logs.tgz and a
+# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,check,python); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
 CARRY=${1:-.carry}
 OUT=${OUT:-/tmp/kvattn-device}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-STEPS=${STEPS:-tc,tcbench,all,checks,check,python}
+STEPS=${STEPS:-tc,tcbench,bench,all,checks,check,python}
 summary=()
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 DEADLINE=${DEADLINE:-570}  # seconds: no step runs past it (the summary still gets written)
@@ -44,6 +45,13 @@ want tc && step tc 120 "$T" \
   --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphsVerify.*:CudaGraphsDraft.*'
 want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
   --gtest_filter='PrefillBench.DecodeShaped'
+if want bench; then
+  export KVATTN_GIT_COMMIT=${KVATTN_GIT_COMMIT:-$(cat "$CARRY/COMMIT" 2>/dev/null || echo unknown)}
+  for w in verify draft; do
+    step "bench-$w" 90 "$CARRY/kvattn" bench --device cuda --workload "$w" \
+      --json "$OUT/h200-$w-$(date +%Y%m%d).json"
+  done
+fi
 want all && step all 200 "$T" --gtest_brief=1
 want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 200 \
   bash tests/cuda/run_device_checks.sh "$T"
@@ -65,6 +73,8 @@ fi
   echo "== tc kernel + verify/draft graph tests"
   grep -E "^\[  (PASSED|FAILED) |FAILED  |Failure|  tc |rel_l2" "$LOGS/tc.log" 2>/dev/null | head -40
   echo "== decode-shaped timing"; grep -vE "^\[|^Note|^$" "$LOGS/tcbench.log" 2>/dev/null | tail -16
+  echo "== kvattn bench (verify, draft)"
+  grep -hE "^(verify|draft)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" 2>/dev/null
   echo "== all CUDA tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  " "$LOGS/all.log" 2>/dev/null | head -30
   echo "== device checks"; tail -40 "$LOGS/checks.log" 2>/dev/null
   echo "== check"; grep -E "FAIL|passed|not supported" "$LOGS/check.log" 2>/dev/null | tail -5
