@@ -12,7 +12,8 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,check,python); logs go to $OUT/logs.tgz and a
+# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,check,python,peers; peers: FlashInfer
+# side by side on PEERS_ROWS, default ^verify, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
 CARRY=${1:-.carry}
@@ -42,7 +43,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$LOG
 T=$CARRY/kvattn_cuda_tests
 
 want tc && step tc 120 "$T" \
-  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphsVerify.*:CudaGraphsDraft.*'
+  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*'
 want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
   --gtest_filter='PrefillBench.DecodeShaped'
 if want bench; then
@@ -67,6 +68,22 @@ if want python; then
     python/tests/test_gpu_torch.py
   PYTHONPATH=/tmp/site step llama 150 python3 python/examples/hf_llama_paged.py --device cuda
 fi
+if want peers; then  # last: FlashInfer side by side on PEERS_ROWS, in the time left
+  left=$((DEADLINE - SECONDS - 40))
+  if [ "$left" -gt 120 ]; then
+    step peersinstall 60 python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/peers/*.whl \
+      .whl/py312/kvattn-0.1.0-cp312-cp312-linux_x86_64.whl
+    left=$((DEADLINE - SECONDS - 40))
+    PYTHONPATH=/tmp/site PATH="$(dirname "$(command -v python3)"):/usr/local/cuda/bin:$PATH" \
+      CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws \
+      FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_CACHE_DIR=/tmp/tvm-ffi PYTHONUNBUFFERED=1 \
+      step peers $((left + 30)) python3 bench/peers/run_peers.py --rows "${PEERS_ROWS:-^verify}" \
+      --budget-s "$left" --commit "$(cat "$CARRY/COMMIT" 2>/dev/null)" --out-dir "$OUT"
+  else
+    summary+=("peers      skipped: $left s left")
+  fi
+fi
 
 {
   echo "== GPU"; cat "$LOGS/gpu.txt"
@@ -81,6 +98,7 @@ fi
   grep -E "ERROR SUMMARY" "$LOGS/checkmem.log" 2>/dev/null
   echo "== python"; tail -3 "$LOGS/pybad.log" 2>/dev/null; tail -3 "$LOGS/pytorch.log" 2>/dev/null
   echo "== llama example"; tail -8 "$LOGS/llama.log" 2>/dev/null
+  echo "== peers"; tail -30 "$OUT"/peers-*.md 2>/dev/null
   echo "== steps"; printf '%s\n' "${summary[@]}"
 } > "$OUT/summary.txt"
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$LOGS"

@@ -35,8 +35,14 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half_rn(x);
 }
 
-/// One CTA per split tile: each warp takes rows, each lane 4 dims at a time, and folds the
-/// chunks' partial states in order with core::merge_weights.
+/// Rows of a split tile one merge CTA folds: a warp a row.
+constexpr int kMergeRowsPerCta = kMergeThreads / 32;
+
+/// Grid (merges, tile_rows / kMergeRowsPerCta): warp w folds row blockIdx.y * 4 + w of a split
+/// tile. The lanes first take the chunks' LSEs (the merged LSE, each chunk's weight
+/// e^(lse_c - lse)), then 4 output dims each, with the chunks' loads independent of each other
+/// (unrolled), so a request split into many chunks costs a few memory latencies, not one per
+/// chunk (bench/NOTES.md: at verify b1 the fold of 17 chunks one after another cost ~60 us).
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     prefill_merge_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
@@ -46,49 +52,73 @@ __global__ void __launch_bounds__(kMergeThreads)
   if (detail::step_refused(p.step_error)) return;
   const core::PrefillMergeItem merge = tiles.merges[blockIdx.x];
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int r = int(blockIdx.y) * kMergeRowsPerCta + (threadIdx.x >> 5);
+  if (r >= tiles.tile_rows) return;
   const int q_begin = p.qo_indptr[merge.request];
   const int q_len = p.qo_indptr[merge.request + 1] - q_begin;
   const int group = tiles.group_size;
-  const int rows_total = q_len * group;
-  const int dim = p.v_head_dim;
-  for (int r = warp; r < tiles.tile_rows; r += kMergeThreads / 32) {
-    const int packed = merge.q_row_begin + r;
-    if (packed >= rows_total) break;
-    const int token = packed / group;
-    const int head = merge.kv_head * group + packed % group;
-    const int64_t out_row =
-        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head;
-    float merged_lse = -INFINITY;
-    for (int d0 = lane * 4; d0 < dim; d0 += 128) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      float lse = -INFINITY;
-      for (int c = 0; c < merge.num_partials; ++c) {
-        const int64_t slot_row = int64_t(merge.first_partial + c) * tiles.tile_rows + r;
-        float w_acc, w_new, lse_next;
-        core::merge_weights(lse, tiles.partial_lse[slot_row], &w_acc, &w_new, &lse_next);
-        const float4 part =
-            *reinterpret_cast<const float4*>(tiles.partial_out + slot_row * dim + d0);
-        acc.x = acc.x * w_acc + part.x * w_new;
-        acc.y = acc.y * w_acc + part.y * w_new;
-        acc.z = acc.z * w_acc + part.z * w_new;
-        acc.w = acc.w * w_acc + part.w * w_new;
-        lse = lse_next;
+  const int packed = merge.q_row_begin + r;
+  if (packed >= q_len * group) return;  // (a graph's padding merge has no rows)
+  const int n = merge.num_partials;
+  const float* lse_of = tiles.partial_lse + int64_t(merge.first_partial) * tiles.tile_rows + r;
+  const float* out_of = tiles.partial_out +
+                        (int64_t(merge.first_partial) * tiles.tile_rows + r) * p.v_head_dim;
+  const int64_t chunk_stride = int64_t(tiles.tile_rows) * p.v_head_dim;
+
+  float top = -INFINITY;
+  for (int c = lane; c < n; c += 32) top = fmaxf(top, lse_of[int64_t(c) * tiles.tile_rows]);
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  float total = 0.f;
+  if (top != -INFINITY) {
+    for (int c = lane; c < n; c += 32) total += __expf(lse_of[int64_t(c) * tiles.tile_rows] - top);
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const bool empty = !(total > 0.f);  // every chunk empty: o = 0, LSE -inf
+  const float inv_total = empty ? 0.f : 1.f / total;
+
+  const int token = packed / group;
+  const int head = merge.kv_head * group + packed % group;
+  const int64_t out_row =
+      (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head;
+  for (int base = 0; base < p.v_head_dim; base += 128) {  // uniform: the shuffles need all lanes
+    const int d0 = base + lane * 4;
+    const bool active = d0 < p.v_head_dim;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < n; c0 += 32) {
+      float weight = 0.f;  // lane i: chunk c0 + i
+      if (!empty && c0 + lane < n) {
+        weight = __expf(lse_of[int64_t(c0 + lane) * tiles.tile_rows] - top) * inv_total;
       }
-      if (p.out_fp32) {
-        *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row + d0) = acc;
-      } else {
-        T* out = static_cast<T*>(p.out) + out_row;
-        out[d0] = from_float<T>(acc.x);
-        out[d0 + 1] = from_float<T>(acc.y);
-        out[d0 + 2] = from_float<T>(acc.z);
-        out[d0 + 3] = from_float<T>(acc.w);
+      const int count = min(32, n - c0);
+#pragma unroll 4
+      for (int i = 0; i < count; ++i) {
+        const float w = __shfl_sync(0xffffffffu, weight, i);
+        if (active) {
+          const float4 part =
+              *reinterpret_cast<const float4*>(out_of + (c0 + i) * chunk_stride + d0);
+          acc.x = fmaf(part.x, w, acc.x);
+          acc.y = fmaf(part.y, w, acc.y);
+          acc.z = fmaf(part.z, w, acc.z);
+          acc.w = fmaf(part.w, w, acc.w);
+        }
       }
-      merged_lse = lse;
     }
-    if (p.lse != nullptr && lane == 0) {
-      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = merged_lse;
+    if (!active) continue;
+    if (p.out_fp32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row + d0) = acc;
+    } else {
+      T* out = static_cast<T*>(p.out) + out_row;
+      out[d0] = from_float<T>(acc.x);
+      out[d0 + 1] = from_float<T>(acc.y);
+      out[d0 + 2] = from_float<T>(acc.z);
+      out[d0 + 3] = from_float<T>(acc.w);
     }
+  }
+  if (p.lse != nullptr && lane == 0) {
+    p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] =
+        empty ? -INFINITY : top + __logf(total);
   }
 }
 
@@ -97,7 +127,8 @@ __global__ void __launch_bounds__(kMergeThreads)
 void launch_merge(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                   cudaStream_t stream, bool programmatic = false) {
   if (tiles.num_merges == 0) return;
-  const dim3 grid(uint32_t(tiles.num_merges));
+  const dim3 grid(uint32_t(tiles.num_merges),
+                  uint32_t((tiles.tile_rows + kMergeRowsPerCta - 1) / kMergeRowsPerCta));
   if (p.io_dtype == DType::kBFloat16) {
     if (programmatic) {
       detail::launch_programmatic_dependent(prefill_merge_kernel<__nv_bfloat16>, grid,
