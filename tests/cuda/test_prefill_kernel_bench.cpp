@@ -307,10 +307,15 @@ TEST(PrefillBench, DecodeShaped) {
       {"verify", 64, 4096, 8, true},    {"verify", 64, 1024, 16, true},
       {"draftext", 16, 4096, 4, false}, {"draftext", 64, 4096, 4, false},
   };
+  // KVATTN_PREFILL_BENCH_ONLY=<index>: that row on the decode-shaped kernel only (a profiler run).
+  const char* only = std::getenv("KVATTN_PREFILL_BENCH_ONLY");
   std::printf("\n%-8s %5s %6s %5s %-8s %6s %10s %8s\n", "workload", "batch", "prefix", "q_len",
               "kernel", "items", "time_us", "KV GB/s");
-  for (const Spec& sp : specs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Spec& sp = specs[i];
+    if (only != nullptr && std::atoi(only) != static_cast<int>(i)) continue;
     for (const bool tc : {true, false}) {
+      if (only != nullptr && !tc) continue;
       Workload w{sp.name, sp.batch, sp.prefix, sp.q_len, 128, true, sp.custom, tc};
       const Row r = time_workload(w);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -65,18 +65,24 @@ __global__ void __launch_bounds__(kMergeThreads)
                         (int64_t(merge.first_partial) * tiles.tile_rows + r) * p.v_head_dim;
   const int64_t chunk_stride = int64_t(tiles.tile_rows) * p.v_head_dim;
 
-  float top = -INFINITY;
-  for (int c = lane; c < n; c += 32) top = fmaxf(top, lse_of[int64_t(c) * tiles.tile_rows]);
+  // Lane c holds chunk c's LSE (the first 32 chunks; more are read again where needed).
+  const float lse_first = lane < n ? lse_of[int64_t(lane) * tiles.tile_rows] : -INFINITY;
+  float top = lse_first;
+  for (int c = lane + 32; c < n; c += 32) top = fmaxf(top, lse_of[int64_t(c) * tiles.tile_rows]);
 #pragma unroll
   for (int o = 16; o >= 1; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
   float total = 0.f;
   if (top != -INFINITY) {
-    for (int c = lane; c < n; c += 32) total += __expf(lse_of[int64_t(c) * tiles.tile_rows] - top);
+    total = __expf(lse_first - top);
+    for (int c = lane + 32; c < n; c += 32) {
+      total += __expf(lse_of[int64_t(c) * tiles.tile_rows] - top);
+    }
   }
 #pragma unroll
   for (int o = 16; o >= 1; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
   const bool empty = !(total > 0.f);  // every chunk empty: o = 0, LSE -inf
   const float inv_total = empty ? 0.f : 1.f / total;
+  const float weight_first = empty ? 0.f : __expf(lse_first - top) * inv_total;
 
   const int token = packed / group;
   const int head = merge.kv_head * group + packed % group;
@@ -87,12 +93,14 @@ __global__ void __launch_bounds__(kMergeThreads)
     const bool active = d0 < p.v_head_dim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int c0 = 0; c0 < n; c0 += 32) {
-      float weight = 0.f;  // lane i: chunk c0 + i
-      if (!empty && c0 + lane < n) {
-        weight = __expf(lse_of[int64_t(c0 + lane) * tiles.tile_rows] - top) * inv_total;
+      float weight = weight_first;  // lane i: chunk c0 + i
+      if (c0 > 0) {
+        weight = !empty && c0 + lane < n
+                     ? __expf(lse_of[int64_t(c0 + lane) * tiles.tile_rows] - top) * inv_total
+                     : 0.f;
       }
       const int count = min(32, n - c0);
-#pragma unroll 4
+#pragma unroll 8
       for (int i = 0; i < count; ++i) {
         const float w = __shfl_sync(0xffffffffu, weight, i);
         if (active) {

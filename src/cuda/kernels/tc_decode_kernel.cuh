@@ -259,15 +259,18 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
     }
   };
 
-  // Prologue: kStages - 1 steps in flight, the slots of the next one loaded.
-  int32_t slot_ahead;
+  // Prologue: kStages - 1 steps in flight. The slots of a step load two steps before its copies
+  // are issued (slots_even / slots_odd by the parity of the step that issues them), so the
+  // index load's latency hides behind two steps' work, not one.
+  int32_t slots_even, slots_odd;
   {
     int32_t first_slots[kStages - 1];
 #pragma unroll
     for (int u = 0; u < kStages - 1; ++u) first_slots[u] = load_slot(u);
 #pragma unroll
     for (int u = 0; u < kStages - 1; ++u) issue(u, first_slots[u]);
-    slot_ahead = load_slot(kStages - 1);
+    slots_even = load_slot(kStages - 1);
+    slots_odd = load_slot(kStages);
   }
   ptx::cp_async_wait<kStages - 1>();  // this thread's Q chunks landed
   __syncthreads();                    // ... and everyone's
@@ -326,12 +329,12 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
   // One step of the warp: mask_now holds this step's mask bytes (kCustom), mask_next receives
   // the next step's.
   auto run_step = [&](int u, const uint8_t(&mask_now)[kMaskBytes],
-                      uint8_t(&mask_next)[kMaskBytes]) {
+                      uint8_t(&mask_next)[kMaskBytes], int32_t& slots) {
     const int first = step_key(u);
     // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
     __syncwarp();
-    issue(u + kStages - 1, slot_ahead);
-    slot_ahead = load_slot(u + kStages);
+    issue(u + kStages - 1, slots);
+    slots = load_slot(u + kStages + 1);
     if (custom) load_mask(u + 1, mask_next);
     uint32_t hidden = 0;  // bit (a * 8 + h * 4 + n * 2 + e): element s[a][4n + 2h + e] masked
     const bool needs_mask = custom || first + Tr::kWarpKeys > kv_end ||
@@ -457,8 +460,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
   uint8_t mask_a[kMaskBytes], mask_b[kMaskBytes];
   if (custom) load_mask(0, mask_a);
   for (int u = 0; u < warp_steps; u += 2) {
-    run_step(u, mask_a, mask_b);
-    if (u + 1 < warp_steps) run_step(u + 1, mask_b, mask_a);
+    run_step(u, mask_a, mask_b, slots_even);
+    if (u + 1 < warp_steps) run_step(u + 1, mask_b, mask_a, slots_odd);
   }
   ptx::cp_async_wait<0>();
   // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
