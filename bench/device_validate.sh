@@ -12,7 +12,7 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,check,python,peers; peers: FlashInfer
+# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,sanitize,check,python,peers; peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
@@ -53,9 +53,15 @@ if want bench; then
       --json "$OUT/h200-$w-$(date +%Y%m%d).json"
   done
 fi
-want all && step all 200 "$T" --gtest_brief=1
+want all && step all 200 "$T" --gtest_brief=1 --gtest_filter="${ALL_FILTER:-*}"
 want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 200 \
   bash tests/cuda/run_device_checks.sh "$T"
+if want sanitize; then  # the decode-shaped kernel under memcheck and racecheck (small cases)
+  step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$T" \
+    --gtest_filter='TcDecodeKernel.DecodeGroupsAndShortKv:TcDecodeKernel.Fp8KvAndFp32Output'
+  step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
+    --gtest_filter='TcDecodeKernel.DecodeGroupsAndShortKv'
+fi
 want check && step check 60 "$CARRY/kvattn" check --device cuda
 want check && step checkmem 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$CARRY/kvattn" check --device cuda
@@ -94,6 +100,8 @@ fi
   grep -hE "^(verify|draft)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" 2>/dev/null
   echo "== all CUDA tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  " "$LOGS/all.log" 2>/dev/null | head -30
   echo "== device checks"; tail -40 "$LOGS/checks.log" 2>/dev/null
+  echo "== sanitizers"; grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/memcheck.log" \
+    "$LOGS/racecheck.log" 2>/dev/null
   echo "== check"; grep -E "FAIL|passed|not supported" "$LOGS/check.log" 2>/dev/null | tail -5
   grep -E "ERROR SUMMARY" "$LOGS/checkmem.log" 2>/dev/null
   echo "== python"; tail -3 "$LOGS/pybad.log" 2>/dev/null; tail -3 "$LOGS/pytorch.log" 2>/dev/null
