@@ -24,6 +24,12 @@ struct AttentionLayer {
   /// fp8 KV scales; <= 0 means "use the KV cache's scales for this layer" (the default).
   float k_scale = 0.f;
   float v_scale = 0.f;
+  /// Attention sinks (gpt-oss and others): [num_q_heads] fp32, bf16 or fp16 on the backend's
+  /// device, contiguous; undefined = none. Head h's sink s_h is a logit (in the units of the
+  /// scaled, soft-capped q·k) with a zero value vector that joins every query's softmax:
+  /// out = sum_j e^(x_j) v_j / (e^(s_h) + sum_j e^(x_j)). Every mode and variant; not in the
+  /// multi-step draft backend.
+  TensorView sinks;
 
   int resolved_v_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
   int group_size() const { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }

@@ -391,6 +391,7 @@ class KvattnAttnBackend(_NativeBackendBase):
         The hot path of a serving engine (once per layer per step), kept to one Python frame:
         the dispatch is remembered per forward_mode object, the layer description per layer,
         the native batch per forward batch."""
+        sinks = kwargs.pop("sinks", None) if kwargs else None
         if kwargs:
             _reject_extras(kwargs)
         mode = forward_batch.forward_mode
@@ -404,9 +405,19 @@ class KvattnAttnBackend(_NativeBackendBase):
             entry = self._add_layer(layer)
         if forward_batch is not self._batch_source:
             self._bind(forward_batch)
+        if sinks is not None:
+            return self._run_sinks(run, q, k, v, entry, save_kv_cache, sinks)
         if _NATIVE_TENSORS:
             return run(q, k, v, None, entry[1], self._batch, save_kv_cache, self._dlpack_alloc)
         return _run_with_capsules(run, q, k, v, entry, self._batch, save_kv_cache)
+
+    def _run_sinks(self, native_forward, q, k, v, entry, save_kv_cache, sinks):
+        """forward with attention sinks ([num_q_heads] per layer, as gpt-oss passes them)."""
+        if _NATIVE_TENSORS:
+            return native_forward(q, k, v, None, entry[1], self._batch, save_kv_cache,
+                                  self._dlpack_alloc, sinks)
+        return _run_with_capsules(native_forward, q, k, v, entry, self._batch, save_kv_cache,
+                                  sinks)
 
     def _set_dispatch(self, mode: Any) -> None:
         run = None
@@ -428,6 +439,7 @@ class KvattnAttnBackend(_NativeBackendBase):
 
     def _run(self, native_forward, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
         """One native forward into a new output [num_tokens, num_q_heads * v_head_dim]."""
+        sinks = kwargs.pop("sinks", None) if kwargs else None
         if kwargs:
             _reject_extras(kwargs)
         entry = self._layers.get(id(layer))
@@ -435,6 +447,8 @@ class KvattnAttnBackend(_NativeBackendBase):
             entry = self._add_layer(layer)
         if forward_batch is not self._batch_source:
             self._bind(forward_batch)
+        if sinks is not None:
+            return self._run_sinks(native_forward, q, k, v, entry, save_kv_cache, sinks)
         if _NATIVE_TENSORS:
             return native_forward(q, k, v, None, entry[1], self._batch, save_kv_cache,
                                   self._dlpack_alloc)
@@ -487,12 +501,13 @@ class KvattnAttnBackend(_NativeBackendBase):
         return None
 
 
-def _run_with_capsules(native_forward, q, k, v, layer_entry, batch, save_kv_cache):
+def _run_with_capsules(native_forward, q, k, v, layer_entry, batch, save_kv_cache, sinks=None):
     """forward where torch has no DLPack C exchange API: the output allocated here, every tensor
     crossing as a DLPack capsule."""
     out = q.new_empty((q.shape[0], layer_entry[2]))
     native_forward(_dl(q), None if k is None else _dl(k), None if v is None else _dl(v),
-                   _dl(out), layer_entry[1], batch, save_kv_cache)
+                   _dl(out), layer_entry[1], batch, save_kv_cache, False,
+                   None if sinks is None else _dl(sinks))
     return out
 
 

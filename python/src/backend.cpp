@@ -225,11 +225,21 @@ void call_entry(AttentionBackend& impl, ForwardEntry entry, const TensorView& q,
 /// kernels run with the GIL released. Returns the output.
 nb::object run_forward(PyBackend& b, ForwardEntry entry, nb::handle q, nb::handle k, nb::handle v,
                        nb::handle out, const AttentionLayer& layer, const PyForwardBatch& batch,
-                       bool save_kv_cache, bool dlpack_alloc) {
+                       bool save_kv_cache, bool dlpack_alloc, nb::handle sinks) {
   ForwardArgs a = forward_args(b.config.q_dtype, layer, q, k, v, out, dlpack_alloc);
+  // sinks: this call's layer with them (the layer description itself stays sink-free, so that
+  // one description serves calls with and without).
+  const ArrayArg sink_arg = array_arg(sinks, "sinks", std::nullopt, /*optional=*/true);
+  AttentionLayer with_sinks;
+  const AttentionLayer* call_layer = &layer;
+  if (sink_arg.view.defined()) {
+    with_sinks = layer;
+    with_sinks.sinks = sink_arg.view;
+    call_layer = &with_sinks;
+  }
   {
     nb::gil_scoped_release release;
-    call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, a.out.view, layer, batch.batch,
+    call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, a.out.view, *call_layer, batch.batch,
                save_kv_cache);
   }
   return std::move(a.result);
@@ -238,8 +248,8 @@ nb::object run_forward(PyBackend& b, ForwardEntry entry, nb::handle q, nb::handl
 template <ForwardEntry kEntry>
 nb::object forward_entry(PyBackend& b, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                          const AttentionLayer& layer, const PyForwardBatch& batch,
-                         bool save_kv_cache, bool dlpack_alloc) {
-  return run_forward(b, kEntry, q, k, v, out, layer, batch, save_kv_cache, dlpack_alloc);
+                         bool save_kv_cache, bool dlpack_alloc, nb::handle sinks) {
+  return run_forward(b, kEntry, q, k, v, out, layer, batch, save_kv_cache, dlpack_alloc, sinks);
 }
 
 /// Binds forward / forward_decode / forward_extend: one signature, the entry point differs.
@@ -247,7 +257,8 @@ template <ForwardEntry kEntry>
 void def_forward(nb::class_<PyBackend>& cls, const char* name, const char* doc) {
   cls.def(name, &forward_entry<kEntry>, nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(),
           nb::arg("out").none(), nb::arg("layer"), nb::arg("batch"),
-          nb::arg("save_kv_cache") = true, nb::arg("dlpack_alloc") = false, doc);
+          nb::arg("save_kv_cache") = true, nb::arg("dlpack_alloc") = false,
+          nb::arg("sinks").none() = nb::none(), doc);
 }
 
 constexpr const char* kCheckErrorsDoc =
@@ -408,8 +419,9 @@ void bind_backend(nb::module_& m) {
       "q [num_tokens, num_q_heads(, *), head_dim], k/v [num_tokens, num_kv_heads(, *), dim] or "
       "None, out [num_tokens, num_q_heads * v_head_dim] (written) or None (allocated like q: "
       "same library, dtype and device; by q.new_empty, or with dlpack_alloc through q's "
-      "library's allocator by DLPack's C exchange API, no Python call). Returns out. Runs with "
-      "the GIL released.";
+      "library's allocator by DLPack's C exchange API, no Python call). sinks: None or "
+      "[num_q_heads] float32/bfloat16/float16 on the backend's device, one attention-sink logit "
+      "per q head (AttentionLayer.sinks in C++). Returns out. Runs with the GIL released.";
   nb::class_<PyBackend> backend_class(m, "Backend",
                                       "An attention backend (make one with make_backend).");
   def_forward<ForwardEntry::kForward>(backend_class, "forward", forward_doc);

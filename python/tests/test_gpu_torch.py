@@ -101,6 +101,21 @@ def test_target_verify():
     report("verify max rel err", error)
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks(sink_dtype):
+    """forward(..., sinks=) on every path: CUDA-core decode, tensor-core decode (GQA 16), the
+    decode-shaped verify kernel, prefill (paged and ragged + prefix), a window layer."""
+    sinks = torch.linspace(-1.0, 5.0, 32, device=DEVICE).to(sink_dtype)  # 32 q heads
+    decode_step(engine(page_size=16), [0, 7, 1023, 4500], sinks=sinks)
+    decode_step(engine(num_kv_heads=2), [3, 300, 2047], sinks=sinks)
+    verify_step(engine(page_size=16), [1, 90, 700], 8, sinks=sinks)
+    extend_like_step(engine(), ForwardMode.EXTEND, [0, 300, 1000], [17, 129, 250], sinks=sinks)
+    extend_like_step(engine(ragged_extend_threshold=1, page_size=16), ForwardMode.EXTEND,
+                     [0, 64, 700], [33, 200, 77], ragged=True, sinks=sinks)
+    extend_like_step(engine(window=64, page_size=16), ForwardMode.MIXED, [0, 40, 300],
+                     [60, 1, 23], sinks=sinks)
+
+
 def test_multi_step_draft():
     e = engine(page_size=1)
     multi_step_draft(e, [3, 50, 400], topk=2, num_steps=3)

@@ -56,6 +56,26 @@ def test_target_verify():
     verify_step(engine(page_size=2), [3, 11], 4)
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_every_mode(sink_dtype):
+    """forward(..., sinks=) as gpt-oss passes them: one logit per q head joins every softmax."""
+    sinks = (torch.linspace(-1.0, 4.0, 4) + 0.3).to(sink_dtype)  # num_q_heads = 4
+    decode_step(engine(page_size=4), [0, 5, 33], sinks=sinks)
+    extend_like_step(engine(), ForwardMode.EXTEND, [0, 6, 20], [3, 9, 1], sinks=sinks)
+    extend_like_step(engine(ragged_extend_threshold=1), ForwardMode.EXTEND, [4, 0], [6, 5],
+                     ragged=True, sinks=sinks)
+    extend_like_step(engine(window=3), ForwardMode.MIXED, [0, 12], [5, 1], sinks=sinks)
+    extend_like_step(engine(), ForwardMode.DRAFT_EXTEND, [7], [3], sinks=sinks)
+    verify_step(engine(page_size=2), [3, 11], 4, sinks=sinks)
+
+
+def test_attention_sinks_are_checked():
+    with pytest.raises(kvattn.InvalidArgumentError, match="sinks"):
+        decode_step(engine(), [5], sinks=torch.zeros(3))  # 4 q heads
+    with pytest.raises(kvattn.InvalidArgumentError, match="sinks"):
+        decode_step(engine(), [5], sinks=torch.zeros(4, dtype=torch.int32))
+
+
 def test_multi_step_draft():
     multi_step_draft(engine(), [2, 9], topk=2, num_steps=2)
 

@@ -196,15 +196,23 @@ class Engine:
         return fb
 
 
-def sdpa_reference(q, k, v, scaling, visible):
+def sdpa_reference(q, k, v, scaling, visible, sinks=None):
     """torch SDPA in float32 on gathered KV: q [n, H, D], k [m, Hk, D], v [m, Hk, Dv],
-    visible bool [n, m] -> [n, H, Dv]."""
+    visible bool [n, m] -> [n, H, Dv]. With sinks ([H]): the softmax written out, one more
+    logit per head with a zero value (gpt-oss's attention sinks)."""
     group = q.shape[1] // k.shape[1]
     qh = q.float().transpose(0, 1).unsqueeze(0)
     kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, None], scale=scaling)
-    return out[0].transpose(0, 1)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, None],
+                                             scale=scaling)
+        return out[0].transpose(0, 1)
+    logits = (qh[0] @ kh[0].transpose(-1, -2)) * scaling  # [H, n, m]
+    logits = logits.masked_fill(~visible[None], float("-inf"))
+    sink = sinks.float().reshape(-1, 1, 1).expand(-1, logits.shape[1], 1)
+    weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return (weights @ vh[0]).transpose(0, 1)
 
 
 def causal_visible(q_positions, kv_len, window, device):
@@ -241,8 +249,10 @@ def assert_close(actual, expected, dtype, what="", row_len=None):
 
 # ---- steps: each runs the backend as an engine would and returns the worst relative error ------
 
-def extend_like_step(engine, mode, prefix_lens, extend_lens, *, layer=None, ragged=False):
-    """EXTEND / MIXED / DRAFT_EXTEND (and DECODE when mode is DECODE with extend_lens all 1)."""
+def extend_like_step(engine, mode, prefix_lens, extend_lens, *, layer=None, ragged=False,
+                     sinks=None):
+    """EXTEND / MIXED / DRAFT_EXTEND (and DECODE when mode is DECODE with extend_lens all 1).
+    sinks: [num_q_heads] attention sinks passed to forward (as gpt-oss passes them)."""
     layer = layer or engine.layer()
     reqs = list(range(len(prefix_lens)))
     new = []
@@ -265,7 +275,8 @@ def extend_like_step(engine, mode, prefix_lens, extend_lens, *, layer=None, ragg
     q = engine.randn(n, layer.tp_q_head_num * layer.head_dim)
     k = engine.randn(n, layer.tp_k_head_num, layer.head_dim)
     v = engine.randn(n, layer.tp_k_head_num, layer.v_head_dim)
-    out = engine.backend.forward(q, k, v, layer, fb)
+    extra = {} if sinks is None else {"sinks": sinks}
+    out = engine.backend.forward(q, k, v, layer, fb, **extra)
     assert out.shape == (n, layer.tp_q_head_num * layer.v_head_dim)
     assert out.dtype == q.dtype and out.device == q.device
 
@@ -279,18 +290,18 @@ def extend_like_step(engine, mode, prefix_lens, extend_lens, *, layer=None, ragg
             vv[p:] = v[row:row + e].float()
         visible = causal_visible(range(p, p + e), p + e, layer.sliding_window_size,
                                  engine.device)
-        expected.append(sdpa_reference(q3[row:row + e], kk, vv, layer.scaling, visible))
+        expected.append(sdpa_reference(q3[row:row + e], kk, vv, layer.scaling, visible, sinks))
         row += e
     expected = torch.cat(expected).reshape(n, -1)
     return assert_close(out, expected, engine.q_dtype, mode.name, row_len=layer.v_head_dim)
 
 
-def decode_step(engine, prefix_lens, *, layer=None):
+def decode_step(engine, prefix_lens, *, layer=None, sinks=None):
     return extend_like_step(engine, ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens),
-                            layer=layer)
+                            layer=layer, sinks=sinks)
 
 
-def verify_step(engine, prefix_lens, draft_token_num, seed=0):
+def verify_step(engine, prefix_lens, draft_token_num, seed=0, sinks=None):
     rng = np.random.default_rng(seed)
     layer = engine.layer()
     reqs = list(range(len(prefix_lens)))
@@ -316,13 +327,14 @@ def verify_step(engine, prefix_lens, draft_token_num, seed=0):
     q = engine.randn(n, layer.tp_q_head_num, layer.head_dim)
     k = engine.randn(n, layer.tp_k_head_num, layer.head_dim)
     v = engine.randn(n, layer.tp_k_head_num, layer.v_head_dim)
-    out = engine.backend.forward(q, k, v, layer, fb)
+    extra = {} if sinks is None else {"sinks": sinks}
+    out = engine.backend.forward(q, k, v, layer, fb, **extra)
     expected = []
     for r, p in enumerate(prefix_lens):
         rows = slice(r * draft_token_num, (r + 1) * draft_token_num)
         kk, vv = engine.kv(0, engine.token_slots[r][:p + draft_token_num])
         visible = torch.from_numpy(masks[r]).to(engine.device)
-        expected.append(sdpa_reference(q[rows], kk, vv, layer.scaling, visible))
+        expected.append(sdpa_reference(q[rows], kk, vv, layer.scaling, visible, sinks))
     return assert_close(out, torch.cat(expected).reshape(n, -1), engine.q_dtype, "TARGET_VERIFY",
                         row_len=layer.v_head_dim)
 

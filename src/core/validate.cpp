@@ -198,6 +198,27 @@ void validate_step_slots(const ForwardBatch& b, int64_t num_slots, Device device
   }
 }
 
+void check_sinks(const AttentionLayer& layer, Device device) {
+  const TensorView& s = layer.sinks;
+  if (!s.defined()) return;
+  check_arg(s.ndim() == 1 && s.size(0) == layer.num_q_heads, "sinks", "shape ", s,
+            ", expected [", layer.num_q_heads, "] (one per q head)");
+  check_arg(s.dtype() == DType::kFloat32 || s.dtype() == DType::kBFloat16 ||
+                s.dtype() == DType::kFloat16,
+            "sinks", "dtype ", dtype_name(s.dtype()), ", expected float32, bfloat16 or float16");
+  check_arg(s.data() != nullptr, "sinks", "is null");
+  check_arg(s.device() == device, "sinks", "on ", s.device(), ", expected ", device);
+  check_arg(s.size(0) <= 1 || s.stride(0) == 1, "sinks", "stride ", s.stride(0),
+            ", expected a contiguous vector");
+}
+
+void refuse_sinks(const AttentionLayer& layer, const char* where) {
+  if (layer.sinks.defined()) {
+    throw_error(ErrorKind::kNotSupported, "sinks", where,
+                " does not run attention sinks yet (the backend's forward does)");
+  }
+}
+
 void validate_forward_tensors(const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& out, const AttentionLayer& layer,
                               const ForwardBatch& b, const BackendConfig& c, Device device,
@@ -206,6 +227,7 @@ void validate_forward_tensors(const TensorView& q, const TensorView& k, const Te
   const int vd = layer.resolved_v_head_dim();
   check_head_tensor(q, "q", num_tokens, layer.num_q_heads, layer.head_dim, c.q_dtype, device);
   check_head_tensor(out, "out", num_tokens, layer.num_q_heads, vd, c.q_dtype, device);
+  check_sinks(layer, device);
   if (!save_kv_cache || !k.defined()) {
     check_arg(!save_kv_cache || !v.defined(), "k", "missing while v is given");
     return;

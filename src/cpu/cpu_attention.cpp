@@ -1212,4 +1212,40 @@ void merge_attention_states(const float* out_a, const float* lse_a, const float*
   });
 }
 
+void apply_sinks(const TensorView& sinks, const float* lse, int64_t num_tokens, int num_q_heads,
+                 int v_head_dim, void* out, int64_t out_stride_token, int64_t out_stride_head,
+                 DType out_dtype, ThreadPool& pool) {
+  std::vector<float> sink(static_cast<size_t>(num_q_heads));
+  for (int h = 0; h < num_q_heads; ++h) {
+    const char* at = static_cast<const char*>(sinks.data()) + h * dtype_size(sinks.dtype());
+    uint16_t bits = 0;
+    if (sinks.dtype() == DType::kFloat32) {
+      std::memcpy(&sink[size_t(h)], at, sizeof(float));
+      continue;
+    }
+    std::memcpy(&bits, at, sizeof(bits));
+    sink[size_t(h)] = sinks.dtype() == DType::kBFloat16 ? bf16_to_float(bits) : fp16_to_float(bits);
+  }
+  constexpr int64_t kTokensPerChunk = 64;
+  const int64_t num_chunks = (num_tokens + kTokensPerChunk - 1) / kTokensPerChunk;
+  const int64_t out_element = dtype_size(out_dtype);
+  pool.parallel_for(num_chunks, [&](int64_t chunk, int) {
+    // load_row may write a few floats past n (it works in vector widths): room for them.
+    std::vector<float> row_values(static_cast<size_t>(v_head_dim) + 16);
+    const int64_t end = std::min(num_tokens, (chunk + 1) * kTokensPerChunk);
+    for (int64_t token = chunk * kTokensPerChunk; token < end; ++token) {
+      for (int head = 0; head < num_q_heads; ++head) {
+        const float row_lse = lse[token * num_q_heads + head];
+        // No key: the row is zero and stays zero (the sink has no value).
+        const float factor =
+            row_lse == -INFINITY ? 0.f : 1.f / (1.f + std::exp(sink[size_t(head)] - row_lse));
+        char* dst = static_cast<char*>(out) +
+                    (token * out_stride_token + int64_t(head) * out_stride_head) * out_element;
+        load_row(dst, out_dtype, v_head_dim, factor, row_values.data());
+        store_row(row_values.data(), v_head_dim, out_dtype, dst);
+      }
+    }
+  });
+}
+
 }  // namespace kvattn::cpu

@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "core/attention_params.h"
+#include "kvattn/tensor.h"
 #include "cpu/thread_pool.h"
 
 namespace kvattn::cpu {
@@ -53,5 +54,14 @@ void merge_attention_states(const float* out_a, const float* lse_a, const float*
                             int v_head_dim, void* out, int64_t out_stride_token,
                             int64_t out_stride_head, DType out_dtype, float* lse_out,
                             ThreadPool& pool);
+
+/// Attention sinks on finished outputs: row (token, head) of `out` (out_dtype, strides in
+/// elements) is scaled by e^(lse) / (e^(lse) + e^(s_h)) = 1 / (1 + e^(s_h - lse)), the softmax
+/// with the sink as one more key whose value is zero (lse: the row's natural-log LSE without the
+/// sink; -inf leaves the zero row as it is). `sinks` is a host [num_q_heads] fp32/bf16/fp16
+/// vector. lse is updated to include the sink when lse_out is given.
+void apply_sinks(const TensorView& sinks, const float* lse, int64_t num_tokens, int num_q_heads,
+                 int v_head_dim, void* out, int64_t out_stride_token, int64_t out_stride_head,
+                 DType out_dtype, ThreadPool& pool);
 
 }  // namespace kvattn::cpu

@@ -228,14 +228,33 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   if (save) save_kv(k, v, layer, loc, loc_name, cache, pool_);
   if (plan_.num_tokens == 0) return;
 
+  const int heads = layer.num_q_heads;
+  const int dv = layer.resolved_v_head_dim();
+  const int64_t rows = plan_.num_tokens * heads;
+  // Sinks: the attention leaves each row's LSE here, then apply_sinks folds the sink in.
+  const bool sinks = layer.sinks.defined();
+  float* final_lse = nullptr;
+  if (sinks) {
+    sink_lse_.resize(size_t(rows));
+    final_lse = sink_lse_.data();
+  }
+  auto finish = [&] {
+    if (!sinks) return;
+    const core::HeadStrides os = core::head_strides(out, dv);
+    apply_sinks(layer.sinks, final_lse, plan_.num_tokens, heads, dv, out.data(), os.token,
+                os.head, out.dtype(), pool_);
+  };
+
   core::AttentionParams params;
   core::set_query_fields(params, q, out, layer);
+  params.lse = final_lse;
   if (!ragged) {
     set_paged(params, cache, layer, set);
     if (verify) {
       params.custom_mask = window_verify ? plan_.window_mask.data() : plan_.custom_mask.data();
     }
     run_attention(params, q.dtype(), pool_, workspace_);
+    finish();
     return;
   }
 
@@ -243,11 +262,9 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   set_ragged(params, k, v, layer, plan_.ragged);
   if (!plan_.any_prefix) {
     run_attention(params, q.dtype(), pool_, workspace_);
+    finish();
     return;
   }
-  const int heads = layer.num_q_heads;
-  const int dv = layer.resolved_v_head_dim();
-  const int64_t rows = plan_.num_tokens * heads;
   merge_buffers_.resize(size_t(rows) * (2 * dv + 2));
   float* out_new = merge_buffers_.data();
   float* out_prefix = out_new + rows * dv;
@@ -270,7 +287,8 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
 
   const core::HeadStrides os = core::head_strides(out, dv);
   merge_attention_states(out_new, lse_new, out_prefix, lse_prefix, plan_.num_tokens, heads, dv,
-                         out.data(), os.token, os.head, out.dtype(), nullptr, pool_);
+                         out.data(), os.token, os.head, out.dtype(), final_lse, pool_);
+  finish();
 }
 
 // ---- CpuDraftRunner ----------------------------------------------------------------------------
@@ -357,6 +375,7 @@ void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorVie
   step_batch.batch_size = num_queries_;
   step_batch.out_cache_loc = out_cache_loc;
   const bool save = out_cache_loc.defined() && k.defined();
+  core::refuse_sinks(layer, "the multi-step draft backend");
   core::validate_forward_tensors(q, k, v, out, layer, step_batch, config_, Device::cpu(),
                                  num_queries_, save);
   const KvCache& cache = *config_.kv_cache;

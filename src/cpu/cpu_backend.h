@@ -76,6 +76,7 @@ class CpuBackend final : public AttentionBackend {
   AttentionWorkspace workspace_;
   StepPlan plan_;
   std::vector<float> merge_buffers_;  // ragged path: two fp32 outputs and two LSE arrays
+  std::vector<float> sink_lse_;       // layers with sinks: the rows' LSE before the sink
   uint64_t step_id_ = 0;
 };
 

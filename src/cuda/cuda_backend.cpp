@@ -680,6 +680,10 @@ class CudaBackend final : public AttentionBackend {
           {max_num_tokens, config_.num_q_heads, config_.v_head_dim, elem}, "fp32 io copies"));
       growth.need(graph_io_scratch_, core::checked_sum(q_bytes, out_bytes, "fp32 io copies"));
     }
+    // Sinks: one LSE a (token, q head).
+    growth.need(graph_sink_lse_,
+                core::checked_bytes({max_num_tokens, config_.num_q_heads, int64_t(sizeof(float))},
+                                    "sink LSE"));
     growth.apply(device_, what);
     for (size_t s = 0; s < model_sets_.size(); ++s) freeze_call(graph_calls_[s]);
     graph_kv_capacity_ = kv_capacity;
@@ -811,8 +815,38 @@ class CudaBackend final : public AttentionBackend {
       save_kv(config_, layer, k, v, loc, guard, stream);
     }
     if (step_.num_tokens == 0) return;
+    // Sinks: the attention leaves each row's LSE in sink_lse, then one pass folds the sink into
+    // the finished output (launch_apply_sinks).
+    float* sink_lse = nullptr;
+    if (layer.sinks.defined()) {
+      Buffer& lse_buffer = step_.graph_pool ? graph_sink_lse_ : sink_lse_;
+      ensure_bytes(lse_buffer,
+                   core::checked_bytes({step_.num_tokens, config_.num_q_heads,
+                                        int64_t(sizeof(float))},
+                                       "sink LSE"),
+                   step_.graph_pool, device_, "sink LSE");
+      sink_lse = static_cast<float*>(lse_buffer.data());
+    }
+    auto finish = [&] {
+      if (sink_lse == nullptr) return;
+      ApplySinksLaunch a;
+      const core::HeadStrides os = core::head_strides(out, config_.v_head_dim);
+      a.out = out.data();
+      a.out_dtype = out.dtype();
+      a.stride_token = os.token;
+      a.stride_head = os.head;
+      a.lse = sink_lse;
+      a.sinks = layer.sinks.data();
+      a.sinks_dtype = layer.sinks.dtype();
+      a.num_tokens = step_.num_tokens;
+      a.num_heads = config_.num_q_heads;
+      a.v_head_dim = config_.v_head_dim;
+      a.step_error = &step_state()->error;
+      launch_apply_sinks(a, stream);
+    };
     if (!step_.convert_io) {
-      attend(config_, layer, q, k, v, out, stream);
+      attend(config_, layer, q, k, v, out, sink_lse, stream);
+      finish();
       return;
     }
     // fp32 io: 16-bit copies of q (and the ragged k/v) in, the 16-bit output back out.
@@ -841,8 +875,9 @@ class CudaBackend final : public AttentionBackend {
       convert_heads(k, config_.head_dim, k16, stream);
       convert_heads(v, config_.v_head_dim, v16, stream);
     }
-    attend(compute, layer, q16, k16, v16, out16, stream);
+    attend(compute, layer, q16, k16, v16, out16, sink_lse, stream);
     convert_heads(out16, config_.v_head_dim, out, stream);
+    finish();
   }
 
   // One fp32 partial output of the ragged + prefix EXTEND in ragged_scratch_ (aligned size).
@@ -871,9 +906,10 @@ class CudaBackend final : public AttentionBackend {
     launch_convert_rows(c, stream);
   }
 
-  // The attention of one layer with io in cfg.q_dtype (the config's, or the 16-bit copies').
+  // The attention of one layer with io in cfg.q_dtype (the config's, or the 16-bit copies');
+  // lse, when given, receives each output row's natural-log LSE.
   void attend(const BackendConfig& cfg, const AttentionLayer& layer, const TensorView& q,
-              const TensorView& k, const TensorView& v, const TensorView& out,
+              const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
               cudaStream_t stream) {
     const core::IndexSet set = core::index_set_for(layer, cfg.is_encoder_decoder);
     const auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
@@ -883,7 +919,7 @@ class CudaBackend final : public AttentionBackend {
     const CallState& paged = pool[slot];
     const StepState* state = step_state();
     if (!step_.ragged) {
-      run_call(paged, make_params(paged, cfg, layer, q, out, nullptr, {}, {}, state), device_.index,
+      run_call(paged, make_params(paged, cfg, layer, q, out, lse, {}, {}, state), device_.index,
                stream);
       return;
     }
@@ -893,7 +929,7 @@ class CudaBackend final : public AttentionBackend {
               "the ragged EXTEND path attends to this step's k/v directly: pass them");
     const CallState& ragged = pool[kRaggedSlot];
     if (!step_.any_prefix) {
-      run_call(ragged, make_params(ragged, cfg, layer, q, out, nullptr, k, v, state), device_.index,
+      run_call(ragged, make_params(ragged, cfg, layer, q, out, lse, k, v, state), device_.index,
                stream);
       return;
     }
@@ -931,6 +967,7 @@ class CudaBackend final : public AttentionBackend {
     m.num_tokens = step_.num_tokens;
     m.num_heads = cfg.num_q_heads;
     m.v_head_dim = cfg.v_head_dim;
+    m.lse_out = lse;
     m.step_error = &state->error;
     launch_merge_states(m, stream);
   }
@@ -944,6 +981,8 @@ class CudaBackend final : public AttentionBackend {
   CallState eager_calls_[3];
   CallState graph_calls_[3];
   Buffer ragged_scratch_;
+  Buffer sink_lse_;        ///< layers with sinks: each row's LSE before the sink
+  Buffer graph_sink_lse_;  ///< the graph pool's (frozen once allocated)
   Buffer io_scratch_;
   Buffer graph_io_scratch_;  ///< the graph pool's fp32-io copies (frozen once allocated)
   int graph_max_bs_ = 0;

@@ -175,6 +175,7 @@ class CudaDraftRunner final : public core::DraftRunner {
     view.batch_size = entries_;
     view.out_cache_loc = out_cache_loc;
     const bool save = out_cache_loc.defined() && k.defined();
+    core::refuse_sinks(layer, "the multi-step draft backend");
     core::validate_forward_tensors(q, k, v, out, layer, view, config_, device_, entries_, save);
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
     StepState* state = step_state_of(steps_[0]);

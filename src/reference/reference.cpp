@@ -181,7 +181,7 @@ std::vector<RefKey> reference_visible_keys(const AttentionLayer& layer, const Re
 
 RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch,
                               const RefKvPool& pool, const std::vector<double>& q,
-                              const RefNewKv* ragged_new_kv) {
+                              const RefNewKv* ragged_new_kv, const std::vector<double>* sinks) {
   const int num_q_heads = layer.num_q_heads;
   const int num_kv_heads = layer.num_kv_heads;
   const int head_dim = layer.head_dim;
@@ -199,6 +199,8 @@ RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch
   result.v_head_dim = v_head_dim;
   if (int64_t(q.size()) != result.num_tokens * num_q_heads * head_dim)
     throw std::invalid_argument("reference: q size");
+  if (sinks != nullptr && int(sinks->size()) != num_q_heads)
+    throw std::invalid_argument("reference: sinks size");
   result.out.assign(size_t(result.num_tokens) * num_q_heads * v_head_dim, 0.0);
   result.lse.assign(size_t(result.num_tokens) * num_q_heads,
                     -std::numeric_limits<double>::infinity());
@@ -207,7 +209,12 @@ RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch
   for (int64_t t = 0; t < result.num_tokens; ++t) {
     const std::vector<RefKey> keys =
         reference_visible_keys(layer, batch, t, ragged_new_kv != nullptr);
-    if (keys.empty()) continue;
+    if (keys.empty()) {
+      if (sinks != nullptr) {
+        for (int h = 0; h < num_q_heads; ++h) result.lse[t * num_q_heads + h] = (*sinks)[h];
+      }
+      continue;
+    }
     for (int h = 0; h < num_q_heads; ++h) {
       const int kv_head = h / group;
       const double* q_row = q.data() + (t * num_q_heads + h) * head_dim;
@@ -232,6 +239,11 @@ RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch
         max_logit = std::max(max_logit, x);
       }
       double denominator = 0;
+      if (sinks != nullptr) {
+        const double sink = (*sinks)[h];
+        max_logit = std::max(max_logit, sink);
+        denominator = std::exp(sink - max_logit);
+      }
       double* out_row = result.out.data() + (t * num_q_heads + h) * v_head_dim;
       for (size_t j = 0; j < keys.size(); ++j) {
         const double weight = std::exp(logits[j] - max_logit);

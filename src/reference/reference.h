@@ -6,7 +6,10 @@
 // a float64 snapshot of the pool, and computes
 //   x_j = q·k_j * scaling;  x_j = cap * tanh(x_j / cap) when logit_cap > 0
 //   out = sum_j e^(x_j - m) v_j / sum_j e^(x_j - m),  lse = m + ln(sum_j e^(x_j - m))
-// A token with no visible keys gets out = 0 and lse = -inf.
+// A token with no visible keys gets out = 0 and lse = -inf. With sinks (one logit s_h per q
+// head, a key whose value is zero): the sums gain e^(s_h - m) (m over the keys and s_h), so
+// out = sum_j e^(x_j) v_j / (e^(s_h) + sum_j e^(x_j)) and lse = ln(e^(s_h) + sum_j e^(x_j)); a
+// token with no visible keys then gets out = 0 and lse = s_h.
 #pragma once
 
 #include <cstdint>
@@ -99,9 +102,12 @@ void reference_save_kv(RefKvPool& pool, const RefNewKv& new_kv, DType storage, d
 /// them). `ragged_new_kv`, when given, models the ragged EXTEND path: a request's new tokens
 /// (positions [prefix, seq) of EXTEND / MIXED requests) are read from these unrounded rows, in
 /// token order, instead of from the pool.
+/// `sinks`, when given, holds [num_q_heads] sink logits (the oracle never reads layer.sinks,
+/// which may live on a device).
 RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch,
                               const RefKvPool& pool, const std::vector<double>& q,
-                              const RefNewKv* ragged_new_kv = nullptr);
+                              const RefNewKv* ragged_new_kv = nullptr,
+                              const std::vector<double>* sinks = nullptr);
 
 /// A key a query token sees: the req_to_token position of its request, or (ragged path) a row
 /// of the new K/V.

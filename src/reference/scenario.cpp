@@ -281,7 +281,8 @@ ScenarioResult judge_world(ScenarioWorld& w) {
     RefOutput ref;
     try {
       ref = reference_attention(w.layer, ref_batch, ref_pool, c.q_values,
-                                w.ragged ? &c.new_kv : nullptr);
+                                w.ragged ? &c.new_kv : nullptr,
+                                w.sink_values.empty() ? nullptr : &w.sink_values);
     } catch (const std::exception& e) {
       result.detail = what + ": the reference failed: " + e.what();
       return result;

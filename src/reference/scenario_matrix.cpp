@@ -12,6 +12,10 @@ const char* unsupported_reason(const ScenarioSpec& spec, BackendKind kind) {
     return "CUDA multi-step draft on a window layer: the draft index build has no window "
            "(refused in src/cuda/draft_runner.cpp)";
   }
+  if (spec.topk > 0 && spec.sinks) {
+    return "multi-step draft with attention sinks: the draft backends have no sinks yet "
+           "(core::refuse_sinks)";
+  }
   return nullptr;
 }
 
@@ -461,6 +465,68 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.num_steps = 2;
     s.sliding_window = 10;
     s.window_layer = false;
+  });
+
+  // ---- attention sinks (every mode; with and without a window) --------------------------------
+  const ForwardMode mixed = ForwardMode::kMixed;
+  const ForwardMode verify = ForwardMode::kTargetVerify;
+  const ForwardMode draft_extend = ForwardMode::kDraftExtend;
+  add("decode sinks", decode, [](ScenarioSpec& s) { s.sinks = true; });
+  add("decode sinks window layer page16", decode, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.sliding_window = 24;
+    s.page_size = 16;
+  });
+  add("decode sinks GQA8 bf16 sinks", decode, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.sinks_dtype = DType::kBFloat16;
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+  });
+  add("decode sinks fp8 e4m3 fp16 sinks", decode, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.sinks_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.6f;
+    s.v_scale = 1.4f;
+  });
+  add("extend sinks", extend, [](ScenarioSpec& s) { s.sinks = true; });
+  add("extend sinks ragged", extend, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.force_ragged = true;
+  });
+  add("extend sinks window layer", extend, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.sliding_window = 20;
+    s.page_size = 16;
+  });
+  add("extend sinks fp32 q softcap", extend, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.q_dtype = DType::kFloat32;
+    s.logit_cap = 4.f;
+  });
+  add("mixed sinks ragged", mixed, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.batch_size = 5;
+    s.force_ragged = true;
+  });
+  add("verify sinks", verify, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.draft_token_num = 6;
+  });
+  add("verify sinks window layer", verify, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.draft_token_num = 5;
+    s.sliding_window = 16;
+  });
+  add("draft extend sinks", draft_extend, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.max_q_len = 5;
+  });
+  add("multi-step sinks", decode, [](ScenarioSpec& s) {
+    s.sinks = true;
+    s.topk = 2;
+    s.num_steps = 2;
   });
   return rows;
 }

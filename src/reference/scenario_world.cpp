@@ -613,6 +613,18 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
   rb.custom_mask = custom_mask;
   rb.positions = tree_positions;
   rb.topk = multi_step ? s.topk : 0;
+
+  // ---- attention sinks (drawn last, so that rows without them keep their data) ---------------
+  if (s.sinks) {
+    // Around a row's typical LSE (ln of its key count plus a little), so that the sink takes
+    // anything from a small to a large share of a row's softmax.
+    std::vector<uint8_t> bytes(size_t(hq) * size_t(dtype_size(s.sinks_dtype)));
+    for (int h = 0; h < hq; ++h) {
+      encode_element(bytes.data(), s.sinks_dtype, h, 2.0 + 1.5 * rng.value());
+      w.sink_values.push_back(decode_element(bytes.data(), s.sinks_dtype, h));
+    }
+    w.layer.sinks = w.upload(s.sinks_dtype, {int64_t(hq)}, bytes.data(), w.device);
+  }
   return world;
 }
 

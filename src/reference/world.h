@@ -53,6 +53,7 @@ class ScenarioWorld {
   bool multi_step = false;    ///< run through MultiStepDraftBackend
   float k_scale = 1.f;        ///< the scales the tested layer resolves to
   float v_scale = 1.f;
+  std::vector<double> sink_values;  ///< spec.sinks: layer.sinks's values (exact), per q head
 
   RefBatch ref_batch;
   RefKvPool ref_pool;         ///< the tested layer before the run, dequantized

@@ -86,6 +86,25 @@ struct MergeStatesLaunch {
 };
 void launch_merge_states(const MergeStatesLaunch& launch, cudaStream_t stream);
 
+/// Attention sinks on a finished output (AttentionLayer::sinks): the merge of each row's state
+/// with the sink's (a zero value vector at logit s_h), in place: row (token, head) of `out` is
+/// scaled by 1 / (1 + e^(s_h - lse)), lse the row's natural-log LSE without the sink (-inf: the
+/// row is zero and stays zero).
+struct ApplySinksLaunch {
+  void* out = nullptr;  ///< [num_tokens, num_heads, v_head_dim] out_dtype, strides in elements
+  DType out_dtype = DType::kBFloat16;
+  int64_t stride_token = 0;
+  int64_t stride_head = 0;
+  const float* lse = nullptr;   ///< [num_tokens, num_heads]
+  const void* sinks = nullptr;  ///< [num_heads] sinks_dtype
+  DType sinks_dtype = DType::kFloat32;
+  int64_t num_tokens = 0;
+  int num_heads = 0;
+  int v_head_dim = 0;
+  const uint32_t* step_error = nullptr;  ///< the step's error word: nothing is written when set
+};
+void launch_apply_sinks(const ApplySinksLaunch& launch, cudaStream_t stream);
+
 }  // namespace kvattn::cuda
 
 namespace kvattn::cuda::detail {

@@ -125,6 +125,23 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
   if (threadIdx.x % 32 == 0 && m.lse_out != nullptr) m.lse_out[row] = lse;
 }
 
+// Attention sinks: one warp per (token, head) row, scaled in place by 1 / (1 + e^(s_h - lse)).
+__global__ void __launch_bounds__(kMergeThreads) apply_sinks_kernel(const ApplySinksLaunch a) {
+  if (step_refused(a.step_error)) return;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerMergeCta + threadIdx.x / 32;
+  if (row >= a.num_tokens * a.num_heads) return;
+  const int64_t token = row / a.num_heads;
+  const int head = int(row % a.num_heads);
+  const float lse = a.lse[row];
+  const float sink = load_io(a.sinks, a.sinks_dtype, head);
+  // A row without keys is zero and stays zero (the sink has no value vector).
+  const float factor = lse == -INFINITY ? 0.f : 1.f / (1.f + expf(sink - lse));
+  const int64_t base = token * a.stride_token + int64_t(head) * a.stride_head;
+  for (int dim = int(threadIdx.x % 32); dim < a.v_head_dim; dim += 32) {
+    store_io(a.out, a.out_dtype, base + dim, load_io(a.out, a.out_dtype, base + dim) * factor);
+  }
+}
+
 }  // namespace
 
 void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
@@ -140,20 +157,39 @@ void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
 
 }  // namespace detail
 
-void launch_merge_states(const MergeStatesLaunch& m, cudaStream_t stream) {
-  auto float_io = [](DType t) {
-    return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16;
-  };
-  check_arg(float_io(m.io_dtype), "out", "dtype ", dtype_name(m.io_dtype),
-            ", expected fp32, bf16 or fp16");
-  check_arg(float_io(m.partial_dtype), "o_a", "dtype ", dtype_name(m.partial_dtype),
-            ", expected fp32, bf16 or fp16");
-  const int64_t rows = m.num_tokens * m.num_heads;
+namespace {
+
+void check_float_io(DType dtype, const char* argument) {
+  const bool ok = dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
+  check_arg(ok, argument, "dtype ", dtype_name(dtype), ", expected fp32, bf16 or fp16");
+}
+
+/// Launches a warp-per-(token, head)-row kernel over num_tokens x num_heads rows.
+template <typename Launch>
+void launch_rows(void (*kernel)(Launch), const Launch& launch, int64_t num_tokens, int num_heads,
+                 cudaStream_t stream, const char* name) {
+  const int64_t rows = num_tokens * num_heads;
   if (rows == 0) return;
   const int64_t grid = (rows + detail::kRowsPerMergeCta - 1) / detail::kRowsPerMergeCta;
-  check_arg(grid < (int64_t(1) << 31), "num_tokens", m.num_tokens, " rows exceed the launch limit");
-  detail::merge_states_kernel<<<dim3(uint32_t(grid)), dim3(detail::kMergeThreads), 0, stream>>>(m);
-  check_launch("merge_states_kernel");
+  check_arg(grid < (int64_t(1) << 31), "num_tokens", num_tokens, " rows exceed the launch limit");
+  kernel<<<dim3(uint32_t(grid)), dim3(detail::kMergeThreads), 0, stream>>>(launch);
+  check_launch(name);
+}
+
+}  // namespace
+
+void launch_merge_states(const MergeStatesLaunch& m, cudaStream_t stream) {
+  check_float_io(m.io_dtype, "out");
+  check_float_io(m.partial_dtype, "o_a");
+  launch_rows(detail::merge_states_kernel, m, m.num_tokens, m.num_heads, stream,
+              "merge_states_kernel");
+}
+
+void launch_apply_sinks(const ApplySinksLaunch& a, cudaStream_t stream) {
+  check_float_io(a.out_dtype, "out");
+  check_float_io(a.sinks_dtype, "sinks");
+  launch_rows(detail::apply_sinks_kernel, a, a.num_tokens, a.num_heads, stream,
+              "apply_sinks_kernel");
 }
 
 }  // namespace kvattn::cuda
