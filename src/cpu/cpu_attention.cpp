@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/softmax_state.h"
+#include "cpu/amx.h"
 #include "cpu/bf16_avx512.h"
 #include "cpu/row_convert.h"
 #include "cpu/simd.h"
@@ -130,9 +131,11 @@ struct CallContext {
   int tile_rows = 1;        // tile_tokens * group: the rows one kv head serves
   bool direct = false;      // read K/V straight from the pool (see kDirectRows)
   bool bf16_dot = false;    // q.k and P.V on the AVX-512 BF16 kernels (bf16_avx512.h)
+  bool amx = false;         // scratch-path tiles on the AMX-BF16 kernels (amx.h)
   int kv_block = kWidenKvBlock;  // keys per inner block
   int item_heads = 1;       // kv heads per work item
   int item_rows = 1;        // item_heads * tile_rows
+  int scratch_rows = 1;     // item_rows, rounded up to 16 for the AMX kernels
   float q_scale = 1.f;      // sm_scale * k_scale, folded into q
   const float* fp8_table = nullptr;
   int64_t kv_element = 2;   // bytes per K/V element
@@ -748,8 +751,10 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   // The BF16 kernels take rows 4 at a time: a tile's last rows up to the next multiple of 4
   // (still inside the kv head's tile_rows) get zero queries on the direct path and zero weights
   // in P on the scratch path; their outputs are never read.
-  const int kernel_rows = ctx.bf16_dot ? (rows + 3) / 4 * 4 : rows;
-  const bool q_as_bf16 = ctx.bf16_dot && ctx.direct;  // the direct path's vdpbf16ps scores
+  // (The AMX kernels take rows 16 at a time, likewise.)
+  const int kernel_rows = ctx.bf16_dot ? (rows + 3) / 4 * 4 : ctx.amx ? (rows + 15) / 16 * 16 : rows;
+  // bf16 q as given: the direct path's vdpbf16ps scores and the AMX tiles.
+  const bool q_as_bf16 = (ctx.bf16_dot && ctx.direct) || ctx.amx;
 
   // Queries, pre-scaled so that q . k is the logit (the BF16 kernels scale the scores instead).
   for (int h = 0; h < num_heads; ++h) {
@@ -776,7 +781,8 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
       std::fill(ws.q_bf16.begin() + (first + rows) * dim,
                 ws.q_bf16.begin() + (first + kernel_rows) * dim, uint16_t(0));
     }
-    std::fill(ws.o.begin() + first * dv, ws.o.begin() + (first + rows) * dv, 0.f);
+    std::fill(ws.o.begin() + first * dv,
+              ws.o.begin() + (first + (ctx.amx ? kernel_rows : rows)) * dv, 0.f);
     std::fill(ws.state.begin() + first, ws.state.begin() + first + rows, SoftmaxState{});
   }
 
@@ -876,6 +882,18 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
       for (int h = 0; h < num_heads; ++h) {
         const int64_t first_row = int64_t(h) * ctx.tile_rows;
         float* s = ws.s.data() + first_row * kKvBlock;
+        if (ctx.amx) {  // S = Q K^T and O += P V on the tile unit, K and V packed per block
+          uint16_t* kp = reinterpret_cast<uint16_t*>(ws.k.data());
+          uint16_t* vp = reinterpret_cast<uint16_t*>(ws.v.data());
+          amx::pack_keys(keys, k_head_offset(h), nk, dim, kp);
+          amx::scores(ws.q_bf16.data() + first_row * dim, kernel_rows, dim, kp, ctx.q_scale, s,
+                      kKvBlock);
+          mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
+                           ws.o.data() + first_row * dv, dv);
+          amx::pack_values(values, v_head_offset(h), nk, dv, vp);
+          amx::accumulate_pv(s, kKvBlock, kernel_rows, nk, vp, dv, ws.o.data() + first_row * dv);
+          continue;
+        }
         if (ctx.bf16_dot) {  // keys in 16 lanes; values straight from the pool
           widen_keys_transposed(keys, k_head_offset(h), nk, dim, ws.k.data(), kWidenKvBlock, 16,
                                 load);
@@ -1041,11 +1059,18 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   ctx.bf16_dot = p.io_dtype == DType::kBFloat16 &&
                  p.kv_dtype == DType::kBFloat16 && ctx.tile_rows % 4 == 0 &&
                  p.head_dim % 32 == 0 && p.v_head_dim % 32 == 0 && avx512::bf16_available();
+  // Tiles of many rows (prefill, extend, large verify trees) run on the AMX tile unit where the
+  // CPU has it: bf16 q and K/V, 16 rows and 32 dims a tile step, 64 keys a block.
+  ctx.amx = !ctx.direct && p.io_dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
+            p.head_dim % 32 == 0 && p.v_head_dim % 64 == 0 && amx::available();
+  if (ctx.amx) ctx.bf16_dot = false;
   ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;
   ctx.kv_block = ctx.direct                                 ? kDirectKvBlock
+                 : ctx.amx                                  ? amx::kBlockKeys
                  : std::max(p.head_dim, p.v_head_dim) > 128 ? kWideDimWidenKvBlock
                                                             : kWidenKvBlock;
   ctx.item_rows = ctx.item_heads * ctx.tile_rows;
+  ctx.scratch_rows = ctx.amx ? (ctx.item_rows + 15) / 16 * 16 : ctx.item_rows;
   ctx.q_scale = p.sm_scale * (is_fp8_dtype(p.kv_dtype) ? p.k_scale : 1.f);
   ctx.fp8_table = fp8_value_table(p.kv_dtype);
   ctx.kv_element = dtype_size(p.kv_dtype);
@@ -1131,13 +1156,16 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   const int dv = p.v_head_dim;
   if (int(w.threads.size()) < threads) w.threads.resize(size_t(threads));
   for (ThreadScratch& scratch : w.threads) {
-    scratch.q.resize(size_t(ctx.item_rows) * dim);
-    if (ctx.bf16_dot && ctx.direct) scratch.q_bf16.resize(size_t(ctx.item_rows) * dim);
-    scratch.o.resize(size_t(ctx.item_rows) * dv);
-    scratch.s.resize(size_t(ctx.item_rows) * kKvBlock);
+    scratch.q.resize(size_t(ctx.scratch_rows) * dim);
+    if ((ctx.bf16_dot && ctx.direct) || ctx.amx) {
+      scratch.q_bf16.resize(size_t(ctx.scratch_rows) * dim);
+    }
+    scratch.o.resize(size_t(ctx.scratch_rows) * dv);
+    scratch.s.resize(size_t(ctx.scratch_rows) * kKvBlock);
+    // (the AMX path packs the block's keys and values, in bf16, into k and v)
     scratch.k.resize(size_t(dim) * kWidenKvBlock);
     scratch.v.resize(size_t(kKvBlock) * dv);
-    scratch.state.resize(size_t(ctx.item_rows));
+    scratch.state.resize(size_t(ctx.scratch_rows));
   }
   w.partial_out.resize(size_t(num_partials) * ctx.item_rows * dv);
   w.partial_lse.resize(size_t(num_partials) * ctx.item_rows);

@@ -1,0 +1,229 @@
+#include "cpu/amx.h"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() (see bf16_avx512.cpp).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <cstdlib>
+#include <cstring>
+
+// Only functions with this attribute use AMX or AVX-512; the file is compiled with the library's
+// AVX2 flags like the rest (bf16_avx512.cpp says why).
+#define KVATTN_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+namespace kvattn::cpu::amx {
+namespace {
+
+constexpr int kTileElems = 16 * 32;  // one 16 x 32 bf16 B tile (1 KiB)
+
+// Linux keeps the AMX tile data off until a process asks for it (arch_prctl).
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+bool detect() {
+  const char* isa = std::getenv("KVATTN_CPU_ISA");
+  if (isa != nullptr && (std::strcmp(isa, "avx2") == 0 || std::strcmp(isa, "avx512") == 0)) {
+    return false;
+  }
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bf16"))) {
+    return false;
+  }
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx_bf16 = (d >> 22) & 1;
+  const bool amx_tile = (d >> 24) & 1;
+  if (!amx_bf16 || !amx_tile) return false;
+  // The OS must save the tile state (XCR0 bits 17 and 18)...
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if (((xcr0_lo >> 17) & 3) != 3) return false;
+  // ... and let this process use it.
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Palette 1, tiles 0..7 all 16 rows x 64 bytes (16 fp32 or 32 bf16 a row).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0};
+};
+
+KVATTN_AMX inline void load_config() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+// r[0..15] (16 rows of 16 dwords) transposed in place: r[c][n] = old r[n][c].
+KVATTN_AMX inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // Within each 128-bit lane L, u[4 i + j] holds column 4 L + j of rows 4 i .. 4 i + 3.
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Column 4 L + j gathers lane L of u[j], u[4 + j], u[8 + j], u[12 + j].
+  for (int j = 0; j < 4; ++j) {
+    const __m512i lo01 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+    const __m512i hi01 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+    const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+    r[0 + j] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(lo01, lo23, 0xdd);
+    r[8 + j] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(hi01, hi23, 0xdd);
+  }
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = detect();
+  return ok;
+}
+
+KVATTN_AMX void pack_keys(const char* const* keys, int64_t head_offset, int nk, int dim,
+                          uint16_t* kp) {
+  const int chunks = dim / 32;
+  for (int g = 0; g < kBlockKeys / 16; ++g) {
+    for (int c = 0; c < chunks; ++c) {
+      __m512i r[16];
+      for (int n = 0; n < 16; ++n) {
+        const int key = 16 * g + n;
+        r[n] = key < nk ? _mm512_loadu_si512(keys[key] + head_offset + int64_t(c) * 64)
+                        : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint16_t* tile = kp + int64_t(c * 4 + g) * kTileElems;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 32, r[i]);
+    }
+  }
+}
+
+KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp, float scale,
+                       float* s, int ld) {
+  load_config();
+  const int chunks = dim / 32;
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < chunks; ++c) {
+      _tile_loadd(4, q + int64_t(r0) * dim + c * 32, dim * 2);
+      const uint16_t* b = kp + int64_t(c) * 4 * kTileElems;
+      _tile_loadd(5, b, 64);
+      _tile_loadd(6, b + kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b + 2 * kTileElems, 64);
+      _tile_loadd(5, b + 3 * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* dst = s + int64_t(r0) * ld;
+    _tile_stored(0, dst, ld * 4);
+    _tile_stored(1, dst + 16, ld * 4);
+    _tile_stored(2, dst + 32, ld * 4);
+    _tile_stored(3, dst + 48, ld * 4);
+    for (int r = 0; r < 16; ++r) {
+      float* row = dst + int64_t(r) * ld;
+      for (int j = 0; j < kBlockKeys; j += 16) {
+        _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), f));
+      }
+    }
+  }
+}
+
+KVATTN_AMX void pack_values(const char* const* values, int64_t head_offset, int nk, int dv,
+                            uint16_t* vp) {
+  // Element 2 n of a packed row is key a's dim n, element 2 n + 1 key b's.
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i index = _mm512_load_si512(kInterleave);
+  const int col_tiles = dv / 16;
+  const int key_chunks = (nk + 31) / 32;
+  for (int kc = 0; kc < key_chunks; ++kc) {
+    for (int i = 0; i < 16; ++i) {
+      const int a = 32 * kc + 2 * i;
+      const int b = a + 1;
+      const char* row_a = a < nk ? values[a] + head_offset : nullptr;
+      const char* row_b = b < nk ? values[b] + head_offset : nullptr;
+      for (int t = 0; t < col_tiles; ++t) {
+        const __m256i va = row_a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_a) + t)
+                                 : _mm256_setzero_si256();
+        const __m256i vb = row_b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_b) + t)
+                                 : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
+        uint16_t* dst = vp + (int64_t(kc) * col_tiles + t) * kTileElems + i * 32;
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(index, both));
+      }
+    }
+  }
+}
+
+KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const uint16_t* vp,
+                              int dv, float* o) {
+  load_config();
+  const int key_chunks = (nk + 31) / 32;
+  const int width = key_chunks * 32;
+  const int col_tiles = dv / 16;
+  alignas(64) uint16_t pb[16 * kBlockKeys];  // 16 rows of P in bf16, kBlockKeys a row
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    for (int r = 0; r < 16; ++r) {
+      const float* src = p + int64_t(r0 + r) * ld;
+      for (int j = 0; j < width; j += 16) {
+        const int left = nk - j;
+        const __mmask16 keep = left >= 16 ? __mmask16(0xffff)
+                               : left <= 0 ? __mmask16(0)
+                                           : __mmask16((1u << left) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(keep, src + j);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * kBlockKeys + j),
+                            (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+    for (int t0 = 0; t0 < col_tiles; t0 += 4) {
+      float* od = o + int64_t(r0) * dv + t0 * 16;
+      _tile_loadd(0, od, dv * 4);
+      _tile_loadd(1, od + 16, dv * 4);
+      _tile_loadd(2, od + 32, dv * 4);
+      _tile_loadd(3, od + 48, dv * 4);
+      for (int kc = 0; kc < key_chunks; ++kc) {
+        _tile_loadd(4, pb + kc * 32, kBlockKeys * 2);
+        const uint16_t* b = vp + (int64_t(kc) * col_tiles + t0) * kTileElems;
+        _tile_loadd(5, b, 64);
+        _tile_loadd(6, b + kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 2 * kTileElems, 64);
+        _tile_loadd(5, b + 3 * kTileElems, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, od, dv * 4);
+      _tile_stored(1, od + 16, dv * 4);
+      _tile_stored(2, od + 32, dv * 4);
+      _tile_stored(3, od + 48, dv * 4);
+    }
+  }
+}
+
+}  // namespace kvattn::cpu::amx
