@@ -180,8 +180,12 @@ struct Ceilings {
   /// CPU only, where the AVX-512 BF16 kernels run: the faster of their bf16 dot-product and
   /// 16-lane FMA rates, which then bounds prefill and extend instead of the AVX2 FMA rate.
   double cpu_avx512_gflops = kNaN;
-  /// The rate a CPU prefill / extend row is a fraction of: the faster of the two above.
+  /// CPU only, where the prefill tiles run on AMX-BF16: the tdpbf16ps rate of all cores.
+  double cpu_amx_gflops = kNaN;
+  /// The rate a CPU prefill / extend row is a fraction of: the kernels' own unit (AMX where
+  /// the tiles run on it, else the faster of the two FMA rates above).
   double cpu_compute_gflops() const {
+    if (std::isfinite(cpu_amx_gflops)) return cpu_amx_gflops;
     return std::isfinite(cpu_avx512_gflops) ? std::max(cpu_fma_fp32_gflops, cpu_avx512_gflops)
                                             : cpu_fma_fp32_gflops;
   }
@@ -511,6 +515,9 @@ void write_json(const std::string& path, const std::string& device_name, const R
   if (std::isfinite(ceilings.cpu_avx512_gflops)) {
     out << ", \"cpu_avx512_tflops\": " << json_number(ceilings.cpu_avx512_gflops / 1e3);
   }
+  if (std::isfinite(ceilings.cpu_amx_gflops)) {
+    out << ", \"cpu_amx_bf16_tflops\": " << json_number(ceilings.cpu_amx_gflops / 1e3);
+  }
   if (std::isfinite(ceilings.cpu_random_slot_gbps)) {
     out << ", \"cpu_read_random_2kib_rows_gbps\": " << json_number(ceilings.cpu_random_slot_gbps)
         << ", \"cpu_read_random_32kib_rows_gbps\": "
@@ -660,6 +667,7 @@ int run_bench(const std::vector<std::string>& args) {
     ceilings.read_gbps = measure_cpu_read_gbps(kGiB, quick ? 3 : 5);
     ceilings.cpu_fma_fp32_gflops = measure_cpu_fma_gflops(quick ? 3 : 5);
     ceilings.cpu_avx512_gflops = measure_cpu_avx512_gflops(quick ? 3 : 5);
+    ceilings.cpu_amx_gflops = measure_cpu_amx_gflops(quick ? 3 : 5);
     const int64_t slot_bytes = int64_t(kKvHeads) * 128 * 2;  // decode rows: head_dim 128, bf16
     ceilings.cpu_random_slot_gbps = measure_cpu_random_rows_gbps(kGiB, slot_bytes, quick ? 3 : 5);
     ceilings.cpu_random_page16_gbps =
@@ -699,6 +707,12 @@ int run_bench(const std::vector<std::string>& args) {
           "chains: the kernels run on them here, so prefill/extend are a fraction of this)\n",
           ceilings.cpu_avx512_gflops);
     }
+    if (std::isfinite(ceilings.cpu_amx_gflops)) {
+      std::printf(
+          "ceilings (this run): AMX-BF16 %.1f GFLOP/s (tdpbf16ps chains: prefill/extend tiles "
+          "run on AMX here, so they are a fraction of this)\n",
+          ceilings.cpu_amx_gflops);
+    }
     std::printf(
         "reference (this run, not a ceiling): whole rows read in a random order, the decode "
         "rows' access pattern: 2 KiB rows (a page-1 slot) %.1f GB/s, 32 KiB rows (a page of "
@@ -706,7 +720,7 @@ int run_bench(const std::vector<std::string>& args) {
         ceilings.cpu_random_slot_gbps, ceilings.cpu_random_page16_gbps);
     std::printf(
         "fraction: decode, verify, draft_extend of read GB/s; prefill/extend of the compute rate "
-        "(fp32 FMA, or AVX-512 where those kernels run). Rows whose one call is estimated over "
+        "(fp32 FMA, or AVX-512 / AMX where those kernels run). Rows whose one call is estimated over "
         "%.1f s, or whose world needs over %.1f GiB, are skipped.\n",
         max_row_seconds, double(memory_limit) / double(kGiB));
   } else {
@@ -732,7 +746,7 @@ int run_bench(const std::vector<std::string>& args) {
     // 2-core development machine, 2026-11-29: 14-33% of read, 25-55% of FMA); the speculative
     // rows (a few queries per request over a long prefix) at the slower of the two.
     const double read_s = row.kv_bytes() / (0.25 * ceilings.read_gbps * 1e9);
-    const double compute_s = row.flops() / (0.25 * ceilings.cpu_fma_fp32_gflops * 1e9);
+    const double compute_s = row.flops() / (0.25 * ceilings.cpu_compute_gflops() * 1e9);
     const double estimate_s = row.is_decode()        ? read_s
                               : row.is_speculative() ? std::max(read_s, compute_s)
                                                      : compute_s;

@@ -159,6 +159,38 @@ __attribute__((target("avx512f"))) float fma512_chains(int t) {
   return _mm512_reduce_add_ps(total);
 }
 
+// Four independent tdpbf16ps chains (16 x 16 fp32 += 16 x 32 by 32 x 16 bf16: 16384 FLOP
+// each), the AMX kernels' instruction. Called only where amx::available() (which also asked the
+// kernel for the tile state) said so.
+struct alignas(64) AmxConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+};
+constexpr int kAmxChains = 4;
+__attribute__((target("amx-tile,amx-bf16"))) float amx_chains(int t) {
+  static const AmxConfig config;
+  alignas(64) static const uint16_t ones[16 * 32] = {};
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  for (int64_t i = 0; i < kIterations / 16; ++i) {
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  alignas(64) float out[16 * 16];
+  _tile_stored(0, out, 64);
+  return out[t % 256];
+}
+
 // GFLOP/s of `chains` on all cores, median of `passes` after a warm-up pass.
 double chains_gflops(int passes, double flops_per_step, float (*chains)(int)) {
   const int threads = host_threads();
@@ -183,6 +215,11 @@ double measure_cpu_avx512_gflops(int passes) {
   if (!cpu_backend_info().avx512_bf16) return std::numeric_limits<double>::quiet_NaN();
   return std::max(chains_gflops(passes, kChains * 16 * 2, fma512_chains),
                   chains_gflops(passes, kChains * 16 * 2 * 2, bf16_dot_chains));
+}
+
+double measure_cpu_amx_gflops(int passes) {
+  if (!cpu_backend_info().amx_bf16) return std::numeric_limits<double>::quiet_NaN();
+  return chains_gflops(passes, double(kAmxChains) * 16 * 16 * 32 * 2 / 16, amx_chains);
 }
 
 int64_t cpu_last_level_cache_bytes() {

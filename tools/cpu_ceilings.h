@@ -26,6 +26,11 @@ double measure_cpu_fma_gflops(int passes);
 /// median of `passes`.
 double measure_cpu_avx512_gflops(int passes);
 
+/// The AMX-BF16 tile rate of all cores (independent tdpbf16ps chains): the ceiling of the CPU
+/// prefill where its tiles run on AMX. NaN where they do not (no AMX, or KVATTN_CPU_ISA=avx512
+/// or avx2). GFLOP/s, median of `passes`.
+double measure_cpu_amx_gflops(int passes);
+
 /// Last-level cache size in bytes (32 MiB when the system does not say).
 int64_t cpu_last_level_cache_bytes();
 

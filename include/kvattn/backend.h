@@ -163,6 +163,7 @@ struct CpuBackendInfo {
   int num_threads = 0;       ///< workers of a backend made with num_threads = 0 (KVATTN_NUM_THREADS
                              ///< or the CPUs this process may run on)
   bool avx512_bf16 = false;  ///< whether the AVX-512 BF16 kernels run here (KVATTN_CPU_ISA honoured)
+  bool amx_bf16 = false;     ///< whether prefill tiles run on AMX-BF16 here (KVATTN_CPU_ISA honoured)
 };
 CpuBackendInfo cpu_backend_info();
 

@@ -9,6 +9,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -91,6 +92,26 @@ KVATTN_AMX inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
+// e^x in 16 lanes for x <= 0 (and -inf): Cody-Waite reduction, the degree-5 polynomial of
+// simd::exp8, then 2^n by scalef; lanes below -87.3 (and -inf) give 0.
+KVATTN_AMX inline __m512 exp16(__m512 x) {
+  const __m512 kMinInput = _mm512_set1_ps(-87.3365478515625f);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, kMinInput, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, kMinInput);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
 }  // namespace
 
 bool available() {
@@ -149,6 +170,44 @@ KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp,
         _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), f));
       }
     }
+  }
+}
+
+KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, core::SoftmaxState* state,
+                             float* o, int dv) {
+  const int vectors = (nk + 15) / 16;
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  for (int r = 0; r < rows; ++r) {
+    float* row = s + int64_t(r) * ld;
+    __m512 v[kBlockKeys / 16];
+    __m512 vmax = minus_inf;
+    for (int i = 0; i < vectors; ++i) {
+      const int left = nk - 16 * i;
+      const __mmask16 keep = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      v[i] = _mm512_mask_loadu_ps(minus_inf, keep, row + 16 * i);
+      vmax = _mm512_max_ps(vmax, v[i]);
+    }
+    const float block_max = _mm512_reduce_max_ps(vmax);
+    if (block_max == -INFINITY) {  // (only from -inf scores)
+      for (int i = 0; i < vectors; ++i) _mm512_storeu_ps(row + 16 * i, _mm512_setzero_ps());
+      continue;
+    }
+    const float factor = state[r].rescale_for(block_max);
+    if (factor != 1.f) {
+      float* orow = o + int64_t(r) * dv;
+      const __m512 f = _mm512_set1_ps(factor);
+      for (int c = 0; c < dv; c += 16) {
+        _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), f));
+      }
+    }
+    const __m512 m = _mm512_set1_ps(state[r].max);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int i = 0; i < vectors; ++i) {
+      const __m512 e = exp16(_mm512_sub_ps(v[i], m));
+      _mm512_storeu_ps(row + 16 * i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    state[r].sum += _mm512_reduce_add_ps(vsum);
   }
 }
 

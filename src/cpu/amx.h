@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "core/softmax_state.h"
+
 namespace kvattn::cpu::amx {
 
 /// Keys per block the kernels take (the tile's kv block).
@@ -37,6 +39,13 @@ void pack_keys(const char* const* keys, int64_t head_offset, int nk, int dim, ui
 /// columns j (keys past nk give 0). ld >= kBlockKeys.
 void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp, float scale, float* s,
             int ld);
+
+/// The online-softmax update of rows [0, rows) over a block whose first nk (<= kBlockKeys) keys
+/// every row sees (no mask, no soft-cap): state[r] takes the block's max (o's row r, dv floats,
+/// is rescaled when the max moves) and s[r * ld + j] becomes e^(s - max) for j < nk, 0 up to the
+/// next multiple of 16. The AVX-512 form of the CPU kernels' mask_and_softmax without masks.
+void softmax_rows(float* s, int ld, int rows, int nk, core::SoftmaxState* state, float* o,
+                  int dv);
 
 /// Packs values [0, nk) of a block (value j's bf16 row at values[j] + head_offset bytes,
 /// dv % 32 == 0, nk <= kBlockKeys) into vp ([kBlockKeys * dv] bf16), zero for keys past nk

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
@@ -121,6 +122,13 @@ AttentionWorkspace::AttentionWorkspace() : impl_(std::make_unique<Impl>()) {}
 AttentionWorkspace::~AttentionWorkspace() = default;
 
 namespace {
+
+// Packed query rows per tile on the AMX path (KVATTN_CPU_AMX_ROWS, an A/B knob).
+int env_tile_rows() {
+  const char* v = std::getenv("KVATTN_CPU_AMX_ROWS");
+  const int rows = v != nullptr ? std::atoi(v) : 0;
+  return rows >= 16 && rows <= 1024 ? rows : 512;
+}
 
 // Everything a tile needs that is fixed for the call.
 struct CallContext {
@@ -888,8 +896,16 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
           amx::pack_keys(keys, k_head_offset(h), nk, dim, kp);
           amx::scores(ws.q_bf16.data() + first_row * dim, kernel_rows, dim, kp, ctx.q_scale, s,
                       kKvBlock);
-          mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
-                           ws.o.data() + first_row * dv, dv);
+          // Blocks every row sees whole (most of a long prefill) skip the mask.
+          const bool plain = p.mask != MaskMode::kCustom && p.logit_cap <= 0.f &&
+                             block >= tile.last_range.lo && block + nk <= tile.first_range.hi;
+          if (plain) {
+            amx::softmax_rows(s, kKvBlock, rows, nk, ws.state.data() + first_row,
+                              ws.o.data() + first_row * dv, dv);
+          } else {
+            mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
+                             ws.o.data() + first_row * dv, dv);
+          }
           amx::pack_values(values, v_head_offset(h), nk, dv, vp);
           amx::accumulate_pv(s, kKvBlock, kernel_rows, nk, vp, dv, ws.o.data() + first_row * dv);
           continue;
@@ -1063,7 +1079,15 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   // CPU has it: bf16 q and K/V, 16 rows and 32 dims a tile step, 64 keys a block.
   ctx.amx = !ctx.direct && p.io_dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
             p.head_dim % 32 == 0 && p.v_head_dim % 64 == 0 && amx::available();
-  if (ctx.amx) ctx.bf16_dot = false;
+  if (ctx.amx) {
+    ctx.bf16_dot = false;
+    // Larger tiles: each block of K/V (gathered and packed once per tile) then serves 8x the
+    // rows, which the gather of page-1 slots needs (bench/NOTES.md, "CPU prefill on AMX":
+    // 1 x 4096 prefill 302 ms at 64 rows, 219 at 128, 195 at 256, 180 at 512, 186 at 1024).
+    static const int amx_rows = env_tile_rows();
+    ctx.tile_tokens = int(std::min<int64_t>(std::max(1, amx_rows / ctx.group), max_q_len));
+    ctx.tile_rows = ctx.tile_tokens * ctx.group;
+  }
   ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;
   ctx.kv_block = ctx.direct                                 ? kDirectKvBlock
                  : ctx.amx                                  ? amx::kBlockKeys

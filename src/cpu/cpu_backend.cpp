@@ -5,6 +5,7 @@
 
 #include "core/params_fill.h"
 #include "core/validate.h"
+#include "cpu/amx.h"
 #include "cpu/bf16_avx512.h"
 #include "cpu/kv_write.h"
 #include "kvattn/error.h"
@@ -407,6 +408,7 @@ CpuBackendInfo cpu_backend_info() {
   CpuBackendInfo info;
   info.num_threads = cpu::resolve_num_threads(0);
   info.avx512_bf16 = cpu::avx512::bf16_available();
+  info.amx_bf16 = cpu::amx::available();
   return info;
 }
 

@@ -19,11 +19,13 @@
 
 #include "core/attention_params.h"
 #include "cpu/cpu_attention.h"
+#include "cpu/amx.h"
 #include "cpu/bf16_avx512.h"
 #include "cpu/kv_write.h"
 #include "cpu/row_convert.h"
 #include "cpu/simd.h"
 #include "cpu/thread_pool.h"
+#include "kvattn/backend.h"
 #include "kvattn/dtype.h"
 #include "kvattn/error.h"
 #include "kvattn/tensor.h"
@@ -610,12 +612,21 @@ TEST(CpuAttention, DecodeHeadDimsOnTheDirectPath) {
   }
 }
 
+// The bar of a bf16 q and K/V case with an fp32 output: fp32's, except on the AMX kernels (tiles
+// of more than 16 rows a kv head, v_head_dim a multiple of 64, on a CPU with AMX), which round
+// P to bf16 before P V as the GPU's tensor-core kernels do: measured ~2e-3 of a row's max.
+double bf16_case_bar(bool scratch_tiles, int v_dim) {
+  const bool amx = cpu_backend_info().amx_bf16 && scratch_tiles && v_dim % 64 == 0;
+  return amx ? 5e-3 : 2e-5;
+}
+
 TEST(CpuAttention, Bf16QueriesAndKv) {
   // bf16 q and K/V with an fp32 output: the reference sees the same bf16 inputs, so the bar is
-  // fp32's. On CPUs with AVX-512 BF16 both paths run bf16_avx512's kernels where a kv head's
-  // tile rows are a multiple of 4 and both dims multiples of 32; other shapes, and CPUs without
-  // them, run the AVX2 kernels. Decode and verify-sized tiles, keys not a multiple of the 4-key
-  // step or the block, soft-cap, a window, split pieces, then prefill tiles.
+  // fp32's (bf16_case_bar: the AMX kernels'). On CPUs with AVX-512 BF16 both paths run
+  // bf16_avx512's kernels where a kv head's tile rows are a multiple of 4 and both dims
+  // multiples of 32; other shapes, and CPUs without them, run the AVX2 kernels. Decode and
+  // verify-sized tiles, keys not a multiple of the 4-key step or the block, soft-cap, a window,
+  // split pieces, then prefill tiles.
   uint64_t seed = 100;
   for (int dim : {64, 128, 256}) {
     for (int v_dim : {dim, 32, 48}) {
@@ -641,6 +652,7 @@ TEST(CpuAttention, Bf16QueriesAndKv) {
         // 32 rows at group 8 take the scratch path.
         c.q_lens = {4, 3};
         c.kv_lens = {70, 5};
+        c.tol = bf16_case_bar(group == 8, v_dim);
         c.seed = ++seed;
         check(c);
       }
@@ -663,7 +675,7 @@ TEST(CpuAttention, Bf16QueriesAndKv) {
         c.q_lens = {70, 5, 1, 4, 3};
         c.kv_lens = ragged ? std::vector<int>{70, 5, 1, 4, 3} : std::vector<int>{100, 5, 40, 4, 9};
         if (group == 1 && !ragged) c.window = 33;
-        c.tol = 2e-5;
+        c.tol = bf16_case_bar(true, dim);
         c.seed = ++seed;
         check(c);
       }
@@ -680,6 +692,100 @@ TEST(CpuAttention, Bf16QueriesAndKv) {
   split.threads = 4;
   split.tol = 2e-5;
   check(split);
+}
+
+// The AMX kernels one by one against their formulas: packed keys -> scores, packed values ->
+// O += P V (P rounded to bf16), and the unmasked online-softmax rows, at every dim the tiles
+// take and block fills of 64, 37 and 1 keys.
+TEST(CpuAttention, AmxKernelsMatchTheFormulas) {
+  if (!amx::available()) GTEST_SKIP() << "this CPU (or KVATTN_CPU_ISA) runs no AMX kernels";
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto bf16 = [&](float x) { return float_to_bf16(x); };
+  constexpr int kRows = 32;
+  constexpr int kLd = 72;  // a row stride wider than the block
+  for (int dim : {64, 128, 256}) {
+    for (int nk : {64, 37, 1}) {
+      SCOPED_TRACE("dim " + std::to_string(dim) + ", " + std::to_string(nk) + " keys");
+      std::vector<uint16_t> q(size_t(kRows) * dim);
+      for (auto& x : q) x = bf16(normal(rng));
+      // Keys and values in a pool of two heads, in reverse slot order (the second head used).
+      std::vector<uint16_t> pool(size_t(64) * 2 * dim);
+      for (auto& x : pool) x = bf16(normal(rng));
+      const int64_t head_offset = 2 * dim;  // bytes: the second head
+      std::vector<const char*> rows(64);
+      for (int j = 0; j < 64; ++j) {
+        rows[size_t(j)] = reinterpret_cast<const char*>(pool.data() + size_t(63 - j) * 2 * dim);
+      }
+      auto element = [&](int j, int d) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(rows[size_t(j)] + head_offset);
+        return double(bf16_to_float(row[d]));
+      };
+      std::vector<uint16_t> packed(size_t(64) * dim, 0xffff);  // NaN: every lane gets written
+      amx::pack_keys(rows.data(), head_offset, nk, dim, packed.data());
+      std::vector<float> s(size_t(kRows) * kLd, std::nanf(""));
+      const float scale = 0.37f;
+      amx::scores(q.data(), kRows, dim, packed.data(), scale, s.data(), kLd);
+      for (int r = 0; r < kRows; ++r) {
+        for (int j = 0; j < 64; ++j) {
+          double want = 0;
+          if (j < nk) {
+            for (int d = 0; d < dim; ++d) want += double(bf16_to_float(q[size_t(r) * dim + d])) * element(j, d);
+          }
+          want *= scale;
+          ASSERT_NEAR(s[size_t(r) * kLd + j], want, 1e-4 * (1 + std::abs(want))) << r << "," << j;
+        }
+      }
+      // O += P V with P in [0, 1] (the softmax's range), O starting from random values.
+      std::vector<float> p(size_t(kRows) * kLd), o(size_t(kRows) * dim), o0;
+      std::uniform_real_distribution<float> unit(0.f, 1.f);
+      for (auto& x : p) x = unit(rng);
+      for (auto& x : o) x = normal(rng);
+      o0 = o;
+      std::vector<uint16_t> vpacked(size_t(64) * dim, 0xffff);
+      amx::pack_values(rows.data(), head_offset, nk, dim, vpacked.data());
+      amx::accumulate_pv(p.data(), kLd, kRows, nk, vpacked.data(), dim, o.data());
+      for (int r = 0; r < kRows; ++r) {
+        for (int d = 0; d < dim; ++d) {
+          double want = o0[size_t(r) * dim + d];
+          for (int j = 0; j < nk; ++j) {
+            want += double(bf16_to_float(float_to_bf16(p[size_t(r) * kLd + j]))) * element(j, d);
+          }
+          ASSERT_NEAR(o[size_t(r) * dim + d], want, 1e-4 * (1 + std::abs(want))) << r << "," << d;
+        }
+      }
+    }
+  }
+  // softmax_rows: two blocks into a fresh state, against the scalar state update.
+  std::vector<float> s(size_t(kRows) * kLd), o(size_t(kRows) * 64, 1.f);
+  std::vector<core::SoftmaxState> state(kRows), want_state(kRows);
+  for (int pass = 0; pass < 2; ++pass) {
+    const int nk = pass == 0 ? 64 : 29;
+    for (auto& x : s) x = 4.f * normal(rng);
+    std::vector<float> want(s);
+    std::vector<float> factor(kRows, 1.f);
+    for (int r = 0; r < kRows; ++r) {
+      float m = -INFINITY;
+      for (int j = 0; j < nk; ++j) m = std::max(m, want[size_t(r) * kLd + j]);
+      factor[size_t(r)] = want_state[size_t(r)].rescale_for(m);
+      for (int j = 0; j < nk; ++j) {
+        float& x = want[size_t(r) * kLd + j];
+        x = std::exp(x - want_state[size_t(r)].max);
+        want_state[size_t(r)].sum += x;
+      }
+    }
+    std::vector<float> o_before(o);
+    amx::softmax_rows(s.data(), kLd, kRows, nk, state.data(), o.data(), 64);
+    for (int r = 0; r < kRows; ++r) {
+      ASSERT_EQ(state[size_t(r)].max, want_state[size_t(r)].max);
+      ASSERT_NEAR(state[size_t(r)].sum, want_state[size_t(r)].sum, 1e-5 * want_state[size_t(r)].sum);
+      ASSERT_NEAR(o[size_t(r) * 64], o_before[size_t(r) * 64] * factor[size_t(r)], 1e-6);
+      for (int j = 0; j < (nk + 15) / 16 * 16; ++j) {
+        const float w = j < nk ? want[size_t(r) * kLd + j] : 0.f;
+        ASSERT_NEAR(s[size_t(r) * kLd + j], w, 2e-6 * (1 + w)) << r << "," << j;
+      }
+    }
+  }
 }
 
 TEST(CpuAttention, Avx512Bf16KernelsMatchTheFormulas) {
