@@ -22,6 +22,7 @@ namespace kvattn::cpu::amx {
 namespace {
 
 constexpr int kTileElems = 16 * 32;  // one 16 x 32 bf16 B tile (1 KiB)
+constexpr float kRescaleAbove = 5.5451774f;  // 8 ln 2
 
 // Linux keeps the AMX tile data off until a process asks for it (arch_prctl).
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -190,6 +191,20 @@ KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, core::SoftmaxSt
     const float block_max = _mm512_reduce_max_ps(vmax);
     if (block_max == -INFINITY) {  // (only from -inf scores)
       for (int i = 0; i < vectors; ++i) _mm512_storeu_ps(row + 16 * i, _mm512_setzero_ps());
+      continue;
+    }
+    // The row's reference max moves only when the block's max exceeds it by more than
+    // kRescaleAbove (p stays <= 2^8: exact enough in the fp32 sums and in a bf16 P), so the
+    // rescale of o is rare once a row has seen its first keys (the GPU kernels' rule, FA4's).
+    if (state[r].max != -INFINITY && block_max <= state[r].max + kRescaleAbove) {
+      const __m512 m = _mm512_set1_ps(state[r].max);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int i = 0; i < vectors; ++i) {
+        const __m512 e = exp16(_mm512_sub_ps(v[i], m));
+        _mm512_storeu_ps(row + 16 * i, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      state[r].sum += _mm512_reduce_add_ps(vsum);
       continue;
     }
     const float factor = state[r].rescale_for(block_max);

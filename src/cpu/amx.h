@@ -41,9 +41,11 @@ void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp, float scal
             int ld);
 
 /// The online-softmax update of rows [0, rows) over a block whose first nk (<= kBlockKeys) keys
-/// every row sees (no mask, no soft-cap): state[r] takes the block's max (o's row r, dv floats,
-/// is rescaled when the max moves) and s[r * ld + j] becomes e^(s - max) for j < nk, 0 up to the
-/// next multiple of 16. The AVX-512 form of the CPU kernels' mask_and_softmax without masks.
+/// every row sees (no mask, no soft-cap): s[r * ld + j] becomes e^(s - max_r) for j < nk, 0 up
+/// to the next multiple of 16, with state[r].max the row's reference max. That max moves (and
+/// o's row r, dv floats, is rescaled) only when the block's max exceeds it by more than 8 ln 2,
+/// so e^(s - max) <= 256 (the GPU kernels' rule); the state stays exact (lse = max + ln sum).
+/// The AVX-512 form of the CPU kernels' mask_and_softmax without masks.
 void softmax_rows(float* s, int ld, int rows, int nk, core::SoftmaxState* state, float* o,
                   int dv);
 

@@ -756,18 +756,23 @@ TEST(CpuAttention, AmxKernelsMatchTheFormulas) {
       }
     }
   }
-  // softmax_rows: two blocks into a fresh state, against the scalar state update.
+  // softmax_rows: three blocks into a fresh state (the third's max far above: it must move),
+  // against the scalar state update.
   std::vector<float> s(size_t(kRows) * kLd), o(size_t(kRows) * 64, 1.f);
   std::vector<core::SoftmaxState> state(kRows), want_state(kRows);
-  for (int pass = 0; pass < 2; ++pass) {
-    const int nk = pass == 0 ? 64 : 29;
-    for (auto& x : s) x = 4.f * normal(rng);
+  for (int pass = 0; pass < 3; ++pass) {
+    const int nk = pass == 0 ? 64 : pass == 1 ? 29 : 50;
+    for (auto& x : s) x = 4.f * normal(rng) + (pass == 2 ? 40.f : 0.f);
     std::vector<float> want(s);
     std::vector<float> factor(kRows, 1.f);
     for (int r = 0; r < kRows; ++r) {
       float m = -INFINITY;
       for (int j = 0; j < nk; ++j) m = std::max(m, want[size_t(r) * kLd + j]);
-      factor[size_t(r)] = want_state[size_t(r)].rescale_for(m);
+      // The reference max moves only past 8 ln 2 above it (amx.h).
+      core::SoftmaxState& st = want_state[size_t(r)];
+      if (st.max == -INFINITY || m > st.max + 8.f * std::log(2.f)) {
+        factor[size_t(r)] = st.rescale_for(m);
+      }
       for (int j = 0; j < nk; ++j) {
         float& x = want[size_t(r) * kLd + j];
         x = std::exp(x - want_state[size_t(r)].max);
