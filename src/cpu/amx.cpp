@@ -9,6 +9,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -174,17 +175,21 @@ KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp,
   }
 }
 
-KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, core::SoftmaxState* state,
-                             float* o, int dv) {
+KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit, int group,
+                             core::SoftmaxState* state, float* o, int dv) {
   const int vectors = (nk + 15) / 16;
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   for (int r = 0; r < rows; ++r) {
     float* row = s + int64_t(r) * ld;
+    // Keys [0, visible) of the block are this row's (a causal row sees up to its diagonal).
+    const int visible = first_limit + r / group < 0 ? 0 : std::min(nk, first_limit + r / group);
     __m512 v[kBlockKeys / 16];
     __m512 vmax = minus_inf;
     for (int i = 0; i < vectors; ++i) {
-      const int left = nk - 16 * i;
-      const __mmask16 keep = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      const int left = visible - 16 * i;
+      const __mmask16 keep = left >= 16 ? __mmask16(0xffff)
+                             : left <= 0 ? __mmask16(0)
+                                         : __mmask16((1u << left) - 1);
       v[i] = _mm512_mask_loadu_ps(minus_inf, keep, row + 16 * i);
       vmax = _mm512_max_ps(vmax, v[i]);
     }

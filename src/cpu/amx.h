@@ -40,14 +40,17 @@ void pack_keys(const char* const* keys, int64_t head_offset, int nk, int dim, ui
 void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp, float scale, float* s,
             int ld);
 
-/// The online-softmax update of rows [0, rows) over a block whose first nk (<= kBlockKeys) keys
-/// every row sees (no mask, no soft-cap): s[r * ld + j] becomes e^(s - max_r) for j < nk, 0 up
+/// The online-softmax update of rows [0, rows) over a block of nk (<= kBlockKeys) keys without
+/// a custom mask, window or soft-cap: s[r * ld + j] becomes e^(s - max_r) for j < nk, 0 up
 /// to the next multiple of 16, with state[r].max the row's reference max. That max moves (and
 /// o's row r, dv floats, is rescaled) only when the block's max exceeds it by more than 8 ln 2,
 /// so e^(s - max) <= 256 (the GPU kernels' rule); the state stays exact (lse = max + ln sum).
 /// The AVX-512 form of the CPU kernels' mask_and_softmax without masks.
-void softmax_rows(float* s, int ld, int rows, int nk, core::SoftmaxState* state, float* o,
-                  int dv);
+/// Row r sees keys [0, min(nk, first_limit + r / group)) of the block (a causal tile's rows,
+/// group q heads a token; pass first_limit >= nk when every row sees the whole block); keys past
+/// it get p = 0.
+void softmax_rows(float* s, int ld, int rows, int nk, int first_limit, int group,
+                  core::SoftmaxState* state, float* o, int dv);
 
 /// Packs values [0, nk) of a block (value j's bf16 row at values[j] + head_offset bytes,
 /// dv % 32 == 0, nk <= kBlockKeys) into vp ([kBlockKeys * dv] bf16), zero for keys past nk

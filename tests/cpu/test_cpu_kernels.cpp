@@ -756,33 +756,39 @@ TEST(CpuAttention, AmxKernelsMatchTheFormulas) {
       }
     }
   }
-  // softmax_rows: three blocks into a fresh state (the third's max far above: it must move),
-  // against the scalar state update.
+  // softmax_rows: blocks into a fresh state (the third's max far above: the reference max must
+  // move; the fourth causal: row r sees min(nk, r / 2 - 3) keys), against the scalar update.
   std::vector<float> s(size_t(kRows) * kLd), o(size_t(kRows) * 64, 1.f);
   std::vector<core::SoftmaxState> state(kRows), want_state(kRows);
-  for (int pass = 0; pass < 3; ++pass) {
-    const int nk = pass == 0 ? 64 : pass == 1 ? 29 : 50;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int nk = pass == 0 ? 64 : pass == 1 ? 29 : pass == 2 ? 50 : 40;
+    const int first_limit = pass == 3 ? -3 : 64;
+    const int group = pass == 3 ? 2 : (1 << 30);
     for (auto& x : s) x = 4.f * normal(rng) + (pass == 2 ? 40.f : 0.f);
     std::vector<float> want(s);
     std::vector<float> factor(kRows, 1.f);
+    std::vector<int> visible(kRows);
     for (int r = 0; r < kRows; ++r) {
+      visible[size_t(r)] = std::clamp(first_limit + r / group, 0, nk);
       float m = -INFINITY;
-      for (int j = 0; j < nk; ++j) m = std::max(m, want[size_t(r) * kLd + j]);
+      for (int j = 0; j < visible[size_t(r)]; ++j) m = std::max(m, want[size_t(r) * kLd + j]);
+      for (int j = visible[size_t(r)]; j < nk; ++j) want[size_t(r) * kLd + j] = 0.f;
+      if (m == -INFINITY) continue;  // nothing seen: p = 0, the state unchanged
       // The reference max moves only past 8 ln 2 above it (amx.h).
       core::SoftmaxState& st = want_state[size_t(r)];
       if (st.max == -INFINITY || m > st.max + 8.f * std::log(2.f)) {
         factor[size_t(r)] = st.rescale_for(m);
       }
-      for (int j = 0; j < nk; ++j) {
+      for (int j = 0; j < visible[size_t(r)]; ++j) {
         float& x = want[size_t(r) * kLd + j];
-        x = std::exp(x - want_state[size_t(r)].max);
-        want_state[size_t(r)].sum += x;
+        x = std::exp(x - st.max);
+        st.sum += x;
       }
     }
     std::vector<float> o_before(o);
-    amx::softmax_rows(s.data(), kLd, kRows, nk, state.data(), o.data(), 64);
+    amx::softmax_rows(s.data(), kLd, kRows, nk, first_limit, group, state.data(), o.data(), 64);
     for (int r = 0; r < kRows; ++r) {
-      ASSERT_EQ(state[size_t(r)].max, want_state[size_t(r)].max);
+      ASSERT_EQ(state[size_t(r)].max, want_state[size_t(r)].max) << "pass " << pass << " row " << r;
       ASSERT_NEAR(state[size_t(r)].sum, want_state[size_t(r)].sum, 1e-5 * want_state[size_t(r)].sum);
       ASSERT_NEAR(o[size_t(r) * 64], o_before[size_t(r) * 64] * factor[size_t(r)], 1e-6);
       for (int j = 0; j < (nk + 15) / 16 * 16; ++j) {
