@@ -112,6 +112,30 @@ def rel_diff(a, b):
     return ((a - b).abs().amax(dim=-1) / scale).max().item()
 
 
+def cpu_description():
+    """The CPU's model name and whether it has AMX-BF16 / AVX-512 BF16 (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and ":" in line:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return dict(model=model, amx_bf16="amx_bf16" in flags, avx512_bf16="avx512_bf16" in flags)
+
+
+def git_commit():
+    try:
+        import subprocess
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - no git here: the JSON says so
+        return "unknown"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -119,15 +143,15 @@ def main():
     parser.add_argument("--rows", default=".", help="regex over row labels")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    info = kvattn.cpu_backend_info() if hasattr(kvattn, "cpu_backend_info") else None
+    cpu = cpu_description()
     rows = [("decode b16 x 4096", lambda: decode_row(16, 4096, args.threads)),
             ("decode b64 x 4096", lambda: decode_row(64, 4096, args.threads)),
             ("prefill 1 x 1024 causal", lambda: prefill_row(1024, args.threads)),
             ("prefill 1 x 4096 causal", lambda: prefill_row(4096, args.threads))]
     results = []
     print(f"kvattn CPU vs torch {torch.__version__} SDPA, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}, KVATTN_CPU_ISA="
-          f"{os.environ.get('KVATTN_CPU_ISA', '(default)')}, info={info}")
+          f"{cpu['model']} (AMX-BF16 {cpu['amx_bf16']}, AVX-512 BF16 {cpu['avx512_bf16']}), "
+          f"KVATTN_CPU_ISA={os.environ.get('KVATTN_CPU_ISA', '(default)')}")
     print(f"{'row':26s} {'kvattn ms':>10s} {'SDPA ms':>9s} {'kvattn rate':>14s} "
           f"{'SDPA rate':>14s} {'SDPA/kvattn':>11s} {'max rel diff':>12s}")
     for label, run in rows:
@@ -142,9 +166,10 @@ def main():
               f"{r['sdpa_over_kvattn']:11.2f} {r['max_rel_diff']:12.2e}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(threads=args.threads, torch=torch.__version__,
-                           cpu_isa=os.environ.get("KVATTN_CPU_ISA", ""),
-                           processor=platform.processor(), rows=results), f, indent=1)
+            json.dump(dict(commit=git_commit(), date=time.strftime("%Y-%m-%d"),
+                           threads=args.threads, torch=torch.__version__,
+                           cpu_isa=os.environ.get("KVATTN_CPU_ISA", ""), cpu=cpu,
+                           rows=results), f, indent=1)
 
 
 if __name__ == "__main__":

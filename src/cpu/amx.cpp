@@ -166,6 +166,7 @@ KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp,
     _tile_stored(1, dst + 16, ld * 4);
     _tile_stored(2, dst + 32, ld * 4);
     _tile_stored(3, dst + 48, ld * 4);
+    if (scale == 1.f) continue;  // (softmax_rows scales on its way)
     for (int r = 0; r < 16; ++r) {
       float* row = dst + int64_t(r) * ld;
       for (int j = 0; j < kBlockKeys; j += 16) {
@@ -176,13 +177,18 @@ KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp,
 }
 
 KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit, int group,
-                             core::SoftmaxState* state, float* o, int dv) {
+                             float scale, core::SoftmaxState* state, float* o, int dv) {
   const int vectors = (nk + 15) / 16;
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 f = _mm512_set1_ps(scale);
   for (int r = 0; r < rows; ++r) {
     float* row = s + int64_t(r) * ld;
     // Keys [0, visible) of the block are this row's (a causal row sees up to its diagonal).
     const int visible = first_limit + r / group < 0 ? 0 : std::min(nk, first_limit + r / group);
+    if (visible == 0) {  // p = 0, the state unchanged
+      for (int i = 0; i < vectors; ++i) _mm512_storeu_ps(row + 16 * i, _mm512_setzero_ps());
+      continue;
+    }
     __m512 v[kBlockKeys / 16];
     __m512 vmax = minus_inf;
     for (int i = 0; i < vectors; ++i) {
@@ -190,34 +196,24 @@ KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit
       const __mmask16 keep = left >= 16 ? __mmask16(0xffff)
                              : left <= 0 ? __mmask16(0)
                                          : __mmask16((1u << left) - 1);
-      v[i] = _mm512_mask_loadu_ps(minus_inf, keep, row + 16 * i);
+      v[i] = _mm512_mask_mul_ps(minus_inf, keep, _mm512_loadu_ps(row + 16 * i), f);
       vmax = _mm512_max_ps(vmax, v[i]);
-    }
-    const float block_max = _mm512_reduce_max_ps(vmax);
-    if (block_max == -INFINITY) {  // (only from -inf scores)
-      for (int i = 0; i < vectors; ++i) _mm512_storeu_ps(row + 16 * i, _mm512_setzero_ps());
-      continue;
     }
     // The row's reference max moves only when the block's max exceeds it by more than
     // kRescaleAbove (p stays <= 2^8: exact enough in the fp32 sums and in a bf16 P), so the
-    // rescale of o is rare once a row has seen its first keys (the GPU kernels' rule, FA4's).
-    if (state[r].max != -INFINITY && block_max <= state[r].max + kRescaleAbove) {
-      const __m512 m = _mm512_set1_ps(state[r].max);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int i = 0; i < vectors; ++i) {
-        const __m512 e = exp16(_mm512_sub_ps(v[i], m));
-        _mm512_storeu_ps(row + 16 * i, e);
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      state[r].sum += _mm512_reduce_add_ps(vsum);
-      continue;
-    }
-    const float factor = state[r].rescale_for(block_max);
-    if (factor != 1.f) {
-      float* orow = o + int64_t(r) * dv;
-      const __m512 f = _mm512_set1_ps(factor);
-      for (int c = 0; c < dv; c += 16) {
-        _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), f));
+    // rescale of o is rare once a row has seen its first keys (the GPU kernels' rule, FA4's);
+    // the common case needs no horizontal max, only a compare.
+    const bool stays = state[r].max != -INFINITY &&
+                       _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(state[r].max + kRescaleAbove),
+                                          _CMP_GT_OQ) == 0;
+    if (!stays) {
+      const float factor = state[r].rescale_for(_mm512_reduce_max_ps(vmax));
+      if (factor != 1.f) {
+        float* orow = o + int64_t(r) * dv;
+        const __m512 by = _mm512_set1_ps(factor);
+        for (int c = 0; c < dv; c += 16) {
+          _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), by));
+        }
       }
     }
     const __m512 m = _mm512_set1_ps(state[r].max);

@@ -36,7 +36,8 @@ bool available();
 void pack_keys(const char* const* keys, int64_t head_offset, int nk, int dim, uint16_t* kp);
 
 /// s[r * ld + j] = scale * (q[r] . k_j) for r < rows (a multiple of 16) and all kBlockKeys
-/// columns j (keys past nk give 0). ld >= kBlockKeys.
+/// columns j (keys past nk give 0). ld >= kBlockKeys. scale 1 skips the multiply (for
+/// softmax_rows, which scales itself).
 void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp, float scale, float* s,
             int ld);
 
@@ -49,7 +50,8 @@ void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp, float scal
 /// Row r sees keys [0, min(nk, first_limit + r / group)) of the block (a causal tile's rows,
 /// group q heads a token; pass first_limit >= nk when every row sees the whole block); keys past
 /// it get p = 0.
-void softmax_rows(float* s, int ld, int rows, int nk, int first_limit, int group,
+/// The scores are multiplied by `scale` first (pass 1 when scores() scaled them already).
+void softmax_rows(float* s, int ld, int rows, int nk, int first_limit, int group, float scale,
                   core::SoftmaxState* state, float* o, int dv);
 
 /// Packs values [0, nk) of a block (value j's bf16 row at values[j] + head_offset bytes,

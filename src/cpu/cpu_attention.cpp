@@ -893,20 +893,20 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
         if (ctx.amx) {  // S = Q K^T and O += P V on the tile unit, K and V packed per block
           uint16_t* kp = reinterpret_cast<uint16_t*>(ws.k.data());
           uint16_t* vp = reinterpret_cast<uint16_t*>(ws.v.data());
-          amx::pack_keys(keys, k_head_offset(h), nk, dim, kp);
-          amx::scores(ws.q_bf16.data() + first_row * dim, kernel_rows, dim, kp, ctx.q_scale, s,
-                      kKvBlock);
           // Blocks whose rows see keys from the block's start (no custom mask or soft-cap, the
-          // window's lower bound not inside) take the AVX-512 softmax; a causal row's upper
-          // bound is a per-row key count there.
+          // window's lower bound not inside) take the AVX-512 softmax, which also scales the
+          // scores; a causal row's upper bound is a per-row key count there.
           const bool plain = p.mask != MaskMode::kCustom && p.logit_cap <= 0.f &&
                              block >= tile.last_range.lo;
+          amx::pack_keys(keys, k_head_offset(h), nk, dim, kp);
+          amx::scores(ws.q_bf16.data() + first_row * dim, kernel_rows, dim, kp,
+                      plain ? 1.f : ctx.q_scale, s, kKvBlock);
           if (plain) {
             const int64_t first_hi =
                 visible_range(p, tile.q_len, tile.kv_len, tile.q_begin).hi - block;
             const int first_limit = int(std::min<int64_t>(first_hi, amx::kBlockKeys));
             const int per_token = p.mask == MaskMode::kCausal ? group : (1 << 30);
-            amx::softmax_rows(s, kKvBlock, rows, nk, first_limit, per_token,
+            amx::softmax_rows(s, kKvBlock, rows, nk, first_limit, per_token, ctx.q_scale,
                               ws.state.data() + first_row, ws.o.data() + first_row * dv, dv);
           } else {
             mask_and_softmax(p, tile, block, nk, s, ws.state.data() + first_row,
