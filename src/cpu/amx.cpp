@@ -141,7 +141,41 @@ KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp,
   load_config();
   const int chunks = dim / 32;
   const __m512 f = _mm512_set1_ps(scale);
-  for (int r0 = 0; r0 < rows; r0 += 16) {
+  int r0 = 0;
+  // Two row groups x two key groups a pass: 4 tile loads feed 4 products (the 1 x 4 form below,
+  // for a last group of 16 rows, needs 5).
+  for (; r0 + 32 <= rows; r0 += 32) {
+    for (int g0 = 0; g0 < 4; g0 += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int c = 0; c < chunks; ++c) {
+        _tile_loadd(4, q + int64_t(r0) * dim + c * 32, dim * 2);
+        const uint16_t* b = kp + (int64_t(c) * 4 + g0) * kTileElems;
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, q + int64_t(r0 + 16) * dim + c * 32, dim * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* dst = s + int64_t(r0) * ld + g0 * 16;
+      _tile_stored(0, dst, ld * 4);
+      _tile_stored(1, dst + 16, ld * 4);
+      _tile_stored(2, dst + 16 * ld, ld * 4);
+      _tile_stored(3, dst + 16 * ld + 16, ld * 4);
+    }
+    if (scale == 1.f) continue;  // (softmax_rows scales on its way)
+    for (int r = 0; r < 32; ++r) {
+      float* row = s + int64_t(r0 + r) * ld;
+      for (int j = 0; j < kBlockKeys; j += 16) {
+        _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), f));
+      }
+    }
+  }
+  for (; r0 < rows; r0 += 16) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -258,9 +292,10 @@ KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const ui
   const int key_chunks = (nk + 31) / 32;
   const int width = key_chunks * 32;
   const int col_tiles = dv / 16;
-  alignas(64) uint16_t pb[16 * kBlockKeys];  // 16 rows of P in bf16, kBlockKeys a row
-  for (int r0 = 0; r0 < rows; r0 += 16) {
-    for (int r = 0; r < 16; ++r) {
+  alignas(64) uint16_t pb[32 * kBlockKeys];  // up to 32 rows of P in bf16, kBlockKeys a row
+  for (int r0 = 0; r0 < rows;) {
+    const int group_rows = rows - r0 >= 32 ? 32 : 16;
+    for (int r = 0; r < group_rows; ++r) {
       const float* src = p + int64_t(r0 + r) * ld;
       for (int j = 0; j < width; j += 16) {
         const int left = nk - j;
@@ -272,29 +307,56 @@ KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const ui
                             (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
-    for (int t0 = 0; t0 < col_tiles; t0 += 4) {
-      float* od = o + int64_t(r0) * dv + t0 * 16;
-      _tile_loadd(0, od, dv * 4);
-      _tile_loadd(1, od + 16, dv * 4);
-      _tile_loadd(2, od + 32, dv * 4);
-      _tile_loadd(3, od + 48, dv * 4);
-      for (int kc = 0; kc < key_chunks; ++kc) {
-        _tile_loadd(4, pb + kc * 32, kBlockKeys * 2);
-        const uint16_t* b = vp + (int64_t(kc) * col_tiles + t0) * kTileElems;
-        _tile_loadd(5, b, 64);
-        _tile_loadd(6, b + kTileElems, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, b + 2 * kTileElems, 64);
-        _tile_loadd(5, b + 3 * kTileElems, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 4, 5);
+    if (group_rows == 32) {
+      // Two row groups x two column tiles a pass: 4 tile loads feed 4 products.
+      for (int t0 = 0; t0 < col_tiles; t0 += 2) {
+        float* od = o + int64_t(r0) * dv + t0 * 16;
+        _tile_loadd(0, od, dv * 4);
+        _tile_loadd(1, od + 16, dv * 4);
+        _tile_loadd(2, od + 16 * dv, dv * 4);
+        _tile_loadd(3, od + 16 * dv + 16, dv * 4);
+        for (int kc = 0; kc < key_chunks; ++kc) {
+          const uint16_t* b = vp + (int64_t(kc) * col_tiles + t0) * kTileElems;
+          _tile_loadd(4, pb + kc * 32, kBlockKeys * 2);
+          _tile_loadd(6, b, 64);
+          _tile_loadd(7, b + kTileElems, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, pb + 16 * kBlockKeys + kc * 32, kBlockKeys * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, od, dv * 4);
+        _tile_stored(1, od + 16, dv * 4);
+        _tile_stored(2, od + 16 * dv, dv * 4);
+        _tile_stored(3, od + 16 * dv + 16, dv * 4);
       }
-      _tile_stored(0, od, dv * 4);
-      _tile_stored(1, od + 16, dv * 4);
-      _tile_stored(2, od + 32, dv * 4);
-      _tile_stored(3, od + 48, dv * 4);
+    } else {
+      for (int t0 = 0; t0 < col_tiles; t0 += 4) {
+        float* od = o + int64_t(r0) * dv + t0 * 16;
+        _tile_loadd(0, od, dv * 4);
+        _tile_loadd(1, od + 16, dv * 4);
+        _tile_loadd(2, od + 32, dv * 4);
+        _tile_loadd(3, od + 48, dv * 4);
+        for (int kc = 0; kc < key_chunks; ++kc) {
+          _tile_loadd(4, pb + kc * 32, kBlockKeys * 2);
+          const uint16_t* b = vp + (int64_t(kc) * col_tiles + t0) * kTileElems;
+          _tile_loadd(5, b, 64);
+          _tile_loadd(6, b + kTileElems, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, b + 2 * kTileElems, 64);
+          _tile_loadd(5, b + 3 * kTileElems, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, od, dv * 4);
+        _tile_stored(1, od + 16, dv * 4);
+        _tile_stored(2, od + 32, dv * 4);
+        _tile_stored(3, od + 48, dv * 4);
+      }
     }
+    r0 += group_rows;
   }
 }
 

@@ -702,8 +702,8 @@ TEST(CpuAttention, AmxKernelsMatchTheFormulas) {
   std::mt19937_64 rng(11);
   std::normal_distribution<float> normal(0.f, 1.f);
   auto bf16 = [&](float x) { return float_to_bf16(x); };
-  constexpr int kRows = 32;
-  constexpr int kLd = 72;  // a row stride wider than the block
+  constexpr int kRows = 48;  // a pass of 2 x 16 rows, then a last group of 16
+  constexpr int kLd = 72;    // a row stride wider than the block
   for (int dim : {64, 128, 256}) {
     for (int nk : {64, 37, 1}) {
       SCOPED_TRACE("dim " + std::to_string(dim) + ", " + std::to_string(nk) + " keys");
