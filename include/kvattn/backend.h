@@ -53,6 +53,13 @@ struct BackendConfig {
   int64_t ragged_extend_threshold = 4096;
   TensorCoreDecode decode_tensor_cores = TensorCoreDecode::kAuto;
   int num_threads = 0;  ///< CPU backend: worker threads; 0 = KVATTN_NUM_THREADS or all cores
+  /// Batch-invariant output: a request's output is bitwise the same whatever other requests
+  /// share its batch (and whatever the step's size), for RL rollouts and reproducible
+  /// evaluations. The kernels' tiles and KV splits then depend on the request alone: fixed
+  /// tile shapes, fixed split chunks (CPU) or no split (CUDA prefill kernels), one kernel family
+  /// for every mode (CUDA: decode on the tensor-core path), no ragged EXTEND path. Costs speed
+  /// (bench/NOTES.md, "Deterministic mode").
+  bool deterministic = false;
   void* cuda_stream = nullptr;  ///< CUDA backend: the cudaStream_t kernels run on (null = default)
 };
 

@@ -172,7 +172,8 @@ class _NativeBackendBase:
                  sliding_window_size: Optional[int] = None, is_encoder_decoder: bool = False,
                  kind: Optional[str] = None, ragged_extend_threshold: int = 4096,
                  decode_tensor_cores: Any = "auto", num_threads: int = 0,
-                 cuda_stream: Optional[int] = None, output_allocation: str = "torch"):
+                 cuda_stream: Optional[int] = None, output_allocation: str = "torch",
+                 deterministic: bool = False):
         if output_allocation not in ("torch", "dlpack"):
             raise ValueError(f"kvattn: output_allocation: got {output_allocation!r}, expected "
                              "'torch' or 'dlpack'")
@@ -207,7 +208,7 @@ class _NativeBackendBase:
             is_encoder_decoder=is_encoder_decoder,
             ragged_extend_threshold=ragged_extend_threshold,
             decode_tensor_cores=decode_tensor_cores, num_threads=num_threads,
-            cuda_stream=cuda_stream or 0)
+            cuda_stream=cuda_stream or 0, deterministic=bool(deterministic))
         self._layers = {}  # id(layer) -> (layer, kvattn.AttentionLayer, output width)
         self._batch = None  # the kvattn.ForwardBatch of the last step ...
         self._batch_source = None  # ... and the engine's batch it was made from
@@ -361,6 +362,9 @@ class KvattnAttnBackend(_NativeBackendBase):
             q_dtype=getattr(model_runner, "dtype", torch.bfloat16),
             sliding_window_size=getattr(model_runner, "sliding_window_size", None),
             is_encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False)),
+            # SGLang's --enable-deterministic-inference asks its backends for batch invariance.
+            deterministic=bool(getattr(getattr(model_runner, "server_args", None),
+                                       "enable_deterministic_inference", False)),
         )
         defaults.update(options)
         return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool, **defaults)

@@ -372,7 +372,8 @@ void bind_backend(nb::module_& m) {
           [](PyBackendConfig* self, nb::handle kv_cache, nb::handle req_to_token_pool,
              int num_q_heads, int num_kv_heads, int head_dim, int v_head_dim, nb::handle q_dtype,
              int sliding_window_size, bool is_encoder_decoder, int64_t ragged_extend_threshold,
-             nb::handle decode_tensor_cores, int num_threads, uintptr_t cuda_stream) {
+             nb::handle decode_tensor_cores, int num_threads, uintptr_t cuda_stream,
+             bool deterministic) {
             new (self) PyBackendConfig();
             set_config_pools(*self, kv_cache, req_to_token_pool);
             BackendConfig& c = self->config;
@@ -387,13 +388,14 @@ void bind_backend(nb::module_& m) {
             c.decode_tensor_cores = tensor_core_arg(decode_tensor_cores);
             c.num_threads = num_threads;
             c.cuda_stream = reinterpret_cast<void*>(cuda_stream);
+            c.deterministic = deterministic;
           },
           nb::kw_only(), nb::arg("kv_cache"), nb::arg("req_to_token_pool"), nb::arg("num_q_heads"),
           nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("v_head_dim") = 0,
           nb::arg("q_dtype") = "bf16", nb::arg("sliding_window_size") = -1,
           nb::arg("is_encoder_decoder") = false, nb::arg("ragged_extend_threshold") = 4096,
           nb::arg("decode_tensor_cores").none() = "auto", nb::arg("num_threads") = 0,
-          nb::arg("cuda_stream") = 0)
+          nb::arg("cuda_stream") = 0, nb::arg("deterministic") = false)
       .def_prop_ro("kv_cache", [](const PyBackendConfig& c) { return c.kv_cache; })
       .def_prop_ro("req_to_token_pool",
                    [](const PyBackendConfig& c) { return c.req_to_token_pool; })
@@ -411,6 +413,8 @@ void bind_backend(nb::module_& m) {
       .def_prop_ro("decode_tensor_cores",
                    [](const PyBackendConfig& c) { return c.config.decode_tensor_cores; })
       .def_prop_ro("num_threads", [](const PyBackendConfig& c) { return c.config.num_threads; })
+      .def_prop_ro("deterministic",
+                   [](const PyBackendConfig& c) { return c.config.deterministic; })
       .def_prop_ro("cuda_stream", [](const PyBackendConfig& c) {
         return reinterpret_cast<uintptr_t>(c.config.cuda_stream);
       });

@@ -179,6 +179,10 @@ def test_from_model_runner():
                                            is_encoder_decoder=False))
     backend = KvattnAttnBackend.from_model_runner(runner)
     assert backend.config.num_q_heads == 4 and backend.config.num_kv_heads == 2
+    assert not backend.config.deterministic
+    # SGLang's --enable-deterministic-inference turns on batch invariance.
+    runner.server_args = types.SimpleNamespace(enable_deterministic_inference=True)
+    assert KvattnAttnBackend.from_model_runner(runner).config.deterministic
 
 
 def test_overhead_measurement_runs():

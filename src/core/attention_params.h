@@ -23,6 +23,9 @@ struct AttentionParams {
   /// merges: the ragged + prefix EXTEND keeps both partial outputs unrounded). The CPU kernels
   /// take their output dtype as an argument instead.
   bool out_fp32 = false;
+  /// BackendConfig::deterministic: the CPU kernels' tiles and KV split chunks depend on the
+  /// request alone (not on the batch's longest request or the thread count).
+  bool deterministic = false;
 
   // ---- keys and values ---------------------------------------------------------------------
   /// Paged: [num_slots, num_kv_heads, dim] and kv_indices gives each token's slot.

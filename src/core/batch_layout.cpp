@@ -193,8 +193,8 @@ PagedLayout make_ragged_layout(const HostLengths& lens) {
 }
 
 bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t threshold,
-                       bool has_window, bool is_encoder_decoder) {
-  return (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed) &&
+                       bool has_window, bool is_encoder_decoder, bool deterministic) {
+  return !deterministic && (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed) &&
          num_new_tokens >= threshold && !has_window && !is_encoder_decoder;
 }
 

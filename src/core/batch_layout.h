@@ -60,9 +60,10 @@ PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const 
 /// The ragged half of the ragged path: queries and keys are the new tokens, causal.
 PagedLayout make_ragged_layout(const HostLengths& lens);
 
-/// True when EXTEND takes the ragged + paged-prefix path (SPEC §3).
+/// True when EXTEND takes the ragged + paged-prefix path (SPEC §3). `deterministic`
+/// (BackendConfig::deterministic) never takes it: whether a step does depends on its size.
 bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t threshold,
-                       bool has_window, bool is_encoder_decoder);
+                       bool has_window, bool is_encoder_decoder, bool deterministic);
 
 }  // namespace kvattn::core
 

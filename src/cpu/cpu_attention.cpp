@@ -45,6 +45,9 @@ constexpr int kDirectRows = 16;
 // A split piece covers at least this many keys, so the merge (rows x v_head_dim per piece) stays
 // small next to the attention work (rows x keys x (head_dim + v_head_dim)).
 constexpr int kMinSplitKeys = 256;
+// Deterministic mode's split chunk (keys from a tile's first key; the merge folds the pieces in
+// order).
+constexpr int kDeterministicSplitKeys = 2048;
 // Work items per thread that the split aims for: with an atomic counter handing them out, a few
 // per thread even out unequal tiles.
 constexpr int kItemsPerThread = 4;
@@ -1073,7 +1076,11 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
   for (int r = 0; r < p.batch_size; ++r) {
     max_q_len = std::max<int64_t>(max_q_len, p.qo_indptr[r + 1] - p.qo_indptr[r]);
   }
-  ctx.tile_tokens = int(std::min<int64_t>(std::max(1, kTileRows / ctx.group), max_q_len));
+  // Deterministic mode (BackendConfig::deterministic): tiles of a fixed token count, whatever
+  // the batch's longest request, so a token's tile (its key blocks, its kernel) depends on its
+  // request alone; decode then takes the scratch path too.
+  const int64_t tile_cap = p.deterministic ? INT64_MAX : max_q_len;
+  ctx.tile_tokens = int(std::min<int64_t>(std::max(1, kTileRows / ctx.group), tile_cap));
   ctx.tile_rows = ctx.tile_tokens * ctx.group;
   ctx.direct = ctx.tile_rows <= kDirectRows;
   // The AVX-512 BF16 kernels take bf16 q and K/V (q used as given: its scores need no rounding
@@ -1091,7 +1098,7 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
     // rows, which the gather of page-1 slots needs (bench/NOTES.md, "CPU prefill on AMX":
     // 1 x 4096 prefill 302 ms at 64 rows, 219 at 128, 195 at 256, 180 at 512, 186 at 1024).
     static const int amx_rows = env_tile_rows();
-    ctx.tile_tokens = int(std::min<int64_t>(std::max(1, amx_rows / ctx.group), max_q_len));
+    ctx.tile_tokens = int(std::min<int64_t>(std::max(1, amx_rows / ctx.group), tile_cap));
     ctx.tile_rows = ctx.tile_tokens * ctx.group;
   }
   ctx.item_heads = ctx.direct ? p.num_kv_heads : 1;
@@ -1138,20 +1145,28 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
     }
   }
 
-  // Split the tiles that hold much more than a fair share of the work along the KV axis.
+  // Split the tiles that hold much more than a fair share of the work along the KV axis
+  // (deterministic mode: every tile longer than kDeterministicSplitKeys, in chunks of that many
+  // keys from the tile's first key, whatever the batch and the thread count).
   int64_t num_partials = 0;
-  if (threads > 1) {
+  if (threads > 1 || p.deterministic) {
     const int64_t target = std::max<int64_t>(1, total_cost / (int64_t(threads) * kItemsPerThread));
     const size_t num_tiles = w.items.size();
     for (size_t i = 0; i < num_tiles; ++i) {
       WorkItem& tile = w.items[i];
       const int64_t span = tile.kv_end - tile.kv_begin;
-      if (tile.cost <= target || span < 2 * kMinSplitKeys) continue;
-      const int64_t pieces =
-          std::min<int64_t>((tile.cost + target - 1) / target, span / kMinSplitKeys);
-      if (pieces < 2) continue;
-      int64_t chunk = (span + pieces - 1) / pieces;
-      chunk = (chunk + ctx.kv_block - 1) / ctx.kv_block * ctx.kv_block;
+      int64_t chunk = 0;
+      if (p.deterministic) {
+        if (span <= kDeterministicSplitKeys) continue;
+        chunk = kDeterministicSplitKeys;
+      } else {
+        if (tile.cost <= target || span < 2 * kMinSplitKeys) continue;
+        const int64_t pieces =
+            std::min<int64_t>((tile.cost + target - 1) / target, span / kMinSplitKeys);
+        if (pieces < 2) continue;
+        chunk = (span + pieces - 1) / pieces;
+        chunk = (chunk + ctx.kv_block - 1) / ctx.kv_block * ctx.kv_block;
+      }
       MergeItem merge;
       merge.request = tile.request;
       merge.head_begin = tile.head_begin;

@@ -136,7 +136,7 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
     plan.use_ragged = core::use_ragged_extend(batch.mode, plan.num_tokens,
                                               config_.ragged_extend_threshold,
                                               config_.sliding_window_size >= 0,
-                                              config_.is_encoder_decoder);
+                                              config_.is_encoder_decoder, config_.deterministic);
     if (plan.use_ragged) {
       plan.ragged = core::make_ragged_layout(lens);
       plan.prefix.set = core::IndexSet::kFull;
@@ -248,6 +248,7 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
 
   core::AttentionParams params;
   core::set_query_fields(params, q, out, layer);
+  params.deterministic = config_.deterministic;
   params.lse = final_lse;
   if (!ragged) {
     set_paged(params, cache, layer, set);
@@ -279,6 +280,7 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
 
   core::AttentionParams prefix_params;
   core::set_query_fields(prefix_params, q, out, layer);
+  prefix_params.deterministic = config_.deterministic;
   set_paged(prefix_params, cache, layer, plan_.prefix);
   prefix_params.out = out_prefix;
   prefix_params.out_stride_token = int64_t(heads) * dv;
@@ -384,6 +386,7 @@ void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorVie
   if (num_queries_ == 0) return;
   core::AttentionParams params;
   core::set_query_fields(params, q, out, layer);
+  params.deterministic = config_.deterministic;
   set_paged(params, cache, layer, steps_[size_t(step)]);
   // The step's keys are in position order (prefix, then the branch's drafts), so a window is
   // the usual bottom-right bound.

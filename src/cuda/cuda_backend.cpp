@@ -170,7 +170,10 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }
   }
-  const bool tc_wanted = env_int("KVATTN_TC_DECODE", 1, 0) != 0;
+  // Deterministic mode: one kernel family for every mode (decode on the tensor-core path, as in
+  // MIXED steps), no decode-shaped kernel (picked by the batch's longest request), no split-KV
+  // (prefill_shape), no ragged path (use_ragged_extend).
+  const bool tc_wanted = env_int("KVATTN_TC_DECODE", 1, 0) != 0 && !config.deterministic;
   if (setup.prefill_supported && tc_wanted && tc_decode_serves(config.head_dim, v_head_dim)) {
     try {
       const PrefillKernelShape shape = tc_decode_kernel_shape(config.head_dim, v_head_dim, device);
@@ -188,7 +191,13 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       choice == TensorCoreDecode::kOn || (choice == TensorCoreDecode::kAuto && group > 4);
   // The prefill kernel reads KV in the io dtype or fp8 (kernels/prefill.h).
   const bool kv_ok = kv.dtype == config.q_dtype || is_fp8(kv.dtype);
-  setup.tensor_cores = wanted && setup.prefill_supported && io_native && kv_ok;
+  setup.tensor_cores = (wanted || config.deterministic) && setup.prefill_supported && io_native &&
+                       kv_ok;
+  // (Where the tensor-core path cannot run, deterministic decode splits in fixed chunks.)
+  if (config.deterministic) {
+    setup.plan_config.fixed_chunk = 8 * setup.info.tile_tokens;
+    setup.plan_config.concurrent_ctas = 0;  // never the batch-dependent choice
+  }
   return setup;
 }
 
@@ -465,7 +474,8 @@ class CudaBackend final : public AttentionBackend {
     for (int32_t e : lens.extend_lens) new_tokens += e;
     step_.ragged =
         core::use_ragged_extend(batch.mode, new_tokens, config_.ragged_extend_threshold,
-                                config_.sliding_window_size >= 0, config_.is_encoder_decoder);
+                                config_.sliding_window_size >= 0, config_.is_encoder_decoder,
+                                config_.deterministic);
     step_.num_tokens = decode   ? batch.batch_size
                        : verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num
                                 : new_tokens;
@@ -729,6 +739,7 @@ class CudaBackend final : public AttentionBackend {
     shape.mask = mask;
     shape.window_left = window_left;
     shape.concurrent_ctas = tc ? setup_.concurrent_tc_decode_ctas : setup_.concurrent_prefill_ctas;
+    if (config_.deterministic) shape.concurrent_ctas = 0;  // no split-KV: tiles are the request's
     if (tc) shape.min_split_keys = setup_.tc_decode_min_split;
     return shape;
   }

@@ -46,6 +46,7 @@ struct ScenarioSpec {
   uint64_t seed = 1;
   bool strided_q = false;        ///< q is a view of wider rows (as a slice of a fused qkv)
   bool sinks = false;            ///< the layer has attention sinks (AttentionLayer::sinks)
+  bool deterministic = false;    ///< BackendConfig::deterministic
   DType sinks_dtype = DType::kFloat32;
 
   std::string shape_label() const;  ///< "b4 kv1..300 q8/2 d128 page1" for tables

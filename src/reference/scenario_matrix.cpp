@@ -523,6 +523,25 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.sinks = true;
     s.max_q_len = 5;
   });
+  // ---- deterministic mode (batch invariance itself: tests/support/batch_invariance.h) ---------
+  add("decode deterministic", decode, [](ScenarioSpec& s) {
+    s.deterministic = true;
+    s.max_kv_len = 3000;  // long enough that the other mode would split
+  });
+  add("extend deterministic (ragged-sized step)", extend, [](ScenarioSpec& s) {
+    s.deterministic = true;
+    s.force_ragged = true;  // the threshold is met; deterministic mode stays paged
+  });
+  add("mixed deterministic window", mixed, [](ScenarioSpec& s) {
+    s.deterministic = true;
+    s.batch_size = 5;
+    s.sliding_window = 30;
+  });
+  add("verify deterministic sinks", verify, [](ScenarioSpec& s) {
+    s.deterministic = true;
+    s.sinks = true;
+    s.draft_token_num = 5;
+  });
   add("multi-step sinks", decode, [](ScenarioSpec& s) {
     s.sinks = true;
     s.topk = 2;
