@@ -38,6 +38,9 @@ def timed(fn, reps, min_seconds=1.0):
     return statistics.median(times)
 
 
+DETERMINISTIC = False  # --deterministic: kvattn's batch-invariant mode
+
+
 def world(batch, kv_len, threads, seed):
     """A KV pool with shuffled page-1 slots holding batch x kv_len tokens, a backend over it, and
     each request's K/V in token order (for the contiguous SDPA copy)."""
@@ -53,7 +56,7 @@ def world(batch, kv_len, threads, seed):
     pool = kvattn.ReqToTokenPool.wrap(table)
     backend = kvattn.make_backend("cpu", kvattn.BackendConfig(
         kv_cache=cache, req_to_token_pool=pool, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
-        head_dim=DIM, q_dtype=DTYPE, num_threads=threads))
+        head_dim=DIM, q_dtype=DTYPE, num_threads=threads, deterministic=DETERMINISTIC))
     k_seq = k_pool[table.long()]  # [batch, kv_len, heads, dim]
     v_seq = v_pool[table.long()]
     return cache, pool, backend, table, k_seq, v_seq
@@ -141,7 +144,11 @@ def main():
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--json", default="")
     parser.add_argument("--rows", default=".", help="regex over row labels")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="kvattn in its batch-invariant mode (BackendConfig.deterministic)")
     args = parser.parse_args()
+    global DETERMINISTIC
+    DETERMINISTIC = args.deterministic
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
     rows = [("decode b16 x 4096", lambda: decode_row(16, 4096, args.threads)),
@@ -167,6 +174,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(commit=git_commit(), date=time.strftime("%Y-%m-%d"),
+                           deterministic=args.deterministic,
                            threads=args.threads, torch=torch.__version__,
                            cpu_isa=os.environ.get("KVATTN_CPU_ISA", ""), cpu=cpu,
                            rows=results), f, indent=1)
