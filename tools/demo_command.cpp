@@ -457,7 +457,8 @@ class ServingSession {
     }
     const int64_t tokens = stats.query_tokens;
     stats.ragged = core::use_ragged_extend(spec.mode, tokens, kRaggedThreshold,
-                                           /*has_window=*/false, /*is_encoder_decoder=*/false);
+                                           /*has_window=*/false, /*is_encoder_decoder=*/false,
+                                           /*deterministic=*/false);
     StepBatch batch(spec, device_.device, &cache_, &pool_);
     std::vector<LayerInputs> layers;
     for (int l = 0; l < kNumLayers; ++l) {

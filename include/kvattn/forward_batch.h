@@ -27,8 +27,8 @@ struct AttentionLayer {
   /// Attention sinks (gpt-oss and others): [num_q_heads] fp32, bf16 or fp16 on the backend's
   /// device, contiguous; undefined = none. Head h's sink s_h is a logit (in the units of the
   /// scaled, soft-capped q·k) with a zero value vector that joins every query's softmax:
-  /// out = sum_j e^(x_j) v_j / (e^(s_h) + sum_j e^(x_j)). Every mode and variant; not in the
-  /// multi-step draft backend.
+  /// out = sum_j e^(x_j) v_j / (e^(s_h) + sum_j e^(x_j)). Every mode and variant, the
+  /// multi-step draft backend's steps included.
   TensorView sinks;
 
   int resolved_v_head_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }

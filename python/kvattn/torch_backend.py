@@ -530,6 +530,7 @@ class _DraftStepBackend:
         self.step = step
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        sinks = kwargs.pop("sinks", None) if kwargs else None
         if kwargs:
             _reject_extras(kwargs)
         _, native_layer, width = self.owner._layer(layer)
@@ -538,11 +539,12 @@ class _DraftStepBackend:
             k = v = None
         if _NATIVE_TENSORS:
             return self.owner.native.forward_step(self.step, q, k, v, None, native_layer, loc,
-                                                  self.owner._dlpack_alloc)
+                                                  self.owner._dlpack_alloc, sinks)
         out = q.new_empty((q.shape[0], width))
         self.owner.native.forward_step(
             self.step, _dl(q), None if k is None else _dl(k), None if v is None else _dl(v),
-            _dl(out), native_layer, None if loc is None else _dl(loc))
+            _dl(out), native_layer, None if loc is None else _dl(loc), False,
+            None if sinks is None else _dl(sinks))
         return out
 
     forward_decode = forward

@@ -195,6 +195,14 @@ ForwardArgs forward_args(DType q_dtype, const AttentionLayer& layer, nb::handle 
   return a;
 }
 
+/// This call's layer with the sinks given to it (the engine's layer description stays sink-free,
+/// so that one description serves calls with and without).
+AttentionLayer layer_with_sinks(const AttentionLayer& layer, const ArrayArg& sinks) {
+  AttentionLayer call_layer = layer;
+  if (sinks.view.defined()) call_layer.sinks = sinks.view;
+  return call_layer;
+}
+
 enum class ForwardEntry { kForward, kDecode, kExtend };
 
 ForwardEntry entry_arg(const std::string& name) {
@@ -227,19 +235,11 @@ nb::object run_forward(PyBackend& b, ForwardEntry entry, nb::handle q, nb::handl
                        nb::handle out, const AttentionLayer& layer, const PyForwardBatch& batch,
                        bool save_kv_cache, bool dlpack_alloc, nb::handle sinks) {
   ForwardArgs a = forward_args(b.config.q_dtype, layer, q, k, v, out, dlpack_alloc);
-  // sinks: this call's layer with them (the layer description itself stays sink-free, so that
-  // one description serves calls with and without).
   const ArrayArg sink_arg = array_arg(sinks, "sinks", std::nullopt, /*optional=*/true);
-  AttentionLayer with_sinks;
-  const AttentionLayer* call_layer = &layer;
-  if (sink_arg.view.defined()) {
-    with_sinks = layer;
-    with_sinks.sinks = sink_arg.view;
-    call_layer = &with_sinks;
-  }
+  const AttentionLayer call_layer = layer_with_sinks(layer, sink_arg);
   {
     nb::gil_scoped_release release;
-    call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, a.out.view, *call_layer, batch.batch,
+    call_entry(*b.impl, entry, a.q.view, a.k.view, a.v.view, a.out.view, call_layer, batch.batch,
                save_kv_cache);
   }
   return std::move(a.result);
@@ -576,21 +576,25 @@ void bind_backend(nb::module_& m) {
       .def(
           "forward_step",
           [](PyDraftBackend& d, int step, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
-             const AttentionLayer& layer, nb::handle out_cache_loc, bool dlpack_alloc) {
+             const AttentionLayer& layer, nb::handle out_cache_loc, bool dlpack_alloc,
+             nb::handle sinks) {
             ForwardArgs a = forward_args(d.config.q_dtype, layer, q, k, v, out, dlpack_alloc);
             const ArrayArg loc = array_arg(out_cache_loc, "out_cache_loc", std::nullopt,
                                            /*optional=*/true);
+            const ArrayArg sink_arg = array_arg(sinks, "sinks", std::nullopt, /*optional=*/true);
+            const AttentionLayer call_layer = layer_with_sinks(layer, sink_arg);
             {
               nb::gil_scoped_release release;
-              d.impl->forward_step(step, a.q.view, a.k.view, a.v.view, a.out.view, layer, loc.view);
+              d.impl->forward_step(step, a.q.view, a.k.view, a.v.view, a.out.view, call_layer,
+                                   loc.view);
             }
             return std::move(a.result);
           },
           nb::arg("step"), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(),
           nb::arg("out").none(), nb::arg("layer"), nb::arg("out_cache_loc").none() = nb::none(),
-          nb::arg("dlpack_alloc") = false,
+          nb::arg("dlpack_alloc") = false, nb::arg("sinks").none() = nb::none(),
           "One draft step over batch_size * topk query rows (request-major, branch-minor); out "
-          "as in Backend.forward. Returns out.")
+          "and sinks as in Backend.forward. Returns out.")
       .def(
           "init_cuda_graph_state",
           [](PyDraftBackend& d, int max_bs) {

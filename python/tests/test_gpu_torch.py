@@ -114,6 +114,7 @@ def test_attention_sinks(sink_dtype):
                      [0, 64, 700], [33, 200, 77], ragged=True, sinks=sinks)
     extend_like_step(engine(window=64, page_size=16), ForwardMode.MIXED, [0, 40, 300],
                      [60, 1, 23], sinks=sinks)
+    multi_step_draft(engine(page_size=1), [3, 50, 400], topk=2, num_steps=3, sinks=sinks)
 
 
 def test_multi_step_draft():

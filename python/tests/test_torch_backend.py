@@ -67,6 +67,7 @@ def test_attention_sinks_every_mode(sink_dtype):
     extend_like_step(engine(window=3), ForwardMode.MIXED, [0, 12], [5, 1], sinks=sinks)
     extend_like_step(engine(), ForwardMode.DRAFT_EXTEND, [7], [3], sinks=sinks)
     verify_step(engine(page_size=2), [3, 11], 4, sinks=sinks)
+    multi_step_draft(engine(), [2, 9], topk=2, num_steps=2, sinks=sinks)
 
 
 def test_attention_sinks_are_checked():

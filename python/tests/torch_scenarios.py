@@ -339,7 +339,7 @@ def verify_step(engine, prefix_lens, draft_token_num, seed=0, sinks=None):
                         row_len=layer.v_head_dim)
 
 
-def multi_step_draft(engine, seq_lens, topk, num_steps):
+def multi_step_draft(engine, seq_lens, topk, num_steps, sinks=None):
     draft = KvattnMultiStepDraftBackend(
         engine.token_to_kv_pool, engine.req_to_token_pool, topk, num_steps,
         num_q_heads=engine.num_q_heads, q_dtype=engine.q_dtype)
@@ -360,7 +360,8 @@ def multi_step_draft(engine, seq_lens, topk, num_steps):
         q = engine.randn(rows, layer.tp_q_head_num, layer.head_dim)
         k = engine.randn(rows, layer.tp_k_head_num, layer.head_dim)
         v = engine.randn(rows, layer.tp_k_head_num, layer.v_head_dim)
-        out = draft.attn_backends[step].forward(q, k, v, layer, step_fb)
+        extra = {} if sinks is None else {"sinks": sinks}
+        out = draft.attn_backends[step].forward(q, k, v, layer, step_fb, **extra)
         expected = []
         for r in range(bs):
             for b in range(topk):
@@ -369,7 +370,8 @@ def multi_step_draft(engine, seq_lens, topk, num_steps):
                 kk, vv = engine.kv(0, [engine.token_slots[r][p] for p in positions])
                 row = r * topk + b
                 visible = torch.ones((1, len(positions)), dtype=torch.bool, device=engine.device)
-                expected.append(sdpa_reference(q[row:row + 1], kk, vv, layer.scaling, visible))
+                expected.append(sdpa_reference(q[row:row + 1], kk, vv, layer.scaling, visible,
+                                               sinks))
         worst = max(worst, assert_close(out, torch.cat(expected).reshape(rows, -1),
                                         engine.q_dtype, f"draft step {step}",
                                         row_len=layer.v_head_dim))

@@ -212,13 +212,6 @@ void check_sinks(const AttentionLayer& layer, Device device) {
             ", expected a contiguous vector");
 }
 
-void refuse_sinks(const AttentionLayer& layer, const char* where) {
-  if (layer.sinks.defined()) {
-    throw_error(ErrorKind::kNotSupported, "sinks", where,
-                " does not run attention sinks yet (the backend's forward does)");
-  }
-}
-
 void validate_forward_tensors(const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& out, const AttentionLayer& layer,
                               const ForwardBatch& b, const BackendConfig& c, Device device,

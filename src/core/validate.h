@@ -28,9 +28,6 @@ void validate_forward_tensors(const TensorView& q, const TensorView& k, const Te
 /// layer.sinks, when given: [num_q_heads] fp32/bf16/fp16, contiguous, on `device`.
 void check_sinks(const AttentionLayer& layer, Device device);
 
-/// Throws kNotSupported naming `where` when layer.sinks is given (paths without sinks yet).
-void refuse_sinks(const AttentionLayer& layer, const char* where);
-
 /// The step's slot tensors, when given: out_cache_loc and encoder_out_cache_loc must be 1-D
 /// int32/int64 tensors on `device`, and host ones hold slots in [0, num_slots) (named
 /// "out_cache_loc[i]" like the device check of the CUDA backend). Runs in

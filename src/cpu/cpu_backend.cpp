@@ -378,7 +378,6 @@ void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorVie
   step_batch.batch_size = num_queries_;
   step_batch.out_cache_loc = out_cache_loc;
   const bool save = out_cache_loc.defined() && k.defined();
-  core::refuse_sinks(layer, "the multi-step draft backend");
   core::validate_forward_tensors(q, k, v, out, layer, step_batch, config_, Device::cpu(),
                                  num_queries_, save);
   const KvCache& cache = *config_.kv_cache;
@@ -391,7 +390,17 @@ void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorVie
   // The step's keys are in position order (prefix, then the branch's drafts), so a window is
   // the usual bottom-right bound.
   params.window_left = layer.sliding_window_size;
+  const int dv = layer.resolved_v_head_dim();
+  if (layer.sinks.defined()) {  // as CpuBackend::forward_any: the LSE, then the sink folded in
+    sink_lse_.resize(size_t(num_queries_) * layer.num_q_heads);
+    params.lse = sink_lse_.data();
+  }
   run_attention(params, q.dtype(), pool_, workspace_);
+  if (layer.sinks.defined()) {
+    const core::HeadStrides os = core::head_strides(out, dv);
+    apply_sinks(layer.sinks, sink_lse_.data(), num_queries_, layer.num_q_heads, dv, out.data(),
+                os.token, os.head, out.dtype(), pool_);
+  }
 }
 
 std::unique_ptr<AttentionBackend> make_cpu_backend(const BackendConfig& config) {

@@ -100,6 +100,7 @@ class CpuDraftRunner final : public core::DraftRunner {
   bool ready_ = false;
   int num_queries_ = 0;  // batch_size * topk
   std::vector<CpuIndexSet> steps_;  // one per draft step
+  std::vector<float> sink_lse_;     // layers with sinks: the rows' LSE before the sink
   uint64_t step_id_ = 0;
 };
 

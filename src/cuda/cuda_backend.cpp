@@ -359,6 +359,24 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
   launch_decode(launch, device, stream);
 }
 
+void fold_sinks(const TensorView& out, int v_head_dim, const float* lse, const TensorView& sinks,
+                int64_t num_tokens, const uint32_t* step_error, cudaStream_t stream) {
+  ApplySinksLaunch a;
+  const core::HeadStrides os = core::head_strides(out, v_head_dim);
+  a.out = out.data();
+  a.out_dtype = out.dtype();
+  a.stride_token = os.token;
+  a.stride_head = os.head;
+  a.lse = lse;
+  a.sinks = sinks.data();
+  a.sinks_dtype = sinks.dtype();
+  a.num_tokens = num_tokens;
+  a.num_heads = int(sinks.size(0));
+  a.v_head_dim = v_head_dim;
+  a.step_error = step_error;
+  launch_apply_sinks(a, stream);
+}
+
 void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
              const TensorView& v, const TensorView& loc, const SaveGuard& guard,
              cudaStream_t stream) {
@@ -840,20 +858,8 @@ class CudaBackend final : public AttentionBackend {
     }
     auto finish = [&] {
       if (sink_lse == nullptr) return;
-      ApplySinksLaunch a;
-      const core::HeadStrides os = core::head_strides(out, config_.v_head_dim);
-      a.out = out.data();
-      a.out_dtype = out.dtype();
-      a.stride_token = os.token;
-      a.stride_head = os.head;
-      a.lse = sink_lse;
-      a.sinks = layer.sinks.data();
-      a.sinks_dtype = layer.sinks.dtype();
-      a.num_tokens = step_.num_tokens;
-      a.num_heads = config_.num_q_heads;
-      a.v_head_dim = config_.v_head_dim;
-      a.step_error = &step_state()->error;
-      launch_apply_sinks(a, stream);
+      fold_sinks(out, config_.v_head_dim, sink_lse, layer.sinks, step_.num_tokens,
+                 &step_state()->error, stream);
     };
     if (!step_.convert_io) {
       attend(config_, layer, q, k, v, out, sink_lse, stream);

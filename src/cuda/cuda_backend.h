@@ -182,6 +182,11 @@ struct SaveGuard {
   StepArgument loc_argument = kArgOutCacheLoc;
 };
 
+/// Attention sinks on a finished output: out's rows (num_tokens x sinks.size(0) heads) scaled
+/// by 1 / (1 + e^(s_h - lse)), lse the rows' LSE the attention left (launch_apply_sinks).
+void fold_sinks(const TensorView& out, int v_head_dim, const float* lse, const TensorView& sinks,
+                int64_t num_tokens, const uint32_t* step_error, cudaStream_t stream);
+
 /// Saves k/v at `loc` in the layer's cache (device kernel; a refused step writes nothing).
 void save_kv(const BackendConfig& config, const AttentionLayer& layer, const TensorView& k,
              const TensorView& v, const TensorView& loc, const SaveGuard& guard,

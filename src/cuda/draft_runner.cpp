@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "core/size_check.h"
 #include "core/validate.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels/index.h"
@@ -175,7 +176,6 @@ class CudaDraftRunner final : public core::DraftRunner {
     view.batch_size = entries_;
     view.out_cache_loc = out_cache_loc;
     const bool save = out_cache_loc.defined() && k.defined();
-    core::refuse_sinks(layer, "the multi-step draft backend");
     core::validate_forward_tensors(q, k, v, out, layer, view, config_, device_, entries_, save);
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
     StepState* state = step_state_of(steps_[0]);
@@ -191,8 +191,21 @@ class CudaDraftRunner final : public core::DraftRunner {
     }
     if (entries_ == 0) return;
     const CallState& call = steps_[size_t(step)];
-    run_call(call, make_params(call, config_, layer, q, out, nullptr, {}, {}, state),
+    // Sinks: the attention leaves each row's LSE, then the sink is folded in (as the backend).
+    float* sink_lse = nullptr;
+    if (layer.sinks.defined()) {
+      ensure_bytes(sink_lse_,
+                   core::checked_bytes({int64_t(entries_), config_.num_q_heads,
+                                        int64_t(sizeof(float))},
+                                       "sink LSE"),
+                   graph_max_bs_ > 0, device_, "sink LSE");
+      sink_lse = static_cast<float*>(sink_lse_.data());
+    }
+    run_call(call, make_params(call, config_, layer, q, out, sink_lse, {}, {}, state),
              device_.index, stream);
+    if (sink_lse != nullptr) {
+      fold_sinks(out, config_.v_head_dim, sink_lse, layer.sinks, entries_, &state->error, stream);
+    }
   }
 
   void set_cuda_stream(void* stream) override { config_.cuda_stream = stream; }
@@ -213,6 +226,9 @@ class CudaDraftRunner final : public core::DraftRunner {
       cap.v_head_dim = config_.v_head_dim;
       plan_frozen_call(call, cap, kv_capacity, core::PrefillBufferLayout{}, growth);
     }
+    growth.need(sink_lse_, core::checked_bytes({entries, config_.num_q_heads,
+                                                int64_t(sizeof(float))},
+                                               "sink LSE"));
     growth.apply(device_, "MultiStepDraftBackend::init_cuda_graph_state(max_bs=" +
                               std::to_string(max_bs) + ")");
     for (CallState& call : steps_) freeze_call(call);
@@ -227,6 +243,7 @@ class CudaDraftRunner final : public core::DraftRunner {
   int num_steps_;
   DecodeSetup setup_;
   std::unique_ptr<StepGuard> guard_;
+  Buffer sink_lse_;  ///< layers with sinks: each row's LSE before the sink (graph: frozen)
   uint64_t step_ = 0;  ///< guard_'s number of the current step
   std::vector<CallState> steps_;
   bool ready_ = false;          ///< out_graph planned the current batch

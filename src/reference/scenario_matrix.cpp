@@ -12,10 +12,7 @@ const char* unsupported_reason(const ScenarioSpec& spec, BackendKind kind) {
     return "CUDA multi-step draft on a window layer: the draft index build has no window "
            "(refused in src/cuda/draft_runner.cpp)";
   }
-  if (spec.topk > 0 && spec.sinks) {
-    return "multi-step draft with attention sinks: the draft backends have no sinks yet "
-           "(core::refuse_sinks)";
-  }
+
   return nullptr;
 }
 
