@@ -22,7 +22,7 @@
 namespace kvattn::cpu::amx {
 namespace {
 
-constexpr int kTileElems = 16 * 32;  // one 16 x 32 bf16 B tile (1 KiB)
+constexpr int kTileElems = 16 * 32;          // one 16 x 32 bf16 B tile (1 KiB)
 constexpr float kRescaleAbove = 5.5451774f;  // 8 ln 2
 
 // Linux keeps the AMX tile data off until a process asks for it (arch_prctl).
@@ -102,7 +102,7 @@ KVATTN_AMX inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558146e-3f);  // ln2^5 / 120
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);                  // ln2^5 / 120
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 24
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 6
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2
@@ -224,7 +224,7 @@ KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit
     __m512 vmax = minus_inf;
     for (int i = 0; i < vectors; ++i) {
       const int left = visible - 16 * i;
-      const __mmask16 keep = left >= 16 ? __mmask16(0xffff)
+      const __mmask16 keep = left >= 16  ? __mmask16(0xffff)
                              : left <= 0 ? __mmask16(0)
                                          : __mmask16((1u << left) - 1);
       v[i] = _mm512_mask_mul_ps(minus_inf, keep, _mm512_loadu_ps(row + 16 * i), f);
@@ -234,9 +234,9 @@ KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit
     // kRescaleAbove (p stays <= 2^8: exact enough in the fp32 sums and in a bf16 P), so the
     // rescale of o is rare once a row has seen its first keys (the GPU kernels' rule, FA4's);
     // the common case needs no horizontal max, only a compare.
-    const bool stays = state[r].max != -INFINITY &&
-                       _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(state[r].max + kRescaleAbove),
-                                          _CMP_GT_OQ) == 0;
+    const bool stays =
+        state[r].max != -INFINITY &&
+        _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(state[r].max + kRescaleAbove), _CMP_GT_OQ) == 0;
     if (!stays) {
       const float factor = state[r].rescale_for(_mm512_reduce_max_ps(vmax));
       if (factor != 1.f) {
@@ -261,8 +261,8 @@ KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit
 KVATTN_AMX void pack_values(const char* const* values, int64_t head_offset, int nk, int dv,
                             uint16_t* vp) {
   // Element 2 n of a packed row is key a's dim n, element 2 n + 1 key b's.
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+  alignas(64) static const uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                       21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i index = _mm512_load_si512(kInterleave);
   const int col_tiles = dv / 16;
@@ -286,8 +286,8 @@ KVATTN_AMX void pack_values(const char* const* values, int64_t head_offset, int 
   }
 }
 
-KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const uint16_t* vp,
-                              int dv, float* o) {
+KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const uint16_t* vp, int dv,
+                              float* o) {
   load_config();
   const int key_chunks = (nk + 31) / 32;
   const int width = key_chunks * 32;
@@ -299,7 +299,7 @@ KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const ui
       const float* src = p + int64_t(r0 + r) * ld;
       for (int j = 0; j < width; j += 16) {
         const int left = nk - j;
-        const __mmask16 keep = left >= 16 ? __mmask16(0xffff)
+        const __mmask16 keep = left >= 16  ? __mmask16(0xffff)
                                : left <= 0 ? __mmask16(0)
                                            : __mmask16((1u << left) - 1);
         const __m512 v = _mm512_maskz_loadu_ps(keep, src + j);

@@ -61,7 +61,6 @@ void pack_values(const char* const* values, int64_t head_offset, int nk, int dv,
 
 /// o[r] += sum_j p[r * ld + j] * v_j for r < rows (a multiple of 16) and j < nk; p is rounded
 /// to bf16 (as the GPU kernels round P), columns past nk count as zero.
-void accumulate_pv(const float* p, int ld, int rows, int nk, const uint16_t* vp, int dv,
-                   float* o);
+void accumulate_pv(const float* p, int ld, int rows, int nk, const uint16_t* vp, int dv, float* o);
 
 }  // namespace kvattn::cpu::amx

@@ -23,14 +23,15 @@ TEST_P(CpuDeterministic, ProbeIsBitwiseEqualInEveryBatch) {
 INSTANTIATE_TEST_SUITE_P(Modes, CpuDeterministic,
                          ::testing::Values(ForwardMode::kDecode, ForwardMode::kExtend,
                                            ForwardMode::kMixed, ForwardMode::kTargetVerify),
-                         [](const auto& info) { return std::string(forward_mode_name(info.param)); });
+                         [](const auto& info) {
+                           return std::string(forward_mode_name(info.param));
+                         });
 
 // Without the mode, the probe's KV is split by how much else the batch holds (decode alone on 2
 // workers splits its 3000 keys; beside 12 neighbours it does not), and the bytes move.
 TEST(CpuDeterministicControl, WithoutTheModeSomeBatchChangesTheProbe) {
-  const BatchInvarianceResult r =
-      run_batch_invariance(BackendKind::kCpu, ForwardMode::kDecode, /*deterministic=*/false, 6, 2,
-                           17);
+  const BatchInvarianceResult r = run_batch_invariance(BackendKind::kCpu, ForwardMode::kDecode,
+                                                       /*deterministic=*/false, 6, 2, 17);
   EXPECT_TRUE(r.finite);
   EXPECT_LT(r.identical, r.batches) << "the batches never changed the probe: the test above "
                                        "could not fail";

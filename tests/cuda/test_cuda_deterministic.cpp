@@ -24,12 +24,14 @@ TEST_P(CudaDeterministic, ProbeIsBitwiseEqualInEveryBatch) {
 INSTANTIATE_TEST_SUITE_P(Modes, CudaDeterministic,
                          ::testing::Values(ForwardMode::kDecode, ForwardMode::kExtend,
                                            ForwardMode::kMixed, ForwardMode::kTargetVerify),
-                         [](const auto& info) { return std::string(forward_mode_name(info.param)); });
+                         [](const auto& info) {
+                           return std::string(forward_mode_name(info.param));
+                         });
 
 TEST(CudaDeterministicControl, WithoutTheModeSomeBatchChangesTheProbe) {
   REQUIRE_GPU();
-  const BatchInvarianceResult r = run_batch_invariance(
-      BackendKind::kCuda, ForwardMode::kDecode, /*deterministic=*/false, 8, 0, 23);
+  const BatchInvarianceResult r = run_batch_invariance(BackendKind::kCuda, ForwardMode::kDecode,
+                                                       /*deterministic=*/false, 8, 0, 23);
   EXPECT_TRUE(r.finite);
   EXPECT_LT(r.identical, r.batches) << "the batches never changed the probe: the test above "
                                        "could not fail";

@@ -21,10 +21,10 @@ constexpr int kDraftTokens = 4;  // TARGET_VERIFY
 
 struct Request {
   int row = 0;
-  int prefix = 0;  // keys before this step's tokens
-  int tokens = 1;  // this step's query tokens
-  std::vector<uint16_t> q;     // [tokens, kQHeads, kDim] bf16
-  std::vector<uint8_t> mask;   // TARGET_VERIFY: [tokens, prefix + tokens]
+  int prefix = 0;             // keys before this step's tokens
+  int tokens = 1;             // this step's query tokens
+  std::vector<uint16_t> q;    // [tokens, kQHeads, kDim] bf16
+  std::vector<uint8_t> mask;  // TARGET_VERIFY: [tokens, prefix + tokens]
 };
 
 /// Device copies of host vectors, owned for the life of one batch.
@@ -46,9 +46,8 @@ uint16_t random_bf16(std::mt19937_64& rng) {
 
 }  // namespace
 
-BatchInvarianceResult run_batch_invariance(BackendKind kind, ForwardMode mode,
-                                           bool deterministic, int configurations, int threads,
-                                           uint64_t seed) {
+BatchInvarianceResult run_batch_invariance(BackendKind kind, ForwardMode mode, bool deterministic,
+                                           int configurations, int threads, uint64_t seed) {
   const Device device = kind == BackendKind::kCuda ? Device::cuda(0) : Device::cpu();
   std::mt19937_64 rng(seed);
   const bool verify = mode == ForwardMode::kTargetVerify;
@@ -60,10 +59,10 @@ BatchInvarianceResult run_batch_invariance(BackendKind kind, ForwardMode mode,
     Request& r = requests[size_t(i)];
     r.row = i;
     r.prefix = i == 0 ? 3000 : int(rng() % 2200);
-    r.tokens = verify ? kDraftTokens
+    r.tokens = verify                         ? kDraftTokens
                : mode == ForwardMode::kExtend ? (i == 0 ? 37 : 1 + int(rng() % 90))
-               : mode == ForwardMode::kMixed  ? (i == 0 ? 37 : (rng() % 2 ? 1 : 1 + int(rng() % 60)))
-                                              : 1;
+               : mode == ForwardMode::kMixed ? (i == 0 ? 37 : (rng() % 2 ? 1 : 1 + int(rng() % 60)))
+                                             : 1;
     if (mode == ForwardMode::kDecode) r.prefix += 1;  // DECODE: prefix counts the new token too
     r.q.resize(size_t(r.tokens) * kQHeads * kDim);
     for (auto& x : r.q) x = random_bf16(rng);

@@ -328,8 +328,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
 
   // One step of the warp: mask_now holds this step's mask bytes (kCustom), mask_next receives
   // the next step's.
-  auto run_step = [&](int u, const uint8_t(&mask_now)[kMaskBytes],
-                      uint8_t(&mask_next)[kMaskBytes], int32_t& slots) {
+  auto run_step = [&](int u, const uint8_t(&mask_now)[kMaskBytes], uint8_t(&mask_next)[kMaskBytes],
+                      int32_t& slots) {
     const int first = step_key(u);
     // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
     __syncwarp();
