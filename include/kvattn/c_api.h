@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /** The version of this ABI: changes when a struct or a signature below changes. */
-#define KVATTN_C_API_VERSION 1
+#define KVATTN_C_API_VERSION 2
 /** Dimensions a kvattn_tensor can have (kvattn::TensorView::kMaxDims). */
 #define KVATTN_MAX_DIMS 6
 
@@ -191,6 +191,9 @@ typedef struct kvattn_layer {
   int32_t is_cross_attention;  /**< 0/1 */
   float k_scale;               /**< fp8 scales; <= 0 (default) = the KV cache's */
   float v_scale;
+  /** Attention sinks: [num_q_heads] fp32/bf16/fp16 on the backend's device, one logit per q
+   *  head with a zero value (kvattn::AttentionLayer::sinks); zeroed (default) = none. */
+  kvattn_tensor sinks;
 } kvattn_layer;
 
 void kvattn_layer_init(kvattn_layer* layer);
@@ -255,6 +258,7 @@ typedef struct kvattn_backend_config {
   int32_t decode_tensor_cores;     /**< 0 auto (default), 1 on, 2 off */
   int32_t num_threads;             /**< CPU backend: 0 = KVATTN_NUM_THREADS or all cores */
   void* cuda_stream;               /**< CUDA backend: the caller's cudaStream_t (NULL = default) */
+  int32_t deterministic;           /**< 0/1: batch-invariant outputs (BackendConfig) */
 } kvattn_backend_config;
 
 void kvattn_backend_config_init(kvattn_backend_config* config);

@@ -192,6 +192,7 @@ kvattn::AttentionLayer layer_of(const kvattn_layer* layer) {
   l.is_cross_attention = layer->is_cross_attention != 0;
   l.k_scale = layer->k_scale;
   l.v_scale = layer->v_scale;
+  l.sinks = view_of(&layer->sinks, "layer.sinks");
   return l;
 }
 
@@ -508,6 +509,7 @@ kvattn_status kvattn_backend_create(kvattn_backend_kind kind, const kvattn_backe
     c.decode_tensor_cores = static_cast<kvattn::TensorCoreDecode>(config->decode_tensor_cores);
     c.num_threads = config->num_threads;
     c.cuda_stream = config->cuda_stream;
+    c.deterministic = config->deterministic != 0;
     const kvattn::BackendKind backend_kind =
         kind == KVATTN_BACKEND_CPU ? kvattn::BackendKind::kCpu : kvattn::BackendKind::kCuda;
     auto backend =

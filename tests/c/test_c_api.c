@@ -52,6 +52,11 @@ static float kv_k[kLayers][kReqs][kMaxContext][kKvHeads][kHeadDim];
 static float kv_v[kLayers][kReqs][kMaxContext][kKvHeads][kHeadDim];
 
 /* out[t] for token t of request r at absolute position pos: causal over positions [0, pos]. */
+/* g_sink: when finite, every q head's attention sink for run_step (the layer's sinks tensor and
+ * the direct formula's extra e^(sink) in the denominator). */
+static float g_sink = NAN;
+static float g_sinks[kQHeads];
+
 static void direct_attention(int layer, int r, int pos, const float* q /* [kQHeads][kHeadDim] */,
                              float* out /* [kQHeads][kHeadDim] */) {
   const float scale = 1.0f / sqrtf((float)kHeadDim);
@@ -66,6 +71,8 @@ static void direct_attention(int layer, int r, int pos, const float* q /* [kQHea
       logits[j] = dot * scale;
       if (logits[j] > m) m = logits[j];
     }
+    if (g_sink == g_sink && g_sink > m) m = g_sink;
+    if (g_sink == g_sink) sum = exp(g_sink - m);
     for (int j = 0; j <= pos; ++j) {
       const double p = exp(logits[j] - m);
       sum += p;
@@ -163,6 +170,11 @@ static double run_step(struct World* w, int mode, const int32_t* new_tokens) {
     l.num_kv_heads = kKvHeads;
     l.head_dim = kHeadDim;
     l.scaling = 1.0f / sqrtf((float)kHeadDim);
+    if (g_sink == g_sink) {
+      const int64_t heads = kQHeads;
+      for (int h = 0; h < kQHeads; ++h) g_sinks[h] = g_sink;
+      l.sinks = kvattn_tensor_make(g_sinks, KVATTN_DTYPE_FLOAT32, cpu, 1, &heads);
+    }
     if (kvattn_backend_forward(w->backend, &tq, &tk, &tv, &to, &l, &batch, 1) != KVATTN_OK) {
       max_diff = -1;
       break;
@@ -241,6 +253,13 @@ int main(void) {
     check(diff >= 0 && diff < 2e-3, line);
   }
   check(kvattn_backend_check_errors(w.backend, 1) == KVATTN_OK, "check_errors: no refused step");
+
+  /* Attention sinks through the layer struct: the direct formula with e^(sink) added. */
+  g_sink = 2.5f;
+  diff = run_step(&w, KVATTN_MODE_DECODE, one);
+  snprintf(line, sizeof(line), "DECODE with attention sinks (2.5 a head): max |diff| %.2e", diff);
+  check(diff >= 0 && diff < 2e-3, line);
+  g_sink = NAN;
 
   /* ---- the error contract ---- */
   kvattn_backend* bad = (kvattn_backend*)&w; /* overwritten with NULL on failure */
