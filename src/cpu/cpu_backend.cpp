@@ -1,6 +1,9 @@
 #include "cpu/cpu_backend.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "core/params_fill.h"
@@ -147,6 +150,8 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
     }
   }
 
+  if (batch.mode == ForwardMode::kDecode) plan_cascade(plan);
+
   if (batch.mode == ForwardMode::kTargetVerify) {
     // A copy: the step's mask is the one given at init_forward_metadata, like every other input.
     const uint8_t* mask = batch.spec.custom_mask.data_as<const uint8_t>();
@@ -174,6 +179,128 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
   }
   plan.ready = true;
   plan_ = std::move(plan);
+}
+
+// Cascade planning: off in deterministic mode (the groups depend on the batch) and with
+// KVATTN_CASCADE=0; groups share at least kCascadeMinShared keys, in whole 64-key blocks.
+constexpr int kCascadeMinShared = 512;
+constexpr int kCascadeAlign = 64;
+
+void CpuBackend::plan_cascade(StepPlan& plan) const {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KVATTN_CASCADE");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  if (!enabled || config_.deterministic) return;
+  const CpuIndexSet* full = nullptr;
+  for (const CpuIndexSet& s : plan.sets) {
+    if (s.set == core::IndexSet::kFull) full = &s;
+  }
+  if (full == nullptr) return;
+  plan.cascade = core::plan_cascade(full->layout, full->kv_indices, kCascadeMinShared,
+                                    kCascadeAlign);
+  if (plan.cascade.empty()) return;
+  const core::CascadePlan& c = plan.cascade;
+  // The groups' queries over their shared keys (no mask: each query sees them all).
+  core::PagedLayout& shared = plan.cascade_shared.layout;
+  shared.batch_size = c.num_groups();
+  shared.qo_indptr = c.group_indptr;
+  shared.kv_start.assign(size_t(c.num_groups()), 0);
+  shared.kv_len = c.shared_len;
+  shared.kv_indptr.assign(1, 0);
+  shared.mask = core::MaskMode::kNone;
+  plan.cascade_shared.kv_indices.clear();
+  for (int g = 0; g < c.num_groups(); ++g) {
+    const int32_t lead = c.members[size_t(c.group_indptr[size_t(g)])];
+    const auto first = full->kv_indices.begin() + full->layout.kv_indptr[size_t(lead)];
+    plan.cascade_shared.kv_indices.insert(plan.cascade_shared.kv_indices.end(), first,
+                                          first + c.shared_len[size_t(g)]);
+    shared.kv_indptr.push_back(shared.kv_indptr.back() + c.shared_len[size_t(g)]);
+  }
+  // Every request over its own keys (a grouped one: past the shared ones).
+  core::PagedLayout& own = plan.cascade_own.layout;
+  own = full->layout;
+  own.kv_indptr.assign(1, 0);
+  plan.cascade_own.kv_indices.clear();
+  for (int r = 0; r < own.batch_size; ++r) {
+    const int32_t row = c.shared_row[size_t(r)];
+    int32_t skip = 0;
+    if (row >= 0) {
+      const auto g = std::upper_bound(c.group_indptr.begin(), c.group_indptr.end(), row) -
+                     c.group_indptr.begin() - 1;
+      skip = c.shared_len[size_t(g)];
+    }
+    own.kv_start[size_t(r)] = full->layout.kv_start[size_t(r)] + skip;
+    own.kv_len[size_t(r)] = full->layout.kv_len[size_t(r)] - skip;
+    own.kv_indptr.push_back(own.kv_indptr.back() + own.kv_len[size_t(r)]);
+    const auto first = full->kv_indices.begin() + full->layout.kv_indptr[size_t(r)] + skip;
+    plan.cascade_own.kv_indices.insert(plan.cascade_own.kv_indices.end(), first,
+                                       first + own.kv_len[size_t(r)]);
+  }
+}
+
+void CpuBackend::attend_cascade(const TensorView& q, const TensorView& out,
+                                const AttentionLayer& layer, float* final_lse) {
+  const core::CascadePlan& c = plan_.cascade;
+  const KvCache& cache = *config_.kv_cache;
+  const int heads = layer.num_q_heads;
+  const int dim = layer.head_dim;
+  const int dv = layer.resolved_v_head_dim();
+  const int64_t tokens = plan_.num_tokens;
+  const int64_t grouped = int64_t(c.members.size());
+  // Scratch: the grouped queries (q's dtype), the shared state (grouped rows), then both
+  // states in batch order (fp32) and the three LSE arrays.
+  const int64_t element = dtype_size(q.dtype());
+  cascade_q_.resize(size_t(grouped * heads * dim * element));
+  const int64_t rows = tokens * heads;
+  cascade_buffers_.resize(size_t(grouped * heads * (dv + 1) + 2 * rows * (dv + 1)));
+  float* shared_out = cascade_buffers_.data();
+  float* shared_lse = shared_out + grouped * heads * dv;
+  float* a_out = shared_lse + grouped * heads;
+  float* a_lse = a_out + rows * dv;
+  float* b_out = a_lse + rows;
+  float* b_lse = b_out + rows * dv;
+  const core::HeadStrides qs = core::head_strides(q, dim);
+  for (int64_t i = 0; i < grouped; ++i) {
+    const int64_t token = c.members[size_t(i)];
+    for (int h = 0; h < heads; ++h) {
+      std::memcpy(cascade_q_.data() + ((i * heads + h) * dim) * element,
+                  static_cast<const char*>(q.data()) + (token * qs.token + h * qs.head) * element,
+                  size_t(dim * element));
+    }
+  }
+  const TensorView q_grouped(cascade_q_.data(), q.dtype(), Device::cpu(), {grouped, heads, dim});
+  const TensorView shared_view(shared_out, DType::kFloat32, Device::cpu(), {grouped, heads, dv});
+  core::AttentionParams shared;
+  core::set_query_fields(shared, q_grouped, shared_view, layer);
+  set_paged(shared, cache, layer, plan_.cascade_shared);
+  shared.lse = shared_lse;
+  run_attention(shared, DType::kFloat32, pool_, workspace_);
+
+  const TensorView own_view(b_out, DType::kFloat32, Device::cpu(), {tokens, heads, dv});
+  core::AttentionParams own;
+  core::set_query_fields(own, q, own_view, layer);
+  set_paged(own, cache, layer, plan_.cascade_own);
+  own.lse = b_lse;
+  run_attention(own, DType::kFloat32, pool_, workspace_);
+
+  // The shared state in batch order (an ungrouped request: the empty state), then the merge.
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t row = c.shared_row[size_t(t)];
+    for (int h = 0; h < heads; ++h) {
+      float* dst = a_out + (t * heads + h) * dv;
+      if (row < 0) {
+        std::fill(dst, dst + dv, 0.f);
+        a_lse[t * heads + h] = -INFINITY;
+        continue;
+      }
+      std::memcpy(dst, shared_out + (int64_t(row) * heads + h) * dv, size_t(dv) * sizeof(float));
+      a_lse[t * heads + h] = shared_lse[int64_t(row) * heads + h];
+    }
+  }
+  const core::HeadStrides os = core::head_strides(out, dv);
+  merge_attention_states(a_out, a_lse, b_out, b_lse, tokens, heads, dv, out.data(), os.token,
+                         os.head, out.dtype(), final_lse, pool_);
 }
 
 const CpuIndexSet& CpuBackend::index_set(core::IndexSet set) const {
@@ -250,6 +377,12 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   core::set_query_fields(params, q, out, layer);
   params.deterministic = config_.deterministic;
   params.lse = final_lse;
+  if (!ragged && !plan_.cascade.empty() && set_id == core::IndexSet::kFull && !cross &&
+      plan_.mode == ForwardMode::kDecode) {
+    attend_cascade(q, out, layer, final_lse);
+    finish();
+    return;
+  }
   if (!ragged) {
     set_paged(params, cache, layer, set);
     if (verify) {

@@ -9,6 +9,7 @@
 
 #include "core/backend_factory.h"
 #include "core/batch_layout.h"
+#include "core/cascade.h"
 #include "cpu/cpu_attention.h"
 #include "cpu/thread_pool.h"
 #include "kvattn/backend.h"
@@ -63,12 +64,20 @@ class CpuBackend final : public AttentionBackend {
     // (empty when the batch gave no positions; a window layer then throws).
     std::vector<uint8_t> custom_mask;
     std::vector<uint8_t> window_mask;
+    // DECODE with shared prefixes (core/cascade.h), full-attention layers: the groups' queries
+    // over their shared keys, every request over its own keys, then the merge.
+    core::CascadePlan cascade;
+    CpuIndexSet cascade_shared;
+    CpuIndexSet cascade_own;
   };
 
   void forward_any(const TensorView& q, const TensorView& k, const TensorView& v,
                    const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
                    bool save_kv_cache, bool decode_entry);
   void build_index_set(CpuIndexSet& target, const ForwardBatch& batch);
+  void plan_cascade(StepPlan& plan) const;
+  void attend_cascade(const TensorView& q, const TensorView& out, const AttentionLayer& layer,
+                      float* final_lse);
   const CpuIndexSet& index_set(core::IndexSet set) const;
 
   BackendConfig config_;
@@ -77,6 +86,8 @@ class CpuBackend final : public AttentionBackend {
   StepPlan plan_;
   std::vector<float> merge_buffers_;  // ragged path: two fp32 outputs and two LSE arrays
   std::vector<float> sink_lse_;       // layers with sinks: the rows' LSE before the sink
+  std::vector<float> cascade_buffers_;  // cascade: the two fp32 states and their LSEs
+  std::vector<uint8_t> cascade_q_;      // cascade: the grouped queries, gathered
   uint64_t step_id_ = 0;
 };
 

@@ -47,6 +47,9 @@ struct ScenarioSpec {
   bool strided_q = false;        ///< q is a view of wider rows (as a slice of a fused qkv)
   bool sinks = false;            ///< the layer has attention sinks (AttentionLayer::sinks)
   bool deterministic = false;    ///< BackendConfig::deterministic
+  /// > 0: the first shared_prefix positions of every request long enough hold the longest
+  /// request's slots (a shared system prompt: the cascade path)
+  int shared_prefix = 0;
   DType sinks_dtype = DType::kFloat32;
 
   std::string shape_label() const;  ///< "b4 kv1..300 q8/2 d128 page1" for tables

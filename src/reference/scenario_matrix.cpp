@@ -539,6 +539,25 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.sinks = true;
     s.draft_token_num = 5;
   });
+  // ---- shared prefixes (the CPU backend's cascade path) ----------------------------------------
+  add("decode shared prefix (cascade)", decode, [](ScenarioSpec& s) {
+    s.batch_size = 6;
+    s.min_kv_len = 700;
+    s.max_kv_len = 1500;
+    s.allow_tiny = false;
+    s.shared_prefix = 640;
+  });
+  add("decode shared prefix GQA8 fp16 sinks", decode, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.min_kv_len = 600;
+    s.max_kv_len = 1300;
+    s.shared_prefix = 530;  // not a multiple of the 64-key blocks; one tiny request
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+    s.sinks = true;
+  });
   add("multi-step sinks", decode, [](ScenarioSpec& s) {
     s.sinks = true;
     s.topk = 2;

@@ -270,6 +270,19 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
   int64_t num_slots = 0;
   int32_t trap_slot = 0;
   allocate_slots(s, rng, reqs, &num_slots, &trap_slot);
+  if (s.shared_prefix > 0) {
+    // A shared prefix: the longest request's first slots serve every request long enough (the
+    // slots those requests had become slots nobody owns: NaN in the pool).
+    size_t lead = 0;
+    for (size_t r = 1; r < reqs.size(); ++r) {
+      if (reqs[r].footprint > reqs[lead].footprint) lead = r;
+    }
+    const int64_t n = s.shared_prefix;
+    for (size_t r = 0; r < reqs.size() && reqs[lead].footprint > n; ++r) {
+      if (r == lead || reqs[r].footprint <= n || reqs[r].encoder > 0) continue;
+      std::copy(reqs[lead].slots.begin(), reqs[lead].slots.begin() + n, reqs[r].slots.begin());
+    }
+  }
 
   const int max_reqs = bs + 3;
   std::vector<int> rows(static_cast<size_t>(max_reqs));

@@ -1,0 +1,80 @@
+// core::plan_cascade: which DECODE requests share a prefix of slots, and how much of it.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "core/cascade.h"
+
+namespace kvattn::core {
+namespace {
+
+// A DECODE layout over per-request slot lists.
+struct Rows {
+  PagedLayout layout;
+  std::vector<int32_t> indices;
+  explicit Rows(const std::vector<std::vector<int32_t>>& slots) {
+    layout.batch_size = int(slots.size());
+    layout.qo_indptr.push_back(0);
+    layout.kv_indptr.push_back(0);
+    for (const auto& s : slots) {
+      layout.qo_indptr.push_back(layout.qo_indptr.back() + 1);
+      layout.kv_start.push_back(0);
+      layout.kv_len.push_back(int32_t(s.size()));
+      layout.kv_indptr.push_back(layout.kv_indptr.back() + int64_t(s.size()));
+      indices.insert(indices.end(), s.begin(), s.end());
+    }
+  }
+};
+
+std::vector<int32_t> run(int32_t first, int n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[size_t(i)] = first + i;
+  return v;
+}
+
+std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(Cascade, GroupsRequestsSharingAPrefix) {
+  const auto prompt = run(1000, 300);
+  // 0 and 2 share 300 keys then differ; 1 is alone; 3 shares only 100 of them; 4 is the prompt
+  // itself plus one key.
+  const Rows rows({cat(prompt, run(5000, 40)), run(9000, 500), cat(prompt, run(6000, 7)),
+                   cat(run(1000, 100), run(7000, 300)), cat(prompt, run(8000, 1))});
+  const CascadePlan plan = plan_cascade(rows.layout, rows.indices, /*min_shared=*/64,
+                                        /*align=*/64);
+  // 3 shares 100 keys with the others, which rounds the group's common prefix to 64: 0, 2, 3, 4
+  // form one group of 64 shared keys.
+  ASSERT_EQ(plan.num_groups(), 1);
+  EXPECT_EQ(plan.shared_len[0], 64);
+  EXPECT_EQ(plan.group_indptr, (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(plan.shared_row[1], -1);
+  for (int r : {0, 2, 3, 4}) EXPECT_GE(plan.shared_row[size_t(r)], 0) << r;
+
+  // Without request 3, the group shares the whole 300-key prompt rounded down to 256.
+  const Rows three({cat(prompt, run(5000, 40)), run(9000, 500), cat(prompt, run(6000, 7)),
+                    cat(prompt, run(8000, 1))});
+  const CascadePlan p3 = plan_cascade(three.layout, three.indices, 64, 64);
+  ASSERT_EQ(p3.num_groups(), 1);
+  EXPECT_EQ(p3.shared_len[0], 256);
+  EXPECT_EQ(p3.members.size(), 3u);
+}
+
+TEST(Cascade, EveryMemberKeepsAnOwnKeyAndShortPrefixesAreNotGrouped) {
+  const auto prompt = run(1, 128);
+  // Both requests are exactly the prompt: the shared part must leave each >= 1 own key.
+  const Rows same({prompt, prompt});
+  const CascadePlan p = plan_cascade(same.layout, same.indices, 64, 64);
+  ASSERT_EQ(p.num_groups(), 1);
+  EXPECT_EQ(p.shared_len[0], 64);  // 127 common keys at most, rounded down to 64
+  // Below min_shared: no group.
+  EXPECT_TRUE(plan_cascade(same.layout, same.indices, 200, 64).empty());
+  // No shared first key: no group.
+  const Rows apart({run(1, 300), run(400, 300)});
+  EXPECT_TRUE(plan_cascade(apart.layout, apart.indices, 64, 64).empty());
+}
+
+}  // namespace
+}  // namespace kvattn::core
