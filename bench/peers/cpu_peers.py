@@ -3,7 +3,8 @@ threads, same inputs: kvattn through its Python API over a paged pool with shuff
 SDPA on a contiguous copy of the same K/V (no paging, no gather: it favours SDPA).
 
 Rows (32 q / 8 kv heads, head_dim 128, bf16): decode b16 and b64 x 4096; prefill 1 x 1024 and
-1 x 4096 causal (EXTEND without a prefix). Each row: the median of timed calls after a warm-up,
+1 x 4096 causal (EXTEND without a prefix); decode b64 whose requests share an 8192-token prefix
+(256 own tokens each: kvattn's cascade path, KVATTN_CASCADE=0 for the plain one). Each row: the median of timed calls after a warm-up,
 the max relative difference between the two outputs, the rate (decode GB/s of K/V, prefill
 GFLOP/s of the causal half), and SDPA time / kvattn time (> 1: kvattn faster).
 
@@ -84,6 +85,50 @@ def decode_row(batch, kv_len, threads):
                 sdpa_rate=gbytes / t_sdpa, unit="GB/s", max_rel_diff=diff)
 
 
+def shared_prefix_row(batch, shared, own, threads):
+    """DECODE where every request's first `shared` keys are the same slots (a system prompt) and
+    `own` more are its own: kvattn's cascade path reads the shared keys once per group (run with
+    KVATTN_CASCADE=0 for the plain path); SDPA gets each request's keys as a contiguous copy."""
+    g = torch.Generator().manual_seed(4)
+    kv_len = shared + own
+    slots = shared + batch * own + 1
+    k_pool = torch.randn(slots, KV_HEADS, DIM, generator=g).to(DTYPE)
+    v_pool = torch.randn(slots, KV_HEADS, DIM, generator=g).to(DTYPE)
+    order = torch.randperm(slots - 1, generator=g).to(torch.int32) + 1
+    prompt = order[:shared]
+    table = torch.empty(batch, kv_len, dtype=torch.int32)
+    for r in range(batch):
+        table[r, :shared] = prompt
+        table[r, shared:] = order[shared + r * own: shared + (r + 1) * own]
+    cache = kvattn.KvCache.wrap(kvattn.KvCacheConfig(num_slots=slots, num_kv_heads=KV_HEADS,
+                                                     head_dim=DIM, page_size=1, dtype=DTYPE,
+                                                     device="cpu"), [k_pool], [v_pool])
+    pool = kvattn.ReqToTokenPool.wrap(table)
+    backend = kvattn.make_backend("cpu", kvattn.BackendConfig(
+        kv_cache=cache, req_to_token_pool=pool, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
+        head_dim=DIM, q_dtype=DTYPE, num_threads=threads, deterministic=DETERMINISTIC))
+    ints = lambda values: torch.tensor(values, dtype=torch.int32)
+    fb = kvattn.ForwardBatch("DECODE", batch, req_pool_indices=ints(list(range(batch))),
+                             seq_lens=ints([kv_len] * batch), seq_lens_cpu=[kv_len] * batch,
+                             out_cache_loc=table[:, -1].contiguous(), req_to_token_pool=pool,
+                             kv_cache=cache)
+    backend.init_forward_metadata(fb)
+    layer = kvattn.AttentionLayer(num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                                  scaling=DIM ** -0.5)
+    q = torch.randn(batch, Q_HEADS, DIM).to(DTYPE)
+    ours = lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+    ks = k_pool[table.long()].transpose(1, 2).contiguous()
+    vs = v_pool[table.long()].transpose(1, 2).contiguous()
+    qs = q.view(batch, Q_HEADS, 1, DIM)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+    diff = rel_diff(ours().view(batch, Q_HEADS, DIM), sdpa().view(batch, Q_HEADS, DIM))
+    t_ours, t_sdpa = timed(ours, 5), timed(sdpa, 5)
+    gbytes = batch * kv_len * KV_HEADS * DIM * 2 * 2 / 1e9  # as read without sharing
+    return dict(kvattn_ms=t_ours * 1e3, sdpa_ms=t_sdpa * 1e3, kvattn_rate=gbytes / t_ours,
+                sdpa_rate=gbytes / t_sdpa, unit="GB/s", max_rel_diff=diff,
+                cascade=os.environ.get("KVATTN_CASCADE", "1") != "0")
+
+
 def prefill_row(n, threads):
     cache, pool, backend, table, _, _ = world(1, n, threads, 2)
     ints = lambda values: torch.tensor(values, dtype=torch.int32)
@@ -154,7 +199,9 @@ def main():
     rows = [("decode b16 x 4096", lambda: decode_row(16, 4096, args.threads)),
             ("decode b64 x 4096", lambda: decode_row(64, 4096, args.threads)),
             ("prefill 1 x 1024 causal", lambda: prefill_row(1024, args.threads)),
-            ("prefill 1 x 4096 causal", lambda: prefill_row(4096, args.threads))]
+            ("prefill 1 x 4096 causal", lambda: prefill_row(4096, args.threads)),
+            ("decode b64 shared 8192 + 256 own", lambda: shared_prefix_row(64, 8192, 256,
+                                                                           args.threads))]
     results = []
     print(f"kvattn CPU vs torch {torch.__version__} SDPA, {args.threads} threads, "
           f"{cpu['model']} (AMX-BF16 {cpu['amx_bf16']}, AVX-512 BF16 {cpu['avx512_bf16']}), "
