@@ -150,8 +150,6 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
     }
   }
 
-  if (batch.mode == ForwardMode::kDecode) plan_cascade(plan);
-
   if (batch.mode == ForwardMode::kTargetVerify) {
     // A copy: the step's mask is the one given at init_forward_metadata, like every other input.
     const uint8_t* mask = batch.spec.custom_mask.data_as<const uint8_t>();
@@ -177,6 +175,9 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
           lens, draft, config_.sliding_window_size, plan.custom_mask.data(), host_positions.data());
     }
   }
+  if (batch.mode == ForwardMode::kDecode || batch.mode == ForwardMode::kTargetVerify) {
+    plan_cascade(plan);
+  }
   plan.ready = true;
   plan_ = std::move(plan);
 }
@@ -197,17 +198,64 @@ void CpuBackend::plan_cascade(StepPlan& plan) const {
     if (s.set == core::IndexSet::kFull) full = &s;
   }
   if (full == nullptr) return;
-  plan.cascade = core::plan_cascade(full->layout, full->kv_indices, kCascadeMinShared,
-                                    kCascadeAlign);
-  if (plan.cascade.empty()) return;
+  core::CascadePlan found = core::plan_cascade(full->layout, full->kv_indices, kCascadeMinShared,
+                                               kCascadeAlign);
+  if (found.empty()) return;
+  const core::PagedLayout& layout = full->layout;
+  // TARGET_VERIFY: a group's shared keys must be visible to every tree token of its members
+  // (SGLang's masks show the whole prefix); a group whose mask hides one of them is dropped.
+  if (plan.mode == ForwardMode::kTargetVerify) {
+    core::CascadePlan kept;
+    kept.shared_row.assign(found.shared_row.size(), -1);
+    kept.group_indptr.push_back(0);
+    for (int g = 0; g < found.num_groups(); ++g) {
+      bool visible = true;
+      for (int32_t i = found.group_indptr[size_t(g)];
+           i < found.group_indptr[size_t(g) + 1] && visible; ++i) {
+        const int32_t r = found.members[size_t(i)];
+        const int64_t q_len = layout.qo_indptr[size_t(r) + 1] - layout.qo_indptr[size_t(r)];
+        const int64_t begin = layout.mask_indptr[size_t(r)];
+        const int64_t row_len = q_len > 0 ? (layout.mask_indptr[size_t(r) + 1] - begin) / q_len : 0;
+        const uint8_t* m = plan.custom_mask.data() + begin + (row_len - layout.kv_len[size_t(r)]);
+        for (int64_t t = 0; t < q_len && visible; ++t) {
+          const uint8_t* row = m + t * row_len;
+          visible = std::all_of(row, row + found.shared_len[size_t(g)],
+                                [](uint8_t b) { return b != 0; });
+        }
+      }
+      if (!visible) continue;
+      for (int32_t i = found.group_indptr[size_t(g)]; i < found.group_indptr[size_t(g) + 1]; ++i) {
+        const int32_t r = found.members[size_t(i)];
+        kept.shared_row[size_t(r)] = int32_t(kept.members.size());
+        kept.members.push_back(r);
+      }
+      kept.group_indptr.push_back(int32_t(kept.members.size()));
+      kept.shared_len.push_back(found.shared_len[size_t(g)]);
+    }
+    found = std::move(kept);
+    if (found.empty()) return;
+  }
+  plan.cascade = std::move(found);
   const core::CascadePlan& c = plan.cascade;
-  // The groups' queries over their shared keys (no mask: each query sees them all).
+  // The groups' queries (every token of every member, in member order) over their shared keys
+  // (no mask: each query sees them all).
   core::PagedLayout& shared = plan.cascade_shared.layout;
   shared.batch_size = c.num_groups();
-  shared.qo_indptr = c.group_indptr;
+  shared.qo_indptr.assign(1, 0);
+  plan.cascade_token.assign(size_t(layout.batch_size), -1);
+  for (int g = 0; g < c.num_groups(); ++g) {
+    int32_t tokens = shared.qo_indptr.back();
+    for (int32_t i = c.group_indptr[size_t(g)]; i < c.group_indptr[size_t(g) + 1]; ++i) {
+      const int32_t r = c.members[size_t(i)];
+      plan.cascade_token[size_t(r)] = tokens;
+      tokens += layout.qo_indptr[size_t(r) + 1] - layout.qo_indptr[size_t(r)];
+    }
+    shared.qo_indptr.push_back(tokens);
+  }
   shared.kv_start.assign(size_t(c.num_groups()), 0);
   shared.kv_len = c.shared_len;
   shared.kv_indptr.assign(1, 0);
+  shared.mask_indptr.clear();
   shared.mask = core::MaskMode::kNone;
   plan.cascade_shared.kv_indices.clear();
   for (int g = 0; g < c.num_groups(); ++g) {
@@ -247,7 +295,8 @@ void CpuBackend::attend_cascade(const TensorView& q, const TensorView& out,
   const int dim = layer.head_dim;
   const int dv = layer.resolved_v_head_dim();
   const int64_t tokens = plan_.num_tokens;
-  const int64_t grouped = int64_t(c.members.size());
+  const core::PagedLayout& layout = plan_.cascade_own.layout;
+  const int64_t grouped = plan_.cascade_shared.layout.total_q();  // the grouped requests' tokens
   // Scratch: the grouped queries (q's dtype), the shared state (grouped rows), then both
   // states in batch order (fp32) and the three LSE arrays.
   const int64_t element = dtype_size(q.dtype());
@@ -261,12 +310,17 @@ void CpuBackend::attend_cascade(const TensorView& q, const TensorView& out,
   float* b_out = a_lse + rows;
   float* b_lse = b_out + rows * dv;
   const core::HeadStrides qs = core::head_strides(q, dim);
-  for (int64_t i = 0; i < grouped; ++i) {
-    const int64_t token = c.members[size_t(i)];
-    for (int h = 0; h < heads; ++h) {
-      std::memcpy(cascade_q_.data() + ((i * heads + h) * dim) * element,
-                  static_cast<const char*>(q.data()) + (token * qs.token + h * qs.head) * element,
-                  size_t(dim * element));
+  for (int32_t r : c.members) {
+    const int64_t first = layout.qo_indptr[size_t(r)];
+    const int64_t count = layout.qo_indptr[size_t(r) + 1] - first;
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t to = plan_.cascade_token[size_t(r)] + t;
+      for (int h = 0; h < heads; ++h) {
+        std::memcpy(cascade_q_.data() + ((to * heads + h) * dim) * element,
+                    static_cast<const char*>(q.data()) +
+                        ((first + t) * qs.token + h * qs.head) * element,
+                    size_t(dim * element));
+      }
     }
   }
   const TensorView q_grouped(cascade_q_.data(), q.dtype(), Device::cpu(), {grouped, heads, dim});
@@ -281,21 +335,29 @@ void CpuBackend::attend_cascade(const TensorView& q, const TensorView& out,
   core::AttentionParams own;
   core::set_query_fields(own, q, own_view, layer);
   set_paged(own, cache, layer, plan_.cascade_own);
+  // TARGET_VERIFY: the request's own keys are the last columns of its mask rows (the kernels
+  // take the last kv_len columns), so the step's mask serves as it is.
+  if (plan_.mode == ForwardMode::kTargetVerify) own.custom_mask = plan_.custom_mask.data();
   own.lse = b_lse;
   run_attention(own, DType::kFloat32, pool_, workspace_);
 
   // The shared state in batch order (an ungrouped request: the empty state), then the merge.
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t row = c.shared_row[size_t(t)];
-    for (int h = 0; h < heads; ++h) {
-      float* dst = a_out + (t * heads + h) * dv;
-      if (row < 0) {
-        std::fill(dst, dst + dv, 0.f);
-        a_lse[t * heads + h] = -INFINITY;
-        continue;
+  for (int r = 0; r < layout.batch_size; ++r) {
+    const int64_t first = layout.qo_indptr[size_t(r)];
+    const int64_t count = layout.qo_indptr[size_t(r) + 1] - first;
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t token = first + t;
+      const int64_t row = c.shared_row[size_t(r)] < 0 ? -1 : plan_.cascade_token[size_t(r)] + t;
+      for (int h = 0; h < heads; ++h) {
+        float* dst = a_out + (token * heads + h) * dv;
+        if (row < 0) {
+          std::fill(dst, dst + dv, 0.f);
+          a_lse[token * heads + h] = -INFINITY;
+          continue;
+        }
+        std::memcpy(dst, shared_out + (row * heads + h) * dv, size_t(dv) * sizeof(float));
+        a_lse[token * heads + h] = shared_lse[row * heads + h];
       }
-      std::memcpy(dst, shared_out + (int64_t(row) * heads + h) * dv, size_t(dv) * sizeof(float));
-      a_lse[t * heads + h] = shared_lse[int64_t(row) * heads + h];
     }
   }
   const core::HeadStrides os = core::head_strides(out, dv);
@@ -377,8 +439,7 @@ void CpuBackend::forward_any(const TensorView& q, const TensorView& k, const Ten
   core::set_query_fields(params, q, out, layer);
   params.deterministic = config_.deterministic;
   params.lse = final_lse;
-  if (!ragged && !plan_.cascade.empty() && set_id == core::IndexSet::kFull && !cross &&
-      plan_.mode == ForwardMode::kDecode) {
+  if (!ragged && !plan_.cascade.empty() && set_id == core::IndexSet::kFull && !cross) {
     attend_cascade(q, out, layer, final_lse);
     finish();
     return;

@@ -69,6 +69,7 @@ class CpuBackend final : public AttentionBackend {
     core::CascadePlan cascade;
     CpuIndexSet cascade_shared;
     CpuIndexSet cascade_own;
+    std::vector<int64_t> cascade_token;  // [batch] a grouped request's first row in the shared call
   };
 
   void forward_any(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -558,6 +558,14 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.kv_dtype = DType::kFloat16;
     s.sinks = true;
   });
+  add("verify shared prefix (cascade)", verify, [](ScenarioSpec& s) {
+    s.batch_size = 5;
+    s.min_kv_len = 700;
+    s.max_kv_len = 1400;
+    s.allow_tiny = false;
+    s.shared_prefix = 600;
+    s.draft_token_num = 6;
+  });
   add("multi-step sinks", decode, [](ScenarioSpec& s) {
     s.sinks = true;
     s.topk = 2;
