@@ -23,7 +23,7 @@ struct CascadePlan {
   bool empty() const { return shared_len.empty(); }
 };
 
-/// Groups the requests of a DECODE layout (one query each; layout.kv_indptr over kv_indices,
+/// Groups the requests of a DECODE or TARGET_VERIFY layout (layout.kv_indptr over kv_indices,
 /// the slots of each request's keys in position order) whose first `min_shared` or more keys
 /// are the same slots. A group has >= 2 members; its shared length is the members' common
 /// prefix rounded down to `align`, at least min_shared, and leaves every member >= 1 own key.
