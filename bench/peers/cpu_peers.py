@@ -42,6 +42,19 @@ def timed(fn, reps, min_seconds=1.0):
 DETERMINISTIC = False  # --deterministic: kvattn's batch-invariant mode
 
 
+def backend_over(k_pool, v_pool, table, threads):
+    """kvattn's CPU backend over the pools and the req_to_token table (wrapped, not copied)."""
+    cache = kvattn.KvCache.wrap(kvattn.KvCacheConfig(num_slots=k_pool.shape[0],
+                                                     num_kv_heads=KV_HEADS, head_dim=DIM,
+                                                     page_size=1, dtype=DTYPE, device="cpu"),
+                                [k_pool], [v_pool])
+    pool = kvattn.ReqToTokenPool.wrap(table)
+    backend = kvattn.make_backend("cpu", kvattn.BackendConfig(
+        kv_cache=cache, req_to_token_pool=pool, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
+        head_dim=DIM, q_dtype=DTYPE, num_threads=threads, deterministic=DETERMINISTIC))
+    return cache, pool, backend
+
+
 def world(batch, kv_len, threads, seed):
     """A KV pool with shuffled page-1 slots holding batch x kv_len tokens, a backend over it, and
     each request's K/V in token order (for the contiguous SDPA copy)."""
@@ -51,20 +64,16 @@ def world(batch, kv_len, threads, seed):
     v_pool = torch.randn(slots, KV_HEADS, DIM, generator=g).to(DTYPE)
     order = torch.randperm(slots - 1, generator=g).to(torch.int32) + 1  # slot 0 reserved
     table = order.view(batch, kv_len).contiguous()
-    cache = kvattn.KvCache.wrap(kvattn.KvCacheConfig(num_slots=slots, num_kv_heads=KV_HEADS,
-                                                     head_dim=DIM, page_size=1, dtype=DTYPE,
-                                                     device="cpu"), [k_pool], [v_pool])
-    pool = kvattn.ReqToTokenPool.wrap(table)
-    backend = kvattn.make_backend("cpu", kvattn.BackendConfig(
-        kv_cache=cache, req_to_token_pool=pool, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
-        head_dim=DIM, q_dtype=DTYPE, num_threads=threads, deterministic=DETERMINISTIC))
+    cache, pool, backend = backend_over(k_pool, v_pool, table, threads)
     k_seq = k_pool[table.long()]  # [batch, kv_len, heads, dim]
     v_seq = v_pool[table.long()]
     return cache, pool, backend, table, k_seq, v_seq
 
 
-def decode_row(batch, kv_len, threads):
-    cache, pool, backend, table, k_seq, v_seq = world(batch, kv_len, threads, 1)
+def time_decode(backend, cache, pool, table, k_seq, v_seq):
+    """One DECODE step of every row of `table` (the last key its new token), kvattn against SDPA
+    on the contiguous per-request K/V (k_seq / v_seq: [batch, kv_len, heads, dim])."""
+    batch, kv_len = table.shape
     ints = lambda values: torch.tensor(values, dtype=torch.int32)
     fb = kvattn.ForwardBatch("DECODE", batch, req_pool_indices=ints(list(range(batch))),
                              seq_lens=ints([kv_len] * batch), seq_lens_cpu=[kv_len] * batch,
@@ -80,9 +89,14 @@ def decode_row(batch, kv_len, threads):
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
     diff = rel_diff(ours().view(batch, Q_HEADS, DIM), sdpa().view(batch, Q_HEADS, DIM))
     t_ours, t_sdpa = timed(ours, 5), timed(sdpa, 5)
-    gbytes = batch * kv_len * KV_HEADS * DIM * 2 * 2 / 1e9
+    gbytes = batch * kv_len * KV_HEADS * DIM * 2 * 2 / 1e9  # K/V as read without sharing
     return dict(kvattn_ms=t_ours * 1e3, sdpa_ms=t_sdpa * 1e3, kvattn_rate=gbytes / t_ours,
                 sdpa_rate=gbytes / t_sdpa, unit="GB/s", max_rel_diff=diff)
+
+
+def decode_row(batch, kv_len, threads):
+    cache, pool, backend, table, k_seq, v_seq = world(batch, kv_len, threads, 1)
+    return time_decode(backend, cache, pool, table, k_seq, v_seq)
 
 
 def shared_prefix_row(batch, shared, own, threads):
@@ -100,33 +114,11 @@ def shared_prefix_row(batch, shared, own, threads):
     for r in range(batch):
         table[r, :shared] = prompt
         table[r, shared:] = order[shared + r * own: shared + (r + 1) * own]
-    cache = kvattn.KvCache.wrap(kvattn.KvCacheConfig(num_slots=slots, num_kv_heads=KV_HEADS,
-                                                     head_dim=DIM, page_size=1, dtype=DTYPE,
-                                                     device="cpu"), [k_pool], [v_pool])
-    pool = kvattn.ReqToTokenPool.wrap(table)
-    backend = kvattn.make_backend("cpu", kvattn.BackendConfig(
-        kv_cache=cache, req_to_token_pool=pool, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
-        head_dim=DIM, q_dtype=DTYPE, num_threads=threads, deterministic=DETERMINISTIC))
-    ints = lambda values: torch.tensor(values, dtype=torch.int32)
-    fb = kvattn.ForwardBatch("DECODE", batch, req_pool_indices=ints(list(range(batch))),
-                             seq_lens=ints([kv_len] * batch), seq_lens_cpu=[kv_len] * batch,
-                             out_cache_loc=table[:, -1].contiguous(), req_to_token_pool=pool,
-                             kv_cache=cache)
-    backend.init_forward_metadata(fb)
-    layer = kvattn.AttentionLayer(num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                                  scaling=DIM ** -0.5)
-    q = torch.randn(batch, Q_HEADS, DIM).to(DTYPE)
-    ours = lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False)
-    ks = k_pool[table.long()].transpose(1, 2).contiguous()
-    vs = v_pool[table.long()].transpose(1, 2).contiguous()
-    qs = q.view(batch, Q_HEADS, 1, DIM)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-    diff = rel_diff(ours().view(batch, Q_HEADS, DIM), sdpa().view(batch, Q_HEADS, DIM))
-    t_ours, t_sdpa = timed(ours, 5), timed(sdpa, 5)
-    gbytes = batch * kv_len * KV_HEADS * DIM * 2 * 2 / 1e9  # as read without sharing
-    return dict(kvattn_ms=t_ours * 1e3, sdpa_ms=t_sdpa * 1e3, kvattn_rate=gbytes / t_ours,
-                sdpa_rate=gbytes / t_sdpa, unit="GB/s", max_rel_diff=diff,
-                cascade=os.environ.get("KVATTN_CASCADE", "1") != "0")
+    cache, pool, backend = backend_over(k_pool, v_pool, table, threads)
+    result = time_decode(backend, cache, pool, table, k_pool[table.long()],
+                         v_pool[table.long()])
+    result["cascade"] = os.environ.get("KVATTN_CASCADE", "1") != "0"
+    return result
 
 
 def prefill_row(n, threads):

@@ -67,6 +67,11 @@ KVATTN_AMX inline void load_config() {
   _tile_loadconfig(&config);
 }
 
+// The first `count` of 16 lanes (none for count <= 0, all for count >= 16).
+inline __mmask16 first_lanes(int count) {
+  return count >= 16 ? __mmask16(0xffff) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
 // r[0..15] (16 rows of 16 dwords) transposed in place: r[c][n] = old r[n][c].
 KVATTN_AMX inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16], u[16];
@@ -224,10 +229,7 @@ KVATTN_AMX void softmax_rows(float* s, int ld, int rows, int nk, int first_limit
     __m512 vmax = minus_inf;
     for (int i = 0; i < vectors; ++i) {
       const int left = visible - 16 * i;
-      const __mmask16 keep = left >= 16  ? __mmask16(0xffff)
-                             : left <= 0 ? __mmask16(0)
-                                         : __mmask16((1u << left) - 1);
-      v[i] = _mm512_mask_mul_ps(minus_inf, keep, _mm512_loadu_ps(row + 16 * i), f);
+      v[i] = _mm512_mask_mul_ps(minus_inf, first_lanes(left), _mm512_loadu_ps(row + 16 * i), f);
       vmax = _mm512_max_ps(vmax, v[i]);
     }
     // The row's reference max moves only when the block's max exceeds it by more than
@@ -299,10 +301,7 @@ KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const ui
       const float* src = p + int64_t(r0 + r) * ld;
       for (int j = 0; j < width; j += 16) {
         const int left = nk - j;
-        const __mmask16 keep = left >= 16  ? __mmask16(0xffff)
-                               : left <= 0 ? __mmask16(0)
-                                           : __mmask16((1u << left) - 1);
-        const __m512 v = _mm512_maskz_loadu_ps(keep, src + j);
+        const __m512 v = _mm512_maskz_loadu_ps(first_lanes(left), src + j);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * kBlockKeys + j),
                             (__m256i)_mm512_cvtneps_pbh(v));
       }
