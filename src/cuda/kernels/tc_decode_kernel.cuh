@@ -244,14 +244,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
         const uint4 bits = *reinterpret_cast<const uint4*>(raw + half * (Tr::kRawStageBytes / 2) +
                                                            (r * kRawChunks + c) * 16);
         uint4 lo, hi;
-        lo.x = fp8x2_to<T>(static_cast<uint16_t>(bits.x & 0xffffu), e5m2);
-        lo.y = fp8x2_to<T>(static_cast<uint16_t>(bits.x >> 16), e5m2);
-        lo.z = fp8x2_to<T>(static_cast<uint16_t>(bits.y & 0xffffu), e5m2);
-        lo.w = fp8x2_to<T>(static_cast<uint16_t>(bits.y >> 16), e5m2);
-        hi.x = fp8x2_to<T>(static_cast<uint16_t>(bits.z & 0xffffu), e5m2);
-        hi.y = fp8x2_to<T>(static_cast<uint16_t>(bits.z >> 16), e5m2);
-        hi.z = fp8x2_to<T>(static_cast<uint16_t>(bits.w & 0xffffu), e5m2);
-        hi.w = fp8x2_to<T>(static_cast<uint16_t>(bits.w >> 16), e5m2);
+        ptx::fp8x16_to<T>(bits, e5m2, lo, hi);
         unsigned char* row = dst + half * Tr::kSubBytes + r * kRowBytes;
         *reinterpret_cast<uint4*>(row + ((2 * c) ^ (r & 7)) * 16) = lo;
         *reinterpret_cast<uint4*>(row + ((2 * c + 1) ^ (r & 7)) * 16) = hi;

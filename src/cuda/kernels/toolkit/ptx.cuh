@@ -209,4 +209,17 @@ __device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
   }
 }
 
+/// 16 fp8 values (one 16-byte chunk, low byte first) -> 16 T in two 16-byte chunks, exactly.
+template <typename T>
+__device__ __forceinline__ void fp8x16_to(const uint4& bits, bool e5m2, uint4& lo, uint4& hi) {
+  lo.x = fp8x2_to<T>(static_cast<uint16_t>(bits.x & 0xffffu), e5m2);
+  lo.y = fp8x2_to<T>(static_cast<uint16_t>(bits.x >> 16), e5m2);
+  lo.z = fp8x2_to<T>(static_cast<uint16_t>(bits.y & 0xffffu), e5m2);
+  lo.w = fp8x2_to<T>(static_cast<uint16_t>(bits.y >> 16), e5m2);
+  hi.x = fp8x2_to<T>(static_cast<uint16_t>(bits.z & 0xffffu), e5m2);
+  hi.y = fp8x2_to<T>(static_cast<uint16_t>(bits.z >> 16), e5m2);
+  hi.z = fp8x2_to<T>(static_cast<uint16_t>(bits.w & 0xffffu), e5m2);
+  hi.w = fp8x2_to<T>(static_cast<uint16_t>(bits.w >> 16), e5m2);
+}
+
 }  // namespace kvattn::cuda::ptx
