@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$LOG
 T=$CARRY/kvattn_cuda_tests
 
 want tc && step tc 120 "$T" \
-  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*'
+  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*:*CudaDeterministic*'
 want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
   --gtest_filter='PrefillBench.DecodeShaped'
 if want bench; then
