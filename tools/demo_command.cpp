@@ -81,45 +81,6 @@ struct Request {
   int total_prompt() const { return prefix_len() + prompt_len; }
 };
 
-/// Random bf16 values on the device (with a host mirror) from which every step's q/k/v are
-/// sliced at random offsets: fresh-looking data without generating it per step.
-class RandomSource {
- public:
-  RandomSource(Device device, int64_t elements, uint64_t seed)
-      : elements_(elements),
-        host_(OwnedTensor::make(Device::cpu(), kDType, {elements})),
-        device_(device.is_cpu() ? OwnedTensor{} : OwnedTensor::make(device, kDType, {elements})),
-        on_host_(device.is_cpu()) {
-    fill_random(host_.view, seed, 1.f);
-    if (!on_host_) {
-      copy_bytes(device_.view.data(), device, host_.view.data(), Device::cpu(),
-                 size_t(host_.view.nbytes()));
-    }
-  }
-  /// A [rows, heads, kHeadDim] view on the device and the same values on the host.
-  std::pair<TensorView, TensorView> slice(Rng& rng, int64_t rows, int heads) {
-    const int64_t count = rows * heads * kHeadDim;
-    check_arg(count <= elements_, "demo random source", "needs ", count, " values, has ",
-              elements_);
-    // 128-byte aligned, as an engine's tensors are (the CUDA kernels load 16 bytes at a time).
-    constexpr int64_t kAlignElements = 128 / 2;
-    const int64_t offset =
-        int64_t(rng.next() % uint64_t(elements_ - count + 1)) / kAlignElements * kAlignElements;
-    auto view_at = [&](const OwnedTensor& t) {
-      return TensorView(static_cast<uint16_t*>(t.view.data()) + offset, kDType, t.view.device(),
-                        {rows, heads, kHeadDim});
-    };
-    const TensorView host = view_at(host_);
-    return {on_host_ ? host : view_at(device_), host};
-  }
-
- private:
-  int64_t elements_;
-  OwnedTensor host_;
-  OwnedTensor device_;
-  bool on_host_;
-};
-
 /// What one step did, for the progress line and the summary.
 struct StepStats {
   ForwardMode mode = ForwardMode::kIdle;
@@ -155,7 +116,7 @@ class ServingSession {
         random_(
             device.device,
             int64_t(kPrefillTokenBudget + kMaxPrompt + kMaxRunning * 8) * kQHeads * kHeadDim * 2,
-            seed ^ 0x5eed) {
+            kHeadDim, seed ^ 0x5eed) {
     // NaN in every slot nobody wrote (bf16 0xFFFF): a read of a wrong slot poisons the output.
     for (int layer = 0; layer < kNumLayers; ++layer) {
       fill_bytes(cache_.k_buffer(layer).data(), device.device, 0xFF,

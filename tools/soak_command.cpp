@@ -24,6 +24,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__GLIBC__)
@@ -137,17 +138,12 @@ class Soak {
         cache_(KvCache::allocate(cache_config(page_size, device.device))),
         pool_(ReqToTokenPool::allocate(kMaxRunning + kSystemPrompts, max_context_len(),
                                        device.device)),
-        allocator_(cache_.num_slots(), page_size) {
-    // Random data to slice q/k/v from (an engine's activations stand-in).
-    const int64_t elements =
-        int64_t(kPrefillBudget + kMaxPrompt + kMaxRunning * kDraftTokens) * kQHeads * kHeadDim * 2;
-    random_host_ = OwnedTensor::make(Device::cpu(), kDType, {elements});
-    fill_random(random_host_.view, seed ^ 0x5eed, 1.f);
-    if (device.device.is_cuda()) {
-      random_device_ = OwnedTensor::make(device.device, kDType, {elements});
-      copy_bytes(random_device_.view.data(), device.device, random_host_.view.data(), Device::cpu(),
-                 size_t(random_host_.view.nbytes()));
-    }
+        allocator_(cache_.num_slots(), page_size),
+        // Random data to slice q/k/v from (an engine's activations stand-in).
+        random_(device.device,
+                int64_t(kPrefillBudget + kMaxPrompt + kMaxRunning * kDraftTokens) * kQHeads *
+                    kHeadDim * 2,
+                kHeadDim, seed ^ 0x5eed) {
     for (int l = 0; l < kNumLayers; ++l) {  // NaN in every slot nobody wrote
       fill_bytes(cache_.k_buffer(l).data(), device.device, 0xFF,
                  size_t(cache_.k_buffer(l).nbytes()));
@@ -423,23 +419,11 @@ class Soak {
     TensorView q, k, v, q_host, k_host, v_host;
   };
 
-  TensorView slice(const OwnedTensor& source, int64_t offset, int64_t rows, int heads) const {
-    return TensorView(static_cast<uint16_t*>(source.view.data()) + offset, kDType,
-                      source.view.device(), {rows, heads, kHeadDim});
-  }
-
   Inputs inputs(int64_t rows) {
     Inputs in;
-    const int64_t elements = random_host_.view.numel();
-    auto pick = [&](int heads, TensorView& dev, TensorView& host) {
-      const int64_t count = rows * heads * kHeadDim;
-      const int64_t offset = int64_t(data_rng_.next() % uint64_t(elements - count + 1)) / 64 * 64;
-      host = slice(random_host_, offset, rows, heads);
-      dev = device_.device.is_cpu() ? host : slice(random_device_, offset, rows, heads);
-    };
-    pick(kQHeads, in.q, in.q_host);
-    pick(kKvHeads, in.k, in.k_host);
-    pick(kKvHeads, in.v, in.v_host);
+    std::tie(in.q, in.q_host) = random_.slice(data_rng_, rows, kQHeads);
+    std::tie(in.k, in.k_host) = random_.slice(data_rng_, rows, kKvHeads);
+    std::tie(in.v, in.v_host) = random_.slice(data_rng_, rows, kKvHeads);
     return in;
   }
 
@@ -705,8 +689,7 @@ class Soak {
   KvCache cache_;
   ReqToTokenPool pool_;
   SlotAllocator allocator_;
-  OwnedTensor random_host_;
-  OwnedTensor random_device_;
+  RandomSource random_;
   std::unique_ptr<AttentionBackend> backend_;
   std::vector<SystemPrompt> prompts_;
   std::vector<int> free_rows_;

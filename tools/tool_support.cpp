@@ -262,4 +262,32 @@ std::string json_string(const std::string& value) {
   return out + "\"";
 }
 
+RandomSource::RandomSource(Device device, int64_t elements, int head_dim, uint64_t seed)
+    : elements_(elements),
+      head_dim_(head_dim),
+      host_(OwnedTensor::make(Device::cpu(), DType::kBFloat16, {elements})),
+      device_(device.is_cpu() ? OwnedTensor{}
+                              : OwnedTensor::make(device, DType::kBFloat16, {elements})),
+      on_host_(device.is_cpu()) {
+  fill_random(host_.view, seed, 1.f);
+  if (!on_host_) {
+    copy_bytes(device_.view.data(), device, host_.view.data(), Device::cpu(),
+               size_t(host_.view.nbytes()));
+  }
+}
+
+std::pair<TensorView, TensorView> RandomSource::slice(Rng& rng, int64_t rows, int heads) const {
+  const int64_t count = rows * heads * head_dim_;
+  check_arg(count <= elements_, "random source", "needs ", count, " values, has ", elements_);
+  constexpr int64_t kAlignElements = 128 / 2;  // bf16
+  const int64_t offset =
+      int64_t(rng.next() % uint64_t(elements_ - count + 1)) / kAlignElements * kAlignElements;
+  auto view_at = [&](const OwnedTensor& t) {
+    return TensorView(static_cast<uint16_t*>(t.view.data()) + offset, DType::kBFloat16,
+                      t.view.device(), {rows, heads, int64_t(head_dim_)});
+  };
+  const TensorView host = view_at(host_);
+  return {on_host_ ? host : view_at(device_), host};
+}
+
 }  // namespace kvattn::tools

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvattn/kvattn.h"
@@ -69,6 +70,23 @@ struct OwnedTensor {
   Buffer buffer;
   TensorView view;
   static OwnedTensor make(Device device, DType dtype, std::initializer_list<int64_t> shape);
+};
+
+/// Random bf16 values on a device (with a host mirror) from which a tool's steps slice q/k/v at
+/// random offsets: fresh-looking data without generating it per step (kvattn demo and soak).
+class RandomSource {
+ public:
+  RandomSource(Device device, int64_t elements, int head_dim, uint64_t seed);
+  /// A [rows, heads, head_dim] view on the device and the same values on the host, at a random
+  /// 128-byte aligned offset (an engine's tensors are aligned; the CUDA kernels load 16 bytes).
+  std::pair<TensorView, TensorView> slice(Rng& rng, int64_t rows, int heads) const;
+
+ private:
+  int64_t elements_;
+  int head_dim_;
+  OwnedTensor host_;
+  OwnedTensor device_;
+  bool on_host_;
 };
 
 /// Copies a device tensor to a new host tensor (a view of the same buffer when already there).
