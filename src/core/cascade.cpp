@@ -6,7 +6,8 @@
 namespace kvattn::core {
 
 CascadePlan plan_cascade(const PagedLayout& layout, std::span<const int32_t> kv_indices,
-                         int min_shared, int align) {
+                         int min_shared, int align,
+                         const std::function<bool(int32_t request, int64_t shared)>& sees_shared) {
   CascadePlan plan;
   const int batch = layout.batch_size;
   plan.shared_row.assign(size_t(batch), -1);
@@ -34,6 +35,10 @@ CascadePlan plan_cascade(const PagedLayout& layout, std::span<const int32_t> kv_
     }
     const int64_t shared = common / align * align;
     if (shared < min_shared) continue;
+    if (sees_shared && !std::all_of(requests.begin(), requests.end(),
+                                    [&](int32_t r) { return sees_shared(r, shared); })) {
+      continue;
+    }
     for (int32_t r : requests) {
       plan.shared_row[size_t(r)] = int32_t(plan.members.size());
       plan.members.push_back(r);

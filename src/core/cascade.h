@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -27,7 +28,12 @@ struct CascadePlan {
 /// the slots of each request's keys in position order) whose first `min_shared` or more keys
 /// are the same slots. A group has >= 2 members; its shared length is the members' common
 /// prefix rounded down to `align`, at least min_shared, and leaves every member >= 1 own key.
+/// `sees_shared`, when given, is asked per member whether all its queries see its first `shared`
+/// keys (TARGET_VERIFY: the tree mask's prefix columns); a group with a member that does not is
+/// not formed.
 CascadePlan plan_cascade(const PagedLayout& layout, std::span<const int32_t> kv_indices,
-                         int min_shared, int align);
+                         int min_shared, int align,
+                         const std::function<bool(int32_t request, int64_t shared)>& sees_shared =
+                             nullptr);
 
 }  // namespace kvattn::core

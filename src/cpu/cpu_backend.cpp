@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 
 #include "core/params_fill.h"
@@ -198,43 +199,26 @@ void CpuBackend::plan_cascade(StepPlan& plan) const {
     if (s.set == core::IndexSet::kFull) full = &s;
   }
   if (full == nullptr) return;
-  core::CascadePlan found = core::plan_cascade(full->layout, full->kv_indices, kCascadeMinShared,
-                                               kCascadeAlign);
-  if (found.empty()) return;
   const core::PagedLayout& layout = full->layout;
   // TARGET_VERIFY: a group's shared keys must be visible to every tree token of its members
-  // (SGLang's masks show the whole prefix); a group whose mask hides one of them is dropped.
+  // (SGLang's masks show the whole prefix); a group whose mask hides one of them is not formed.
+  std::function<bool(int32_t, int64_t)> sees_shared;
   if (plan.mode == ForwardMode::kTargetVerify) {
-    core::CascadePlan kept;
-    kept.shared_row.assign(found.shared_row.size(), -1);
-    kept.group_indptr.push_back(0);
-    for (int g = 0; g < found.num_groups(); ++g) {
-      bool visible = true;
-      for (int32_t i = found.group_indptr[size_t(g)];
-           i < found.group_indptr[size_t(g) + 1] && visible; ++i) {
-        const int32_t r = found.members[size_t(i)];
-        const int64_t q_len = layout.qo_indptr[size_t(r) + 1] - layout.qo_indptr[size_t(r)];
-        const int64_t begin = layout.mask_indptr[size_t(r)];
-        const int64_t row_len = q_len > 0 ? (layout.mask_indptr[size_t(r) + 1] - begin) / q_len : 0;
-        const uint8_t* m = plan.custom_mask.data() + begin + (row_len - layout.kv_len[size_t(r)]);
-        for (int64_t t = 0; t < q_len && visible; ++t) {
-          const uint8_t* row = m + t * row_len;
-          visible = std::all_of(row, row + found.shared_len[size_t(g)],
-                                [](uint8_t b) { return b != 0; });
-        }
+    sees_shared = [&](int32_t r, int64_t shared) {
+      const int64_t q_len = layout.qo_indptr[size_t(r) + 1] - layout.qo_indptr[size_t(r)];
+      const int64_t begin = layout.mask_indptr[size_t(r)];
+      const int64_t row_len = q_len > 0 ? (layout.mask_indptr[size_t(r) + 1] - begin) / q_len : 0;
+      const uint8_t* m = plan.custom_mask.data() + begin + (row_len - layout.kv_len[size_t(r)]);
+      for (int64_t t = 0; t < q_len; ++t) {
+        const uint8_t* row = m + t * row_len;
+        if (!std::all_of(row, row + shared, [](uint8_t b) { return b != 0; })) return false;
       }
-      if (!visible) continue;
-      for (int32_t i = found.group_indptr[size_t(g)]; i < found.group_indptr[size_t(g) + 1]; ++i) {
-        const int32_t r = found.members[size_t(i)];
-        kept.shared_row[size_t(r)] = int32_t(kept.members.size());
-        kept.members.push_back(r);
-      }
-      kept.group_indptr.push_back(int32_t(kept.members.size()));
-      kept.shared_len.push_back(found.shared_len[size_t(g)]);
-    }
-    found = std::move(kept);
-    if (found.empty()) return;
+      return true;
+    };
   }
+  core::CascadePlan found = core::plan_cascade(layout, full->kv_indices, kCascadeMinShared,
+                                               kCascadeAlign, sees_shared);
+  if (found.empty()) return;
   plan.cascade = std::move(found);
   const core::CascadePlan& c = plan.cascade;
   // The groups' queries (every token of every member, in member order) over their shared keys

@@ -60,6 +60,21 @@ TEST(Cascade, GroupsRequestsSharingAPrefix) {
   ASSERT_EQ(p3.num_groups(), 1);
   EXPECT_EQ(p3.shared_len[0], 256);
   EXPECT_EQ(p3.members.size(), 3u);
+
+  // A member whose queries do not see the shared keys (a verify mask hiding some) keeps its
+  // group from forming; the predicate is asked with the group's shared length.
+  int64_t asked = -1;
+  const CascadePlan hidden = plan_cascade(three.layout, three.indices, 64, 64,
+                                          [&](int32_t r, int64_t shared) {
+                                            asked = shared;
+                                            return r != 2;
+                                          });
+  EXPECT_TRUE(hidden.empty());
+  EXPECT_EQ(asked, 256);
+  EXPECT_EQ(plan_cascade(three.layout, three.indices, 64, 64,
+                         [](int32_t, int64_t) { return true; })
+                .num_groups(),
+            1);
 }
 
 TEST(Cascade, EveryMemberKeepsAnOwnKeyAndShortPrefixesAreNotGrouped) {
