@@ -477,8 +477,8 @@ PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int devi
   const bool switch_device =
       device >= 0 && cudaGetDevice(&previous) == cudaSuccess && previous != device;
   if (switch_device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  const PrefillKernelShape shape = head_dim == 64 ? tc_decode::tc_decode_shape_hd64(device)
-                                                  : tc_decode::tc_decode_shape_hd128(device);
+  const PrefillKernelShape shape =
+      head_dim == 64 ? tc_decode::tc_decode_shape_hd64() : tc_decode::tc_decode_shape_hd128();
   if (switch_device) check_cuda(cudaSetDevice(previous), "cudaSetDevice");
   if (device >= 0 && device < 64) known[device][slot] = shape;
   return shape;

@@ -9,8 +9,6 @@ void launch_tc_decode_hd128(const core::AttentionParams& p, const core::PrefillT
   launch_if_compiled<128>(p, tiles, stream);
 }
 
-PrefillKernelShape tc_decode_shape_hd128(int device) {
-  return shape_if_compiled<128>(device);
-}
+PrefillKernelShape tc_decode_shape_hd128() { return shape_if_compiled<128>(); }
 
 }  // namespace kvattn::cuda::tc_decode

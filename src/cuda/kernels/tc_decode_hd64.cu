@@ -9,8 +9,6 @@ void launch_tc_decode_hd64(const core::AttentionParams& p, const core::PrefillTi
   launch_if_compiled<64>(p, tiles, stream);
 }
 
-PrefillKernelShape tc_decode_shape_hd64(int device) {
-  return shape_if_compiled<64>(device);
-}
+PrefillKernelShape tc_decode_shape_hd64() { return shape_if_compiled<64>(); }
 
 }  // namespace kvattn::cuda::tc_decode

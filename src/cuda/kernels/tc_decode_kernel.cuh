@@ -556,8 +556,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
 
 // ---- host side of an instance ----------------------------------------------------------------
 
+/// The plan shape and occupancy on the current device (tc_decode_kernel_shape selects it).
 template <int kHeadDim>
-PrefillKernelShape shape_of(int device) {
+PrefillKernelShape shape_of() {
   using Tr = Traits<kHeadDim>;
   PrefillKernelShape shape;
   shape.tile_rows = Tr::kTileRows;
@@ -571,7 +572,6 @@ PrefillKernelShape shape_of(int device) {
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, Tr::kThreads,
                                                            Tr::smem_bytes(false)),
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor(tc_decode_kernel)");
-  (void)device;
   shape.ctas_per_sm = ctas > 0 ? ctas : 1;
   return shape;
 }
@@ -614,9 +614,9 @@ void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles
 }
 
 template <int kHeadDim>
-PrefillKernelShape shape_if_compiled(int device) {
+PrefillKernelShape shape_if_compiled() {
   if constexpr (head_dim_compiled(kHeadDim)) {
-    return shape_of<kHeadDim>(device);
+    return shape_of<kHeadDim>();
   } else {
     throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
                 " (KVATTN_CUDA_HEAD_DIMS)");
@@ -628,7 +628,7 @@ void launch_tc_decode_hd64(const core::AttentionParams& p, const core::PrefillTi
                            cudaStream_t stream);
 void launch_tc_decode_hd128(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                             cudaStream_t stream);
-PrefillKernelShape tc_decode_shape_hd64(int device);
-PrefillKernelShape tc_decode_shape_hd128(int device);
+PrefillKernelShape tc_decode_shape_hd64();
+PrefillKernelShape tc_decode_shape_hd128();
 
 }  // namespace kvattn::cuda::tc_decode
