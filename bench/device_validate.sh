@@ -12,7 +12,7 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,sanitize,check,python,peers; peers: FlashInfer
+# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,sanitize,check,python,llama,peers; peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
@@ -20,7 +20,7 @@ CARRY=${1:-.carry}
 OUT=${OUT:-/tmp/kvattn-device}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-STEPS=${STEPS:-tc,tcbench,bench,all,checks,check,python}
+STEPS=${STEPS:-tc,tcbench,bench,all,checks,check,python,llama}
 summary=()
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 DEADLINE=${DEADLINE:-570}  # seconds: no step runs past it (the summary still gets written)
@@ -72,6 +72,8 @@ if want python; then
     python/tests/test_gpu_torch.py -k "bad_index or huge"
   PYTHONPATH=/tmp/site step pytorch 200 python3 -m pytest -q -p no:cacheprovider \
     python/tests/test_gpu_torch.py
+fi
+if want llama; then
   PYTHONPATH=/tmp/site step llama 150 python3 python/examples/hf_llama_paged.py --device cuda
 fi
 if want peers; then  # last: FlashInfer side by side on PEERS_ROWS, in the time left
