@@ -83,6 +83,24 @@ struct ForwardBatch {
   TensorView encoder_out_cache_loc;   ///< [sum encoder_lens] slots for encoder K/V, when saved
   TensorView positions;      ///< [num_tokens] absolute positions (TARGET_VERIFY with a window)
   SpecInfo spec;
+  /// Shared-prefix (cascade) groups the engine declares (optional; DECODE and TARGET_VERIFY):
+  /// requests whose req_to_token rows start with the same slots (a system prompt, few-shot
+  /// examples, n-best sampling). A backend may then read those keys once per group instead of
+  /// once per request; the output is the same attention either way. Host int32/int64 tensors:
+  ///  - shared_prefix_group_cpu [batch_size]: the group of each request, -1 = none. A group has
+  ///    >= 2 members, which need not be adjacent; ids are 0 .. num_groups - 1, each used.
+  ///  - shared_prefix_lens_cpu [num_groups]: how many leading req_to_token positions the
+  ///    group's members share, >= 1 and (DECODE) < every member's seq_len, (TARGET_VERIFY)
+  ///    <= every member's seq_len: each member keeps its own keys after the shared ones.
+  /// The promise: for every member, req_to_token[row][0, len) holds the same slots as for the
+  /// group's first member (and, TARGET_VERIFY, every tree token's mask shows those keys). A
+  /// step that breaks it is refused like one with a bad index (CPU: the call throws; CUDA: the
+  /// device checks it and check_errors reports it), naming shared_prefix_lens_cpu[g] and the
+  /// request. Given (even with no group), the backend uses these groups only and detects none
+  /// itself (the CPU backend otherwise groups requests on its own); KVATTN_CASCADE=0 and
+  /// deterministic mode ignore the groups (the lengths are still validated).
+  TensorView shared_prefix_group_cpu;
+  TensorView shared_prefix_lens_cpu;
   const ReqToTokenPool* req_to_token_pool = nullptr;
   KvCache* kv_cache = nullptr;
 

@@ -53,6 +53,92 @@ std::vector<int32_t> read_lengths(const TensorView& host, const TensorView& devi
   return out;
 }
 
+// A host index tensor of the shared-prefix groups: 1-D int32/int64 of `length` elements.
+void check_host_group_tensor(const TensorView& t, const char* name, int64_t length) {
+  check_arg(t.device().is_cpu(), name, "is on ", t.device().str(), ", expected a host tensor");
+  check_arg(is_index_dtype(t.dtype()), name, "dtype ", dtype_name(t.dtype()),
+            ", expected int32 or int64");
+  check_arg(t.ndim() == 1 && (length < 0 || t.size(0) == length), name, "shape ", t,
+            ", expected [", length < 0 ? std::string("num_groups") : std::to_string(length), "]");
+  check_arg(t.data() != nullptr || t.size(0) == 0, name, "is null");
+}
+
+// ForwardBatch::shared_prefix_group_cpu / shared_prefix_lens_cpu (forward_batch.h).
+void read_shared_prefix_groups(const ForwardBatch& batch, bool is_encoder_decoder,
+                               HostLengths& lens) {
+  const TensorView& group = batch.shared_prefix_group_cpu;
+  const TensorView& len = batch.shared_prefix_lens_cpu;
+  if (!group.defined()) {
+    check_arg(!len.defined(), "shared_prefix_lens_cpu",
+              "given without shared_prefix_group_cpu (the group of each request)");
+    return;
+  }
+  const bool verify = batch.mode == ForwardMode::kTargetVerify;
+  if (batch.mode != ForwardMode::kDecode && !verify) {
+    throw_error(ErrorKind::kNotSupported, "shared_prefix_group_cpu", "given for a batch of mode ",
+                forward_mode_name(batch.mode),
+                "; shared-prefix groups serve DECODE and TARGET_VERIFY batches");
+  }
+  if (is_encoder_decoder) {
+    throw_error(ErrorKind::kNotSupported, "shared_prefix_group_cpu",
+                "shared-prefix groups are not supported in encoder-decoder models");
+  }
+  const int bs = batch.batch_size;
+  check_host_group_tensor(group, "shared_prefix_group_cpu", bs);
+  int64_t num_groups = 0;
+  if (len.defined()) {
+    check_host_group_tensor(len, "shared_prefix_lens_cpu", -1);
+    num_groups = len.size(0);
+  }
+  check_arg(num_groups <= bs / 2, "shared_prefix_lens_cpu", "has ", num_groups,
+            " groups, a batch of ", bs, " requests holds at most ", bs / 2,
+            " (a group has >= 2 members)");
+  lens.groups_declared = true;
+  lens.shared_group.resize(size_t(bs));
+  lens.shared_prefix_lens.resize(size_t(num_groups));
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t value = read_index(len, g);
+    if (value < 1 || value > INT32_MAX) {
+      throw_error(ErrorKind::kInvalidArgument, "shared_prefix_lens_cpu[" + std::to_string(g) + "]",
+                  "got ", value, ", expected a shared length >= 1");
+    }
+    lens.shared_prefix_lens[size_t(g)] = int32_t(value);
+  }
+  std::vector<int32_t> members(size_t(num_groups), 0);
+  std::vector<int32_t> first(size_t(num_groups), -1);
+  for (int r = 0; r < bs; ++r) {
+    const int64_t g = read_index(group, r);
+    if (g < -1 || g >= num_groups) {
+      throw_error(ErrorKind::kInvalidArgument, "shared_prefix_group_cpu[" + std::to_string(r) + "]",
+                  "got ", g, ", expected -1 (no group) or a group in [0, ", num_groups,
+                  ") (num_groups = the length of shared_prefix_lens_cpu)");
+    }
+    lens.shared_group[size_t(r)] = int32_t(g);
+    if (g < 0) continue;
+    ++members[size_t(g)];
+    if (first[size_t(g)] < 0) first[size_t(g)] = r;
+    // Every member keeps >= 1 own key (DECODE: its new token; TARGET_VERIFY: its tree tokens,
+    // which the shared keys must not reach: their mask columns differ by member).
+    const int64_t shared = lens.shared_prefix_lens[size_t(g)];
+    const int64_t seq = lens.seq_lens[size_t(r)];
+    if (verify ? shared > seq : shared >= seq) {
+      throw_error(ErrorKind::kInvalidArgument, "shared_prefix_lens_cpu[" + std::to_string(g) + "]",
+                  "got ", shared, ", but request ", r, " of group ", g, " has seq_lens[", r,
+                  "] = ", seq, "; expected ", verify ? "<= seq_len" : "< seq_len",
+                  " of every member (", verify ? "the tree tokens" : "the new token",
+                  " and what follows the shared prefix are the member's own)");
+    }
+  }
+  for (int64_t g = 0; g < num_groups; ++g) {
+    if (members[size_t(g)] >= 2) continue;
+    throw_error(ErrorKind::kInvalidArgument, "shared_prefix_lens_cpu[" + std::to_string(g) + "]",
+                "group ", g, " has ", members[size_t(g)], " member",
+                members[size_t(g)] == 1 ? " (request " + std::to_string(first[size_t(g)]) + ")"
+                                        : std::string("s"),
+                " in shared_prefix_group_cpu, expected >= 2");
+  }
+}
+
 }  // namespace
 
 HostLengths read_host_lengths(const ForwardBatch& batch, bool is_encoder_decoder) {
@@ -89,6 +175,7 @@ HostLengths read_host_lengths(const ForwardBatch& batch, bool is_encoder_decoder
   if (is_encoder_decoder) {
     lens.encoder_lens = read_lengths(batch.encoder_lens_cpu, batch.encoder_lens, "encoder_lens", bs);
   }
+  read_shared_prefix_groups(batch, is_encoder_decoder, lens);
   return lens;
 }
 

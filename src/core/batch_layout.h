@@ -43,6 +43,12 @@ struct HostLengths {
   std::vector<int32_t> prefix_lens;   ///< EXTEND-like modes; else empty
   std::vector<int32_t> extend_lens;   ///< EXTEND-like modes; else empty
   std::vector<int32_t> encoder_lens;  ///< cross-attention models; else empty
+  /// Shared-prefix groups the engine declared (ForwardBatch::shared_prefix_group_cpu and
+  /// shared_prefix_lens_cpu), validated: each id in [-1, num_groups), every group >= 2 members,
+  /// each length >= 1 and leaving every member its own keys. Empty when not given.
+  bool groups_declared = false;          ///< shared_prefix_group_cpu was given
+  std::vector<int32_t> shared_group;     ///< [batch_size] group of each request, -1 = none
+  std::vector<int32_t> shared_prefix_lens;  ///< [num_groups]
 };
 
 /// Reads the host lengths of `batch` (the *_cpu copies where given, else the tensors when they

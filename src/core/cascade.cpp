@@ -1,6 +1,8 @@
 #include "core/cascade.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace kvattn::core {
@@ -47,6 +49,61 @@ CascadePlan plan_cascade(const PagedLayout& layout, std::span<const int32_t> kv_
     plan.shared_len.push_back(int32_t(shared));
   }
   return plan;
+}
+
+CascadePlan declared_cascade_plan(const HostLengths& lens) {
+  CascadePlan plan;
+  const size_t batch = lens.shared_group.size();
+  const size_t groups = lens.shared_prefix_lens.size();
+  plan.shared_row.assign(batch, -1);
+  plan.group_indptr.assign(groups + 1, 0);
+  for (int32_t g : lens.shared_group) {
+    if (g >= 0) ++plan.group_indptr[size_t(g) + 1];
+  }
+  for (size_t g = 0; g < groups; ++g) plan.group_indptr[g + 1] += plan.group_indptr[g];
+  plan.members.resize(size_t(plan.group_indptr.back()));
+  std::vector<int32_t> next(plan.group_indptr.begin(), plan.group_indptr.end() - 1);
+  for (size_t r = 0; r < batch; ++r) {
+    const int32_t g = lens.shared_group[r];
+    if (g < 0) continue;
+    const int32_t row = next[size_t(g)]++;
+    plan.members[size_t(row)] = int32_t(r);
+    plan.shared_row[r] = row;
+  }
+  plan.shared_len = lens.shared_prefix_lens;
+  return plan;
+}
+
+bool cascade_enabled(bool deterministic) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KVATTN_CASCADE");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled && !deterministic;
+}
+
+NamedProblem describe_shared_prefix_violation(const SharedPrefixViolation& v) {
+  const std::string g = std::to_string(v.group);
+  const std::string e = std::to_string(v.entry);
+  const std::string where = "batch entry " + e + " (req_pool_indices[" + e + "] = " +
+                            std::to_string(v.row) + ") of shared-prefix group " + g +
+                            " (shared_prefix_lens_cpu[" + g + "] = " +
+                            std::to_string(v.shared_len) + ")";
+  if (v.mask) {
+    return {"spec.custom_mask",
+            "a tree token of " + where + " does not see key " + std::to_string(v.position) +
+                " of the group's shared prefix; with shared-prefix groups every tree token must "
+                "see the whole shared prefix"};
+  }
+  const std::string pos = std::to_string(v.position);
+  return {"shared_prefix_lens_cpu[" + g + "]",
+          where + " does not share the group's prefix: req_to_token[" + std::to_string(v.row) +
+              "][" + pos + "] = " + std::to_string(v.slot) + ", the group's first member (batch "
+              "entry " + std::to_string(v.leader) + ") has req_to_token[" +
+              std::to_string(v.leader_row) + "][" + pos + "] = " +
+              std::to_string(v.leader_slot) +
+              "; the members of a group must hold the same slots in their first "
+              "shared_prefix_lens_cpu[" + g + "] positions"};
 }
 
 }  // namespace kvattn::core

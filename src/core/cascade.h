@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/batch_layout.h"
@@ -35,5 +36,38 @@ CascadePlan plan_cascade(const PagedLayout& layout, std::span<const int32_t> kv_
                          int min_shared, int align,
                          const std::function<bool(int32_t request, int64_t shared)>& sees_shared =
                              nullptr);
+
+/// The groups the engine declared (HostLengths::shared_group / shared_prefix_lens, validated by
+/// read_host_lengths) as a plan: groups in id order, members in batch order within each; a
+/// group's first member is its leader (its req_to_token row gives the shared keys).
+CascadePlan declared_cascade_plan(const HostLengths& lens);
+
+/// Whether a backend runs cascade attention at all: not in deterministic mode (the groups
+/// depend on the batch, and so would the rounding) and not with KVATTN_CASCADE=0 (read once).
+bool cascade_enabled(bool deterministic);
+
+/// A broken shared-prefix promise (ForwardBatch::shared_prefix_lens_cpu): batch entry `entry`
+/// of group `group` holds `slot` at req_to_token position `position` where the group's leader
+/// holds `leader_slot` (mask == false), or one of its tree tokens' masks hides that shared key
+/// (mask == true). Rows are the entries' req_to_token rows.
+struct SharedPrefixViolation {
+  int64_t group = -1;
+  int64_t shared_len = 0;
+  int64_t entry = -1;
+  int64_t row = -1;
+  int64_t position = -1;
+  int64_t slot = -1;
+  int64_t leader = -1;
+  int64_t leader_row = -1;
+  int64_t leader_slot = -1;
+  bool mask = false;
+};
+/// The argument at fault (shared_prefix_lens_cpu[g], or spec.custom_mask) and what was wrong:
+/// both backends name a broken promise this way.
+struct NamedProblem {
+  std::string argument;
+  std::string message;
+};
+NamedProblem describe_shared_prefix_violation(const SharedPrefixViolation& v);
 
 }  // namespace kvattn::core

@@ -177,23 +177,62 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
     }
   }
   if (batch.mode == ForwardMode::kDecode || batch.mode == ForwardMode::kTargetVerify) {
-    plan_cascade(plan);
+    plan_cascade(plan, lens, batch);
   }
   plan.ready = true;
   plan_ = std::move(plan);
 }
 
 // Cascade planning: off in deterministic mode (the groups depend on the batch) and with
-// KVATTN_CASCADE=0; groups share at least kCascadeMinShared keys, in whole 64-key blocks.
+// KVATTN_CASCADE=0 (core::cascade_enabled). Groups the engine declares are used as they are
+// (after checking its promise); without them, groups this backend finds share at least
+// kCascadeMinShared keys, in whole 64-key blocks.
 constexpr int kCascadeMinShared = 512;
 constexpr int kCascadeAlign = 64;
 
-void CpuBackend::plan_cascade(StepPlan& plan) const {
-  static const bool enabled = [] {
-    const char* v = std::getenv("KVATTN_CASCADE");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  if (!enabled || config_.deterministic) return;
+namespace {
+
+// The engine's promise for declared groups (ForwardBatch::shared_prefix_lens_cpu): every member
+// holds its leader's slots in the shared positions and (TARGET_VERIFY) every tree token sees
+// them (`hidden_key` gives a member's first shared key some tree token does not see, or -1).
+// A broken promise refuses the step here, before anything is written.
+void check_declared_groups(const core::CascadePlan& c, const CpuIndexSet& full,
+                           const ForwardBatch& batch,
+                           const std::function<int64_t(int32_t, int64_t)>& hidden_key) {
+  for (int g = 0; g < c.num_groups(); ++g) {
+    const int64_t shared = c.shared_len[size_t(g)];
+    const int32_t lead = c.members[size_t(c.group_indptr[size_t(g)])];
+    const int32_t* lead_keys = full.kv_indices.data() + full.layout.kv_indptr[size_t(lead)];
+    for (int32_t i = c.group_indptr[size_t(g)]; i < c.group_indptr[size_t(g) + 1]; ++i) {
+      const int32_t r = c.members[size_t(i)];
+      const int32_t* keys = full.kv_indices.data() + full.layout.kv_indptr[size_t(r)];
+      const int64_t differs = std::mismatch(keys, keys + shared, lead_keys).first - keys;
+      const int64_t hidden = hidden_key ? hidden_key(r, shared) : -1;
+      if (differs == shared && hidden < 0) continue;
+      core::SharedPrefixViolation v;
+      v.group = g;
+      v.shared_len = shared;
+      v.entry = r;
+      v.row = read_index(batch.req_pool_indices, r);
+      v.leader = lead;
+      v.leader_row = read_index(batch.req_pool_indices, lead);
+      v.mask = differs == shared;
+      v.position = v.mask ? hidden : differs;
+      if (!v.mask) {
+        v.slot = keys[differs];
+        v.leader_slot = lead_keys[differs];
+      }
+      const core::NamedProblem problem = core::describe_shared_prefix_violation(v);
+      throw_error(ErrorKind::kInvalidArgument, problem.argument, problem.message);
+    }
+  }
+}
+
+}  // namespace
+
+void CpuBackend::plan_cascade(StepPlan& plan, const core::HostLengths& lens,
+                              const ForwardBatch& batch) const {
+  if (!core::cascade_enabled(config_.deterministic)) return;
   const CpuIndexSet* full = nullptr;
   for (const CpuIndexSet& s : plan.sets) {
     if (s.set == core::IndexSet::kFull) full = &s;
@@ -201,23 +240,34 @@ void CpuBackend::plan_cascade(StepPlan& plan) const {
   if (full == nullptr) return;
   const core::PagedLayout& layout = full->layout;
   // TARGET_VERIFY: a group's shared keys must be visible to every tree token of its members
-  // (SGLang's masks show the whole prefix); a group whose mask hides one of them is not formed.
-  std::function<bool(int32_t, int64_t)> sees_shared;
-  if (plan.mode == ForwardMode::kTargetVerify) {
-    sees_shared = [&](int32_t r, int64_t shared) {
-      const int64_t q_len = layout.qo_indptr[size_t(r) + 1] - layout.qo_indptr[size_t(r)];
-      const int64_t begin = layout.mask_indptr[size_t(r)];
-      const int64_t row_len = q_len > 0 ? (layout.mask_indptr[size_t(r) + 1] - begin) / q_len : 0;
-      const uint8_t* m = plan.custom_mask.data() + begin + (row_len - layout.kv_len[size_t(r)]);
-      for (int64_t t = 0; t < q_len; ++t) {
-        const uint8_t* row = m + t * row_len;
-        if (!std::all_of(row, row + shared, [](uint8_t b) { return b != 0; })) return false;
-      }
-      return true;
-    };
+  // (SGLang's masks show the whole prefix); an automatic group whose mask hides one of them is
+  // not formed, a declared one refuses the step.
+  const std::function<int64_t(int32_t, int64_t)> hidden_key = [&](int32_t r,
+                                                                   int64_t shared) -> int64_t {
+    const int64_t q_len = layout.qo_indptr[size_t(r) + 1] - layout.qo_indptr[size_t(r)];
+    const int64_t begin = layout.mask_indptr[size_t(r)];
+    const int64_t row_len = q_len > 0 ? (layout.mask_indptr[size_t(r) + 1] - begin) / q_len : 0;
+    const uint8_t* m = plan.custom_mask.data() + begin + (row_len - layout.kv_len[size_t(r)]);
+    int64_t first = -1;
+    for (int64_t t = 0; t < q_len; ++t) {
+      const uint8_t* row = m + t * row_len;
+      const uint8_t* zero = std::find(row, row + shared, uint8_t{0});
+      if (zero != row + shared && (first < 0 || zero - row < first)) first = zero - row;
+    }
+    return first;
+  };
+  const bool verify = plan.mode == ForwardMode::kTargetVerify;
+  core::CascadePlan found;
+  if (lens.groups_declared) {
+    found = core::declared_cascade_plan(lens);
+    check_declared_groups(found, *full, batch,
+                          verify ? hidden_key : std::function<int64_t(int32_t, int64_t)>());
+  } else {
+    std::function<bool(int32_t, int64_t)> sees_shared;
+    if (verify) sees_shared = [&](int32_t r, int64_t shared) { return hidden_key(r, shared) < 0; };
+    found = core::plan_cascade(layout, full->kv_indices, kCascadeMinShared, kCascadeAlign,
+                               sees_shared);
   }
-  core::CascadePlan found = core::plan_cascade(layout, full->kv_indices, kCascadeMinShared,
-                                               kCascadeAlign, sees_shared);
   if (found.empty()) return;
   plan.cascade = std::move(found);
   const core::CascadePlan& c = plan.cascade;

@@ -76,7 +76,7 @@ class CpuBackend final : public AttentionBackend {
                    const TensorView& out, const AttentionLayer& layer, const ForwardBatch& batch,
                    bool save_kv_cache, bool decode_entry);
   void build_index_set(CpuIndexSet& target, const ForwardBatch& batch);
-  void plan_cascade(StepPlan& plan) const;
+  void plan_cascade(StepPlan& plan, const core::HostLengths& lens, const ForwardBatch& batch) const;
   void attend_cascade(const TensorView& q, const TensorView& out, const AttentionLayer& layer,
                       float* final_lse);
   const CpuIndexSet& index_set(core::IndexSet set) const;

@@ -50,6 +50,11 @@ struct ScenarioSpec {
   /// > 0: the first shared_prefix positions of every request long enough hold the longest
   /// request's slots (a shared system prompt: the cascade path)
   int shared_prefix = 0;
+  /// > 0: the engine declares this many shared-prefix groups (ForwardBatch::
+  /// shared_prefix_group_cpu / shared_prefix_lens_cpu): random members (>= 2 a group, not
+  /// adjacent; about a quarter of the requests stay out), each group sharing its first member's
+  /// first n slots, n drawn below every member's seq_len (never a multiple of page_size > 1).
+  int declared_groups = 0;
   DType sinks_dtype = DType::kFloat32;
 
   std::string shape_label() const;  ///< "b4 kv1..300 q8/2 d128 page1" for tables

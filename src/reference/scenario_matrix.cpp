@@ -571,6 +571,79 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.topk = 2;
     s.num_steps = 2;
   });
+  // ---- shared-prefix groups the engine declares (cascade on both backends) --------------------
+  // Several groups, ungrouped requests between their members, shared lengths off the pages.
+  add("decode declared groups", decode, [](ScenarioSpec& s) {
+    s.batch_size = 11;
+    s.min_kv_len = 40;
+    s.max_kv_len = 400;
+    s.declared_groups = 3;
+  });
+  add("decode declared groups page16 GQA8", decode, [](ScenarioSpec& s) {
+    s.batch_size = 9;
+    s.min_kv_len = 20;
+    s.max_kv_len = 300;
+    s.declared_groups = 2;
+    s.page_size = 16;
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+  });
+  add("decode declared groups fp8 e4m3 page16 sinks", decode, [](ScenarioSpec& s) {
+    s.batch_size = 8;
+    s.min_kv_len = 20;
+    s.max_kv_len = 260;
+    s.declared_groups = 2;
+    s.page_size = 16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.6f;
+    s.v_scale = 1.3f;
+    s.sinks = true;
+  });
+  add("decode declared groups long split", decode, [](ScenarioSpec& s) {
+    s.batch_size = 6;
+    s.min_kv_len = 1500;
+    s.max_kv_len = 3000;
+    s.declared_groups = 2;
+    s.allow_tiny = false;
+  });
+  add("decode declared groups fp32 q softcap", decode, [](ScenarioSpec& s) {
+    s.batch_size = 7;
+    s.declared_groups = 2;
+    s.q_dtype = DType::kFloat32;
+    s.logit_cap = 5.f;
+  });
+  add("decode declared groups window model full layer", decode, [](ScenarioSpec& s) {
+    s.batch_size = 7;
+    s.declared_groups = 2;
+    s.sliding_window = 24;
+    s.window_layer = false;
+  });
+  add("decode declared groups window layer", decode, [](ScenarioSpec& s) {
+    s.batch_size = 7;
+    s.declared_groups = 2;
+    s.sliding_window = 24;
+  });
+  add("decode declared groups deterministic (ignored)", decode, [](ScenarioSpec& s) {
+    s.batch_size = 7;
+    s.declared_groups = 2;
+    s.deterministic = true;
+  });
+  add("verify declared groups", verify, [](ScenarioSpec& s) {
+    s.batch_size = 9;
+    s.min_kv_len = 30;
+    s.max_kv_len = 300;
+    s.declared_groups = 3;
+    s.draft_token_num = 5;
+  });
+  add("verify declared groups page16 sinks", verify, [](ScenarioSpec& s) {
+    s.batch_size = 8;
+    s.min_kv_len = 30;
+    s.max_kv_len = 250;
+    s.declared_groups = 2;
+    s.draft_token_num = 7;
+    s.page_size = 16;
+    s.sinks = true;
+  });
   return rows;
 }
 

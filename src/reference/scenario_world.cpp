@@ -284,6 +284,39 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
     }
   }
 
+  // Declared shared-prefix groups: members drawn at random, each group sharing its first
+  // member's leading slots (the members' own slots there become slots nobody owns: NaN).
+  std::vector<int64_t> group_of(static_cast<size_t>(bs), -1);
+  std::vector<int64_t> group_lens;
+  if (s.declared_groups > 0) {
+    std::vector<int> eligible;  // a member keeps >= 1 own key past the shared ones
+    for (int r = 0; r < bs; ++r) {
+      if (reqs[size_t(r)].encoder == 0 && reqs[size_t(r)].seq >= (verify ? 1 : 2))
+        eligible.push_back(r);
+    }
+    std::shuffle(eligible.begin(), eligible.end(), rng.engine());
+    // About a quarter stay out of every group; each group gets >= 2 members.
+    const int grouped = int(eligible.size()) - int(eligible.size()) / 4;
+    const int groups = std::min(s.declared_groups, grouped / 2);
+    std::vector<std::vector<int>> members(static_cast<size_t>(std::max(groups, 0)));
+    for (int i = 0; i < groups * (grouped / std::max(groups, 1)); ++i)
+      members[size_t(i % groups)].push_back(eligible[size_t(i)]);
+    for (int g = 0; g < groups; ++g) {
+      std::vector<int>& m = members[size_t(g)];
+      std::sort(m.begin(), m.end());
+      int32_t limit = INT32_MAX;  // the longest shared length every member admits
+      for (int r : m) limit = std::min(limit, reqs[size_t(r)].seq - (verify ? 0 : 1));
+      int32_t n = rng.uniform(std::max(1, limit / 2), limit);
+      if (s.page_size > 1 && n % s.page_size == 0 && n > 1) --n;
+      const Request& lead = reqs[size_t(m.front())];
+      for (int r : m) {
+        group_of[size_t(r)] = g;
+        std::copy(lead.slots.begin(), lead.slots.begin() + n, reqs[size_t(r)].slots.begin());
+      }
+      group_lens.push_back(n);
+    }
+  }
+
   const int max_reqs = bs + 3;
   std::vector<int> rows(static_cast<size_t>(max_reqs));
   std::iota(rows.begin(), rows.end(), 0);
@@ -606,6 +639,10 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
       b.spec.draft_token_num = s.draft_token_num;
       b.spec.custom_mask =
           w.upload(DType::kUInt8, {int64_t(custom_mask.size())}, custom_mask.data(), w.device);
+    }
+    if (s.declared_groups > 0) {
+      b.shared_prefix_group_cpu = w.index_tensor(group_of, idx, Device::cpu());
+      b.shared_prefix_lens_cpu = w.index_tensor(group_lens, idx, Device::cpu());
     }
   }
 

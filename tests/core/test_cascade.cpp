@@ -91,5 +91,46 @@ TEST(Cascade, EveryMemberKeepsAnOwnKeyAndShortPrefixesAreNotGrouped) {
   EXPECT_TRUE(plan_cascade(apart.layout, apart.indices, 64, 64).empty());
 }
 
+TEST(Cascade, DeclaredGroupsBecomeAPlanInBatchOrder) {
+  HostLengths lens;
+  lens.seq_lens = {50, 60, 70, 80, 90, 100};
+  lens.groups_declared = true;
+  lens.shared_group = {1, -1, 0, 1, 0, 1};
+  lens.shared_prefix_lens = {40, 25};
+  const CascadePlan p = declared_cascade_plan(lens);
+  ASSERT_EQ(p.num_groups(), 2);
+  EXPECT_EQ(p.group_indptr, (std::vector<int32_t>{0, 2, 5}));
+  EXPECT_EQ(p.members, (std::vector<int32_t>{2, 4, 0, 3, 5}));  // leaders: 2 and 0
+  EXPECT_EQ(p.shared_len, (std::vector<int32_t>{40, 25}));
+  EXPECT_EQ(p.shared_row, (std::vector<int32_t>{2, -1, 0, 3, 1, 4}));
+  // Declared with no group at all: an empty plan.
+  lens.shared_group = {-1, -1, -1, -1, -1, -1};
+  lens.shared_prefix_lens.clear();
+  EXPECT_TRUE(declared_cascade_plan(lens).empty());
+}
+
+TEST(Cascade, ABrokenPromiseIsNamed) {
+  SharedPrefixViolation v;
+  v.group = 2;
+  v.shared_len = 37;
+  v.entry = 5;
+  v.row = 11;
+  v.position = 36;
+  v.slot = 900;
+  v.leader = 1;
+  v.leader_row = 3;
+  v.leader_slot = 17;
+  const NamedProblem slot = describe_shared_prefix_violation(v);
+  EXPECT_EQ(slot.argument, "shared_prefix_lens_cpu[2]");
+  for (const char* part : {"batch entry 5", "req_to_token[11][36] = 900",
+                           "req_to_token[3][36] = 17", "batch entry 1"}) {
+    EXPECT_NE(slot.message.find(part), std::string::npos) << part << ": " << slot.message;
+  }
+  v.mask = true;
+  const NamedProblem mask = describe_shared_prefix_violation(v);
+  EXPECT_EQ(mask.argument, "spec.custom_mask");
+  EXPECT_NE(mask.message.find("key 36"), std::string::npos) << mask.message;
+}
+
 }  // namespace
 }  // namespace kvattn::core

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <array>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 
@@ -135,6 +136,57 @@ BadIndexBreak seq_len_past_context(ScenarioWorld& w) {
           }};
 }
 
+// Declared shared-prefix groups (ScenarioSpec::declared_groups): group 0's members in batch
+// order (the first is the leader) and its shared length.
+struct DeclaredGroup {
+  std::vector<int> members;
+  int64_t shared_len = 0;
+};
+DeclaredGroup declared_group_0(const ScenarioWorld& w) {
+  DeclaredGroup g;
+  for (int64_t r = 0; r < w.batch.shared_prefix_group_cpu.size(0); ++r)
+    if (read_index(w.batch.shared_prefix_group_cpu, r) == 0) g.members.push_back(int(r));
+  g.shared_len = read_index(w.batch.shared_prefix_lens_cpu, 0);
+  return g;
+}
+
+// The promise broken: group 0's second member holds another (valid) slot at the last shared
+// position, its leader's own next slot.
+BadIndexBreak shared_prefix_member_differs(ScenarioWorld& w) {
+  const DeclaredGroup g = declared_group_0(w);
+  const int lead_row = int(w.ref_batch.req_pool_indices.at(size_t(g.members.at(0))));
+  const int row = int(w.ref_batch.req_pool_indices.at(size_t(g.members.at(1))));
+  const int32_t other = w.req_to_token_pool->read(lead_row, g.shared_len, 1).at(0);
+  return {"shared_prefix_lens_cpu[0]", false,
+          set_req_to_token(w, row, g.shared_len - 1, other)};
+}
+
+// A bad slot inside the shared prefix of group 0's leader: a bad req_to_token entry (named as
+// such, before the broken promise it also is).
+BadIndexBreak shared_prefix_leader_slot_past_pool(ScenarioWorld& w) {
+  const DeclaredGroup g = declared_group_0(w);
+  const int row = int(w.ref_batch.req_pool_indices.at(size_t(g.members.at(0))));
+  return {req_to_token_name(row, 0), false,
+          set_req_to_token(w, row, 0, int32_t(w.kv_cache->num_slots()))};
+}
+
+// TARGET_VERIFY: a tree token of group 0's last member does not see shared key 0.
+BadIndexBreak shared_prefix_mask_hides_a_key(ScenarioWorld& w) {
+  const DeclaredGroup g = declared_group_0(w);
+  const int r = g.members.back();
+  int64_t offset = 0;  // request r's mask: draft rows of seq_len + draft columns
+  const int draft = w.spec.draft_token_num;
+  for (int i = 0; i < r; ++i) offset += int64_t(draft) * (w.ref_batch.seq_lens.at(size_t(i)) + draft);
+  const int64_t row_len = w.ref_batch.seq_lens.at(size_t(r)) + draft;
+  std::vector<uint8_t> mask = ScenarioWorld::download(w.batch.spec.custom_mask);
+  mask.at(size_t(offset + (draft - 1) * row_len)) = 0;  // the last tree token, key 0
+  const TensorView old = w.batch.spec.custom_mask;
+  w.batch.spec.custom_mask =
+      w.upload(DType::kUInt8, {int64_t(mask.size())}, mask.data(), old.device());
+  ForwardBatch* batch = &w.batch;
+  return {"spec.custom_mask", false, [batch, old] { batch->spec.custom_mask = old; }};
+}
+
 // All bytes of every layer's K and V.
 std::vector<std::vector<uint8_t>> pool_snapshot(const ScenarioWorld& w) {
   std::vector<std::vector<uint8_t>> out;
@@ -215,6 +267,30 @@ std::vector<BadIndexCase> bad_index_cases() {
     spec.sliding_window = 4;
     add("DECODE window layer req_to_token newest key past the pool", spec,
         bad_req_to_token_newest_key);
+  }
+  // Declared shared-prefix groups (ForwardBatch::shared_prefix_lens_cpu): 4 of 5 requests in
+  // group 0. A member that does not hold its leader's slots (or, verify, whose mask hides a
+  // shared key) breaks the engine's promise: the step is refused like one with a bad index.
+  // (With KVATTN_CASCADE=0 the groups are ignored and these steps run: not in the table then.)
+  const char* cascade = std::getenv("KVATTN_CASCADE");
+  const bool cascade_on = cascade == nullptr || std::string(cascade) != "0";
+  for (M mode : {M::kDecode, M::kTargetVerify}) {
+    if (!cascade_on) break;
+    ScenarioSpec spec = base_spec("bad shared prefix", mode, ++seed);
+    spec.batch_size = 5;
+    spec.min_kv_len = 12;
+    spec.declared_groups = 1;
+    const std::string m = forward_mode_name(mode);
+    add(m + " declared group member with another slot in the shared prefix", spec,
+        shared_prefix_member_differs);
+    spec.seed = ++seed;
+    add(m + " declared group leader's shared slot past the pool", spec,
+        shared_prefix_leader_slot_past_pool);
+    if (mode == M::kTargetVerify) {
+      spec.seed = ++seed;
+      add(m + " declared group tree mask hiding a shared key", spec,
+          shared_prefix_mask_hides_a_key);
+    }
   }
   add("TARGET_VERIFY req_to_token tree token -7",
       base_spec("bad tree slot", M::kTargetVerify, ++seed), bad_req_to_token_tree_token);

@@ -639,6 +639,94 @@ TEST_P(BadInput, LayerValues) {
   expect_rejected(*w, [&] { run_world(*w, layer); }, "layer.is_cross_attention");
 }
 
+// Shared-prefix groups the engine declares (ForwardBatch::shared_prefix_group_cpu /
+// shared_prefix_lens_cpu): host lengths, so both backends reject them from the call itself,
+// naming the tensor and the element at fault. (A broken promise about the slots is a bad index:
+// tests/support/bad_index.cpp.)
+TEST_P(BadInput, SharedPrefixGroups) {
+  auto grouped = [&](ForwardMode mode) {
+    return world(mode, [](ScenarioSpec& s) {
+      s.batch_size = 5;
+      s.min_kv_len = 12;
+      s.declared_groups = 1;
+    });
+  };
+  // The worlds are valid: 4 of the 5 requests form group 0, one stays out.
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify}) {
+    auto w = grouped(mode);
+    ASSERT_EQ(values_of(w->batch.shared_prefix_lens_cpu).size(), 1u);
+    EXPECT_NO_THROW(run_step(*w)) << forward_mode_name(mode);
+    EXPECT_TRUE(judge_world(*w).passed) << forward_mode_name(mode);
+  }
+  auto set_host = [](ScenarioWorld& w, TensorView& field, const std::vector<int64_t>& values) {
+    field = w.index_tensor(values, w.index_dtype, Device::cpu());
+  };
+  {  // a group id past the groups
+    auto w = grouped(ForwardMode::kDecode);
+    std::vector<int64_t> group = values_of(w->batch.shared_prefix_group_cpu);
+    group[3] = 1;
+    set_host(*w, w->batch.shared_prefix_group_cpu, group);
+    expect_rejected(*w, "shared_prefix_group_cpu[3]");
+    group[3] = -2;
+    set_host(*w, w->batch.shared_prefix_group_cpu, group);
+    expect_rejected(*w, "shared_prefix_group_cpu[3]");
+  }
+  {  // a group of one member: the first member of group 0 alone, the others moved to group 1
+    auto w = grouped(ForwardMode::kDecode);
+    std::vector<int64_t> group = values_of(w->batch.shared_prefix_group_cpu);
+    std::vector<int64_t> lens = values_of(w->batch.shared_prefix_lens_cpu);
+    const auto first = std::find(group.begin(), group.end(), 0);
+    for (auto it = first + 1; it != group.end(); ++it)
+      if (*it == 0) *it = 1;
+    lens.push_back(lens[0]);
+    set_host(*w, w->batch.shared_prefix_group_cpu, group);
+    set_host(*w, w->batch.shared_prefix_lens_cpu, lens);
+    expect_rejected(*w, "shared_prefix_lens_cpu[0]");
+  }
+  {  // shared lengths: 0, and reaching a member's seq_len (DECODE: its new token is its own)
+    auto w = grouped(ForwardMode::kDecode);
+    set_host(*w, w->batch.shared_prefix_lens_cpu, {0});
+    expect_rejected(*w, "shared_prefix_lens_cpu[0]");
+    const std::vector<int64_t> group = values_of(w->batch.shared_prefix_group_cpu);
+    const std::vector<int64_t> seq = values_of(w->batch.seq_lens);
+    int64_t shortest = INT64_MAX;
+    for (size_t r = 0; r < group.size(); ++r)
+      if (group[r] == 0) shortest = std::min(shortest, seq[r]);
+    set_host(*w, w->batch.shared_prefix_lens_cpu, {shortest});
+    expect_rejected(*w, "shared_prefix_lens_cpu[0]");
+    // TARGET_VERIFY: the whole committed prefix may be shared, no more.
+    auto v = grouped(ForwardMode::kTargetVerify);
+    const std::vector<int64_t> vgroup = values_of(v->batch.shared_prefix_group_cpu);
+    const std::vector<int64_t> vseq = values_of(v->batch.seq_lens);
+    shortest = INT64_MAX;
+    for (size_t r = 0; r < vgroup.size(); ++r)
+      if (vgroup[r] == 0) shortest = std::min(shortest, vseq[r]);
+    set_host(*v, v->batch.shared_prefix_lens_cpu, {shortest + 1});
+    expect_rejected(*v, "shared_prefix_lens_cpu[0]");
+  }
+  {  // shapes, dtypes, placement; lengths without groups
+    auto w = grouped(ForwardMode::kDecode);
+    TensorView& group = w->batch.shared_prefix_group_cpu;
+    const TensorView good = group;
+    group = group.slice0(0, group.size(0) - 1);
+    expect_rejected(*w, "shared_prefix_group_cpu");
+    group = w->upload(DType::kFloat32, {5}, std::vector<float>(5, 0.f).data(), Device::cpu());
+    expect_rejected(*w, "shared_prefix_group_cpu");
+    if (cuda()) {
+      group = w->index_tensor(values_of(good), w->index_dtype, w->device);
+      expect_rejected(*w, "shared_prefix_group_cpu");
+    }
+    group = TensorView();
+    expect_rejected(*w, "shared_prefix_lens_cpu");
+  }
+  {  // modes other than DECODE / TARGET_VERIFY
+    auto w = world(ForwardMode::kExtend);
+    w->batch.shared_prefix_group_cpu = w->index_tensor({0, 0, -1}, w->index_dtype, Device::cpu());
+    w->batch.shared_prefix_lens_cpu = w->index_tensor({1}, w->index_dtype, Device::cpu());
+    expect_rejected(*w, "shared_prefix_group_cpu", ErrorKind::kNotSupported);
+  }
+}
+
 TEST_P(BadInput, MultiStepDraftArguments) {
   auto w = world(ForwardMode::kDecode, [](ScenarioSpec& s) {
     s.topk = 2;
