@@ -11,6 +11,7 @@
 #include "core/params_fill.h"
 #include "core/size_check.h"
 #include "core/validate.h"
+#include "cuda/cascade.h"
 #include "cuda/kernels/index.h"
 #include "cuda/kernels/kv_write.h"
 #include "cuda/kernels/prefill.h"
@@ -319,8 +320,6 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
 void run_call(const CallState& call, const core::AttentionParams& params, int device,
               cudaStream_t stream) {
   const bool capturing = stream_is_capturing(stream);
-  check_arg(call.prefill || !params.out_fp32, "out",
-            "an fp32 partial output needs the prefill kernel");
   if (call.prefill) {
     // Only a padded plan (the graph pool) has an item count that covers every later plan of the
     // same batch size; an unpadded one captured now would replay wrong results later.
@@ -562,6 +561,7 @@ class CudaBackend final : public AttentionBackend {
         ensure_bytes(io_scratch_, q_bytes + out_bytes + kv_bytes, false, device_, "fp32 io copies");
       }
     }
+    if (lens.groups_declared) plan_cascade(batch, lens, in_capture);
     const int num_calls = int(model_sets_.size()) + (step_.ragged ? 1 : 0);
     for (int c = 0; c < num_calls; ++c) {
       CallState& call = pool[c < int(model_sets_.size()) ? c : kRaggedSlot];
@@ -630,6 +630,18 @@ class CudaBackend final : public AttentionBackend {
     check.num_slots = config_.kv_cache->num_slots();
     check.req_to_token = config_.req_to_token_pool->table().data_as<const int32_t>();
     check.req_to_token_row_stride = config_.req_to_token_pool->table().stride(0);
+    if (step_.cascade) {
+      // The promise of the declared groups, checked before anything of the step is written.
+      refuse_cascade_capture(capturing, "init_forward_metadata_in_graph");
+      const uint8_t* mask = step_.mode == ForwardMode::kTargetVerify
+                                ? batch.spec.custom_mask.data_as<const uint8_t>()
+                                : nullptr;
+      build_cascade_indices(cascade_,
+                            req_to_token_source(*config_.req_to_token_pool, batch.req_pool_indices),
+                            config_.kv_cache->num_slots(), mask, batch.spec.draft_token_num,
+                            step_state_of(pool[0]), stream);
+      describe_cascade_for_step_check(cascade_, check);
+    }
     launch_step_check(check, stream);
     step_.checked_loc = check.out_cache_loc;
     step_.checked_encoder_loc = check.encoder_out_cache_loc;
@@ -734,6 +746,7 @@ class CudaBackend final : public AttentionBackend {
     bool ragged = false;
     bool any_prefix = false;
     bool convert_io = false;  ///< fp32 io through 16-bit copies (setup_.compute_dtype)
+    bool cascade = false;     ///< full-attention layers run cascade_ (declared groups)
     uint64_t id = 0;          ///< guard_'s number of this step
     /// The slot tensors the step-check kernel checked (a forward given others checks its own).
     DeviceIndexArray checked_loc;
@@ -741,6 +754,49 @@ class CudaBackend final : public AttentionBackend {
   };
 
   void set_device() const { check_cuda(cudaSetDevice(device_.index), "cudaSetDevice"); }
+
+  // Shared-prefix groups the engine declared (cuda/cascade.h): plans the step's cascade calls
+  // (eager buffers, beside the step's plain calls, which window layers and graph replays use).
+  // The groups are a hint with a promise: where the tensor-core family cannot run the shared
+  // call (its io / KV dtypes, head dims), for fp32-io DECODE, with KVATTN_CASCADE=0 and in
+  // deterministic mode the plain path computes the same attention without them.
+  void plan_cascade(const ForwardBatch& batch, const core::HostLengths& lens, bool in_capture) {
+    if (lens.shared_prefix_lens.empty() || !core::cascade_enabled(config_.deterministic)) return;
+    const DType kv = config_.kv_cache->config().dtype;
+    if (!setup_.prefill_supported || !(kv == setup_.compute_dtype || is_fp8(kv))) return;
+    // fp32-io DECODE keeps its fp32 CUDA-core kernel (the shared call would round q to 16 bits).
+    if (batch.mode == ForwardMode::kDecode && config_.q_dtype == DType::kFloat32) return;
+    size_t full = 0;
+    while (full < model_sets_.size() && model_sets_[full] != core::IndexSet::kFull) ++full;
+    if (full == model_sets_.size()) return;  // encoder-decoder models (refused by validation)
+    refuse_cascade_capture(in_capture, "in_capture");
+    const cudaStream_t stream = as_stream(config_.cuda_stream);
+    const CallState& plain = (step_.graph_pool ? graph_calls_ : eager_calls_)[full];
+    make_cascade_layouts(cascade_, core::declared_cascade_plan(lens), plain.layout);
+    cascade_.own.custom_mask = plain.custom_mask;  // TARGET_VERIFY: the step's tree mask
+    plan_call(cascade_.shared, /*cuda_core_decode=*/false, 0);
+    plan_call(cascade_.own, batch.mode == ForwardMode::kDecode && !setup_.tensor_cores, 0);
+    for (CallState* call : {&cascade_.shared, &cascade_.own}) {
+      core::CallCapacity cap;
+      cap.batch_size = call->layout.batch_size;
+      cap.decode_items = call->prefill ? 0 : call->item_limit;
+      cap.custom_mask = call->layout.mask == core::MaskMode::kCustom;
+      cap.num_q_heads = config_.num_q_heads;
+      cap.v_head_dim = config_.v_head_dim;
+      upload_call(*call, cap, call->layout.total_kv(), config_.v_head_dim, step_.id, device_,
+                  stream);
+    }
+    upload_cascade_arrays(cascade_, config_, setup_.compute_dtype, device_, stream);
+    step_.cascade = true;
+  }
+
+  void refuse_cascade_capture(bool capturing, const char* where) const {
+    if (!capturing) return;
+    throw_error(ErrorKind::kNotSupported, where,
+                "a step with shared-prefix groups (shared_prefix_group_cpu) runs eagerly: ",
+                "capture CUDA graphs for batches without them (the groups are a per-step hint; ",
+                "a replayed graph computes the same attention without them)");
+  }
 
   // The current step's error state (the first call of its pool).
   StepState* step_state() const {
@@ -935,6 +991,12 @@ class CudaBackend final : public AttentionBackend {
     check_arg(slot < model_sets_.size(), "layer", "needs an index set this model does not keep");
     const CallState& paged = pool[slot];
     const StepState* state = step_state();
+    if (step_.cascade && set == core::IndexSet::kFull) {
+      refuse_cascade_capture(stream_is_capturing(stream), "forward");
+      attend_cascade(cascade_, cfg, setup_.compute_dtype, layer, q, out, lse, state, device_,
+                     stream);
+      return;
+    }
     if (!step_.ragged) {
       run_call(paged, make_params(paged, cfg, layer, q, out, lse, {}, {}, state), device_.index,
                stream);
@@ -997,6 +1059,7 @@ class CudaBackend final : public AttentionBackend {
   Step step_;
   CallState eager_calls_[3];
   CallState graph_calls_[3];
+  CascadeStep cascade_;  ///< steps with declared shared-prefix groups (eager only)
   Buffer ragged_scratch_;
   Buffer sink_lse_;        ///< layers with sinks: each row's LSE before the sink
   Buffer graph_sink_lse_;  ///< the graph pool's (frozen once allocated)

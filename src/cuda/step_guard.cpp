@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "core/cascade.h"
 #include "cuda/cuda_util.h"
 #include "kvattn/error.h"
 
@@ -31,6 +32,21 @@ std::pair<std::string, std::string> describe_argument(const StepReport& r, int a
       return {indexed("out_cache_loc", position), "slot " + value + " " + pool};
     case kArgEncoderOutCacheLoc:
       return {indexed("encoder_out_cache_loc", position), "slot " + value + " " + pool};
+    case kArgSharedPrefix: {
+      core::SharedPrefixViolation v;
+      v.group = r.shared_group;
+      v.shared_len = r.shared_len;
+      v.entry = r.entry[argument];
+      v.row = r.row[argument];
+      v.position = position;
+      v.slot = r.value[argument];
+      v.leader = r.shared_leader;
+      v.leader_row = r.shared_leader_row;
+      v.leader_slot = r.shared_leader_slot;
+      v.mask = r.shared_mask != 0;
+      core::NamedProblem problem = core::describe_shared_prefix_violation(v);
+      return {std::move(problem.argument), std::move(problem.message)};
+    }
     default: {
       const int64_t row = r.row[argument];
       const std::string name = "req_to_token[" + std::to_string(row) + "][" +

@@ -606,6 +606,7 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.declared_groups = 2;
     s.allow_tiny = false;
   });
+  // (CUDA: fp32-io DECODE keeps its fp32 kernel and ignores the groups.)
   add("decode declared groups fp32 q softcap", decode, [](ScenarioSpec& s) {
     s.batch_size = 7;
     s.declared_groups = 2;
@@ -634,6 +635,15 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.max_kv_len = 300;
     s.declared_groups = 3;
     s.draft_token_num = 5;
+  });
+  add("verify declared groups fp32 q GQA8", verify, [](ScenarioSpec& s) {
+    s.batch_size = 7;
+    s.min_kv_len = 30;
+    s.declared_groups = 2;
+    s.draft_token_num = 4;
+    s.q_dtype = DType::kFloat32;
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
   });
   add("verify declared groups page16 sinks", verify, [](ScenarioSpec& s) {
     s.batch_size = 8;

@@ -58,7 +58,7 @@ struct DecodeLaunch {
 /// Throws kNotSupported for an uncompiled shape and kDeviceError when a launch fails.
 void launch_decode(const DecodeLaunch& launch, int device, cudaStream_t stream);
 
-/// Ragged + paged-prefix merge of two attention states of the same rows (SPEC §3):
+/// Ragged + paged-prefix (and cascade shared + own) merge of two attention states (SPEC §3):
 /// out = (o_a * e^(lse_a - m) + o_b * e^(lse_b - m)) / (...), per (token, q head), through
 /// core::merge_weights. o_a / o_b are partial_dtype, out is io_dtype, each with its strides
 /// (elements); the LSEs are float [num_tokens, num_heads] natural log; lse_out is optional.
@@ -79,6 +79,10 @@ struct MergeStatesLaunch {
   int64_t b_stride_head = 0;
   DType partial_dtype = DType::kFloat32;  ///< of o_a and o_b
   DType io_dtype = DType::kBFloat16;      ///< of out
+  /// [num_tokens] device, or null: token t's state a is row a_rows[t] of o_a / lse_a (its
+  /// token index under a's strides; -1: an empty state, out = b) instead of row t. The cascade
+  /// step's shared states are per grouped query, in member order.
+  const int32_t* a_rows = nullptr;
   int64_t num_tokens = 0;
   int num_heads = 0;
   int v_head_dim = 0;

@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     const float lse = head_lse[h];
     const int head = head0 + h;
     if (item.partial < 0) {
-      store_io(p.out, p.io_dtype,
+      store_io(p.out, p.out_fp32 ? DType::kFloat32 : p.io_dtype,
                int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim,
                out);
       if (dim == 0 && p.lse != nullptr) p.lse[int64_t(request) * p.num_q_heads + head] = lse;

@@ -48,13 +48,14 @@ __device__ __forceinline__ int32_t checked_slot(const int32_t* row, int64_t posi
 
 __global__ void __launch_bounds__(kIndexThreads) build_kv_indices_kernel(const KvIndexBuild b) {
   const int request = int(blockIdx.y);
-  const int32_t* row = source_row(b.source, request);
+  const int entry = b.entries != nullptr ? b.entries[request] : request;
+  const int32_t* row = source_row(b.source, entry);
   const int64_t start = b.kv_start[request];
   const int64_t len = b.kv_len[request];
   int32_t* out = b.kv_indices + b.kv_indptr[request];
   for (int64_t i = int64_t(blockIdx.x) * kIndexThreads + threadIdx.x; i < len;
        i += int64_t(gridDim.x) * kIndexThreads) {
-    out[i] = checked_slot(row, start + i, b.source, b.num_slots, b.step_state, request);
+    out[i] = checked_slot(row, start + i, b.source, b.num_slots, b.step_state, entry);
   }
 }
 

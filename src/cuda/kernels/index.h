@@ -25,10 +25,13 @@ struct ReqToTokenSource {
   bool req_pool_indices_int64 = false;
 };
 
-/// kv_indices[kv_indptr[r] + i] = req_to_token[req_pool_indices[r], kv_start[r] + i] for i in
-/// [0, kv_len[r]) and every entry r < batch_size.
+/// kv_indices[kv_indptr[r] + i] = req_to_token[req_pool_indices[e], kv_start[r] + i] for i in
+/// [0, kv_len[r]) and every entry r < batch_size, e = entries[r] (or r when entries is null).
 struct KvIndexBuild {
   ReqToTokenSource source;
+  /// [batch_size] device: the batch entry whose row call entry r reads (a cascade step's shared
+  /// call: each group's leader); null = r itself. Bad slots are flagged for that batch entry.
+  const int32_t* entries = nullptr;
   const int32_t* kv_start = nullptr;   ///< [batch_size] device (call metadata)
   const int32_t* kv_len = nullptr;     ///< [batch_size] device
   const int64_t* kv_indptr = nullptr;  ///< [batch_size + 1] device

@@ -126,8 +126,9 @@ __global__ void __launch_bounds__(kWriteThreads) convert_rows_kernel(const Conve
     const int64_t rest = index % (int64_t(c.heads) * c.dim);
     const int64_t head = rest / c.dim;
     const int64_t e = rest % c.dim;
+    const int64_t src_row = c.src_rows != nullptr ? c.src_rows[row] : row;
     const float x =
-        load_io(c.src, c.src_dtype, row * c.src_stride_token + head * c.src_stride_head + e);
+        load_io(c.src, c.src_dtype, src_row * c.src_stride_token + head * c.src_stride_head + e);
     detail::store_io(c.dst, c.dst_dtype, row * c.dst_stride_token + head * c.dst_stride_head + e,
                      x);
   }

@@ -55,7 +55,7 @@ void launch_kv_write(const KvWriteLaunch& launch, cudaStream_t stream);
 namespace kvattn::cuda {
 
 /// Copies a [rows, heads, dim] view into another of a different io dtype (fp32 <-> bf16/fp16),
-/// rounding to nearest. The CUDA backend runs fp32 EXTEND-like steps through the 16-bit
+/// rounding to nearest (or of the same dtype: a plain copy), optionally gathering rows. The CUDA backend runs fp32 EXTEND-like steps through the 16-bit
 /// tensor-core kernel this way.
 struct ConvertRowsLaunch {
   const void* src = nullptr;  ///< [rows, heads, dim] src_dtype
@@ -69,6 +69,9 @@ struct ConvertRowsLaunch {
   int64_t rows = 0;
   int heads = 0;
   int dim = 0;
+  /// [rows] device, or null: dst row i is src row src_rows[i] (a gather: the cascade step's
+  /// grouped queries) instead of src row i.
+  const int32_t* src_rows = nullptr;
   const uint32_t* step_error = nullptr;  ///< the step's error word: nothing is written when set
 };
 void launch_convert_rows(const ConvertRowsLaunch& launch, cudaStream_t stream);

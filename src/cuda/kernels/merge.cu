@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kDecodeMergeThreads, kMaxDimsPerLane == 4 ? 4 
       value = w_acc * value + w_part * warp_out[w][dim];
       total_lse = merged;
     }
-    store_io(p.out, p.io_dtype,
+    store_io(p.out, p.out_fp32 ? DType::kFloat32 : p.io_dtype,
              int64_t(request) * p.out_stride_token + int64_t(head) * p.out_stride_head + dim,
              value);
     if (dim == 0 && p.lse != nullptr) p.lse[int64_t(request) * p.num_q_heads + head] = total_lse;
@@ -110,10 +110,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
   if (row >= m.num_tokens * m.num_heads) return;
   const int64_t token = row / m.num_heads;
   const int head = int(row % m.num_heads);
+  const int64_t token_a = m.a_rows != nullptr ? m.a_rows[token] : token;
+  const float lse_a = token_a >= 0 ? m.lse_a[token_a * m.num_heads + head] : -INFINITY;
   float w_a, w_b, lse;
-  core::merge_weights(m.lse_a[row], m.lse_b[row], &w_a, &w_b, &lse);
+  core::merge_weights(lse_a, m.lse_b[row], &w_a, &w_b, &lse);
   const int64_t base = token * m.stride_token + int64_t(head) * m.stride_head;
-  const int64_t base_a = token * m.a_stride_token + int64_t(head) * m.a_stride_head;
+  const int64_t base_a = token_a * m.a_stride_token + int64_t(head) * m.a_stride_head;
   const int64_t base_b = token * m.b_stride_token + int64_t(head) * m.b_stride_head;
   for (int dim = int(threadIdx.x % 32); dim < m.v_head_dim; dim += 32) {
     // An empty side has weight 0 but may hold anything (even NaN): never multiply it in.

@@ -55,6 +55,41 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
       report.value[kArgReqToToken] = c.req_to_token[row * c.req_to_token_row_stride + position];
     }
   }
+  if (error & (1u << kArgSharedPrefix)) {
+    // A cascade step (the check kernel flags only there): the entry's row was read inside
+    // req_to_token, the leader's too (req_pool_indices is checked above; a bad row reads as
+    // empty and flags nothing).
+    const unsigned long long key =
+        ~__ldcg(reinterpret_cast<const unsigned long long*>(&state->shared_prefix_key));
+    const int64_t entry = int64_t(key >> 32);
+    const int64_t position = int64_t((key & 0xffffffffull) >> 1);
+    report.entry[kArgSharedPrefix] = entry;
+    report.position[kArgSharedPrefix] = position;
+    report.shared_mask = int64_t(key & 1ull);
+    auto row_of = [&](int64_t e) -> int64_t {
+      return c.req_pool_indices.data != nullptr && e >= 0 && e < c.req_pool_indices.length
+                 ? index_at(c.req_pool_indices, e)
+                 : -1;
+    };
+    auto slot_at = [&](int64_t row) -> int64_t {
+      return c.req_to_token != nullptr && row >= 0 && row < c.max_reqs
+                 ? c.req_to_token[row * c.req_to_token_row_stride + position]
+                 : -1;
+    };
+    const int64_t row = row_of(entry);
+    report.row[kArgSharedPrefix] = row;
+    report.value[kArgSharedPrefix] = slot_at(row);
+    if (c.entry_group != nullptr && entry < c.req_pool_indices.length) {
+      const int64_t group = c.entry_group[entry];
+      report.shared_group = group;
+      if (group >= 0) {
+        report.shared_len = c.group_len[group];
+        report.shared_leader = c.group_leader[group];
+        report.shared_leader_row = row_of(report.shared_leader);
+        report.shared_leader_slot = slot_at(report.shared_leader_row);
+      }
+    }
+  }
   if (error == 0) return;
   state->error = error;  // every later kernel of the step sees it (a kernel boundary apart)
   report.error = error;

@@ -29,6 +29,18 @@ __device__ __forceinline__ void flag_bad_req_to_token(StepState* state, int64_t 
   atomicMax(reinterpret_cast<unsigned long long*>(&state->req_to_token_key), ~key);
 }
 
+/// The cascade check kernel met a broken shared-prefix promise at (entry, position): a slot that
+/// differs from the leader's (mask = false) or a tree mask hiding the key (mask = true). Sets the
+/// word and keeps the smallest (entry, position, mask) of the step.
+__device__ __forceinline__ void flag_shared_prefix(StepState* state, int64_t entry,
+                                                   int64_t position, bool mask) {
+  if (state == nullptr) return;
+  atomicOr(&state->error, 1u << kArgSharedPrefix);
+  const unsigned long long key = (static_cast<unsigned long long>(entry) << 32) |
+                                 (static_cast<uint32_t>(position) << 1) | (mask ? 1u : 0u);
+  atomicMax(reinterpret_cast<unsigned long long*>(&state->shared_prefix_key), ~key);
+}
+
 /// Writes `report` into the host ring (one thread). The fields land before `step`, which the
 /// host reads first.
 __device__ __forceinline__ void publish_step_report(StepReport* ring, const StepReport& report) {
@@ -41,6 +53,12 @@ __device__ __forceinline__ void publish_step_report(StepReport* ring, const Step
     r->entry[a] = report.entry[a];
     r->row[a] = report.row[a];
   }
+  r->shared_group = report.shared_group;
+  r->shared_len = report.shared_len;
+  r->shared_leader = report.shared_leader;
+  r->shared_leader_row = report.shared_leader_row;
+  r->shared_leader_slot = report.shared_leader_slot;
+  r->shared_mask = report.shared_mask;
   __threadfence_system();
   *reinterpret_cast<volatile uint64_t*>(&r->step) = report.step;
   __threadfence_system();

@@ -30,7 +30,11 @@ enum StepArgument : int {
   kArgOutCacheLoc = 1,         ///< out_cache_loc[i] outside [0, num_slots)
   kArgEncoderOutCacheLoc = 2,  ///< encoder_out_cache_loc[i] outside [0, num_slots)
   kArgReqToToken = 3,          ///< req_to_token[row][position] outside [0, num_slots)
-  kNumStepArguments = 4,
+  /// Declared shared-prefix groups (ForwardBatch::shared_prefix_lens_cpu): a member's slot at a
+  /// shared position differs from its group leader's, or (TARGET_VERIFY) a tree token's mask
+  /// hides a shared key. Checked by the cascade check kernel (kernels/cascade.h).
+  kArgSharedPrefix = 4,
+  kNumStepArguments = 5,
 };
 
 /// The step's error state on the device: kStepStateBytes (core/planner.h) at the start of call
@@ -44,7 +48,9 @@ struct alignas(16) StepState {
   /// The first bad req_to_token read, as ~((batch entry << 32) | position): the index kernels
   /// keep the smallest (entry, position) with an atomicMax on the complement (0 = none).
   uint64_t req_to_token_key = 0;
-  uint64_t reserved2 = 0;
+  /// The first broken shared-prefix promise, as ~((batch entry << 32) | (position << 1) | mask):
+  /// kept like req_to_token_key (mask = 1: a tree mask hides the key; 0: the slot differs).
+  uint64_t shared_prefix_key = 0;
 };
 static_assert(sizeof(StepState) == 32, "StepState must fit core::kStepStateBytes");
 
@@ -58,6 +64,15 @@ struct alignas(16) StepReport {
   int64_t value[kNumStepArguments] = {};     ///< the value found there
   int64_t entry[kNumStepArguments] = {};     ///< req_to_token: the batch entry that read it
   int64_t row[kNumStepArguments] = {};       ///< req_to_token: req_pool_indices[entry]
+  /// kArgSharedPrefix (entry, position, value = the entry's slot there, row as above): its
+  /// group, the group's shared length, the leader's batch entry, row and slot there, and whether
+  /// a tree mask (not a slot) broke the promise.
+  int64_t shared_group = -1;
+  int64_t shared_len = 0;
+  int64_t shared_leader = -1;
+  int64_t shared_leader_row = -1;
+  int64_t shared_leader_slot = -1;
+  int64_t shared_mask = 0;
 };
 /// Refused steps whose reports the host can hold between two check_errors (older ones are
 /// overwritten: the host then says so).
@@ -81,6 +96,12 @@ struct StepCheckLaunch {
   int64_t num_slots = 0;
   const int32_t* req_to_token = nullptr;  ///< [max_reqs, max_context_len]: re-reads the bad slot
   int64_t req_to_token_row_stride = 0;
+  /// Declared shared-prefix groups (a cascade step; null otherwise), device int32 arrays to
+  /// describe a broken promise: each batch entry's group (-1 = none) and each group's leader
+  /// (batch entry) and shared length.
+  const int32_t* entry_group = nullptr;   ///< [batch_size]
+  const int32_t* group_leader = nullptr;  ///< [num_groups]
+  const int32_t* group_len = nullptr;     ///< [num_groups]
 };
 void launch_step_check(const StepCheckLaunch& launch, cudaStream_t stream);
 
