@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /** The version of this ABI: changes when a struct or a signature below changes. */
-#define KVATTN_C_API_VERSION 2
+#define KVATTN_C_API_VERSION 3
 /** Dimensions a kvattn_tensor can have (kvattn::TensorView::kMaxDims). */
 #define KVATTN_MAX_DIMS 6
 
@@ -230,6 +230,12 @@ typedef struct kvattn_forward_batch {
   kvattn_tensor custom_mask; /**< TARGET_VERIFY: uint8, see kvattn/forward_batch.h */
   kvattn_req_to_token_pool* req_to_token_pool;
   kvattn_kv_cache* kv_cache;
+  /** Shared-prefix (cascade) groups the engine declares, DECODE / TARGET_VERIFY (version 3;
+   *  kvattn::ForwardBatch::shared_prefix_group_cpu / shared_prefix_lens_cpu): host int32/int64
+   *  tensors, [batch_size] the group of each request (-1 = none) and [num_groups] how many
+   *  leading req_to_token positions a group's members share; zeroed (default) = none. */
+  kvattn_tensor shared_prefix_group_cpu;
+  kvattn_tensor shared_prefix_lens_cpu;
 } kvattn_forward_batch;
 
 void kvattn_forward_batch_init(kvattn_forward_batch* batch);

@@ -219,6 +219,9 @@ kvattn::ForwardBatch batch_of(const kvattn_forward_batch* batch) {
   b.positions = view_of(&batch->positions, "batch.positions");
   b.spec.draft_token_num = batch->draft_token_num;
   b.spec.custom_mask = view_of(&batch->custom_mask, "batch.custom_mask");
+  b.shared_prefix_group_cpu =
+      view_of(&batch->shared_prefix_group_cpu, "batch.shared_prefix_group_cpu");
+  b.shared_prefix_lens_cpu = view_of(&batch->shared_prefix_lens_cpu, "batch.shared_prefix_lens_cpu");
   b.req_to_token_pool = batch->req_to_token_pool ? &batch->req_to_token_pool->pool : nullptr;
   b.kv_cache = batch->kv_cache ? &batch->kv_cache->cache : nullptr;
   return b;

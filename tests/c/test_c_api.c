@@ -261,6 +261,33 @@ int main(void) {
   check(diff >= 0 && diff < 2e-3, line);
   g_sink = NAN;
 
+  /* Shared-prefix groups (version 3): declared through the batch struct; a group whose members
+   * do not hold the same first slot refuses the step, naming the group's shared length. */
+  {
+    int32_t group_rows[kReqs] = {0, 1}, group_seq[kReqs] = {w.seq_len[0], w.seq_len[1]};
+    int32_t both[kReqs] = {0, 0}, alone[kReqs] = {0, -1}, shared_len[1] = {1};
+    kvattn_forward_batch grouped;
+    kvattn_forward_batch_init(&grouped);
+    grouped.mode = KVATTN_MODE_DECODE;
+    grouped.batch_size = kReqs;
+    grouped.req_pool_indices = host_i32(group_rows, kReqs);
+    grouped.seq_lens = grouped.seq_lens_cpu = host_i32(group_seq, kReqs);
+    grouped.req_to_token_pool = w.pool;
+    grouped.kv_cache = w.cache;
+    grouped.shared_prefix_group_cpu = host_i32(both, kReqs);
+    grouped.shared_prefix_lens_cpu = host_i32(shared_len, 1);
+    check(kvattn_backend_init_forward_metadata(w.backend, &grouped) ==
+                  KVATTN_ERROR_INVALID_ARGUMENT &&
+              strcmp(kvattn_last_error_argument(), "shared_prefix_lens_cpu[0]") == 0,
+          "a declared group whose members hold other slots is refused (shared_prefix_lens_cpu[0])");
+    printf("      message: %s\n", kvattn_last_error_message());
+    grouped.shared_prefix_group_cpu = host_i32(alone, kReqs);
+    check(kvattn_backend_init_forward_metadata(w.backend, &grouped) ==
+                  KVATTN_ERROR_INVALID_ARGUMENT &&
+              strstr(kvattn_last_error_message(), "expected >= 2") != NULL,
+          "a declared group of one member is refused");
+  }
+
   /* ---- the error contract ---- */
   kvattn_backend* bad = (kvattn_backend*)&w; /* overwritten with NULL on failure */
   config.num_q_heads = 3;                    /* not a multiple of num_kv_heads */
