@@ -41,6 +41,11 @@ _BATCH_TENSOR_FIELDS = (
     "extend_prefix_lens_cpu", "extend_seq_lens", "extend_seq_lens_cpu", "out_cache_loc",
     "encoder_lens", "encoder_lens_cpu", "encoder_out_cache_loc", "positions",
 )
+# Shared-prefix (cascade) groups an engine may declare per step, as attributes of its forward
+# batch (DECODE / TARGET_VERIFY; kvattn/forward_batch.h): host lists or tensors (a device tensor
+# is copied to the host), [batch_size] the group of each request (-1 = none) and [num_groups]
+# how many leading req_to_token positions a group's members share.
+_SHARED_PREFIX_FIELDS = ("shared_prefix_group_cpu", "shared_prefix_lens_cpu")
 # (device tensor, host copy): a CUDA backend plans from host lengths; make them where missing.
 _HOST_COPIES = (
     ("seq_lens", "seq_lens_cpu"), ("extend_prefix_lens", "extend_prefix_lens_cpu"),
@@ -247,6 +252,12 @@ class _NativeBackendBase:
         for name in _BATCH_TENSOR_FIELDS:
             value = getattr(forward_batch, name, None)
             if value is not None:
+                setattr(batch, name, _batch_value(value))
+        for name in _SHARED_PREFIX_FIELDS:
+            value = getattr(forward_batch, name, None)
+            if value is not None:
+                if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                    value = value.cpu()
                 setattr(batch, name, _batch_value(value))
         if cuda:
             for device_name, host_name in _HOST_COPIES:

@@ -27,6 +27,10 @@ const BatchTensorField kBatchTensorFields[kNumBatchTensorFields] = {
      [](ForwardBatch& b) -> TensorView& { return b.encoder_out_cache_loc; }},
     {"positions", [](ForwardBatch& b) -> TensorView& { return b.positions; }},
     {"custom_mask", [](ForwardBatch& b) -> TensorView& { return b.spec.custom_mask; }},
+    {"shared_prefix_group_cpu",
+     [](ForwardBatch& b) -> TensorView& { return b.shared_prefix_group_cpu; }},
+    {"shared_prefix_lens_cpu",
+     [](ForwardBatch& b) -> TensorView& { return b.shared_prefix_lens_cpu; }},
 };
 
 namespace {

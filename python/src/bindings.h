@@ -142,7 +142,7 @@ struct BatchTensorField {
   const char* name;
   TensorView& (*field)(ForwardBatch&);
 };
-inline constexpr int kNumBatchTensorFields = 13;
+inline constexpr int kNumBatchTensorFields = 15;
 extern const BatchTensorField kBatchTensorFields[kNumBatchTensorFields];
 
 /// kvattn.ForwardBatch: the C++ batch plus every array and pool its views point into.
