@@ -46,8 +46,9 @@ const std::vector<OptionSpec>& bench_options() {
       {"--quick", "", "a few representative rows, fewer repetitions"},
       {"--json", "FILE",
        "write the SPEC §6 results file (e.g. bench/results/cpu-grid-<date>.json)"},
-      {"--workload", "all|decode|prefill|extend|verify|draft",
-       "only rows of this workload (default all; draft: the draft_extend rows)"},
+      {"--workload", "all|decode|prefill|extend|verify|draft|cascade",
+       "only rows of this workload (default all; draft: the draft_extend rows; cascade: the "
+       "shared-prefix decode rows)"},
       {"--max-row-seconds", "S",
        "CPU: skip rows whose one call is estimated above S s (default 15; --quick 1)"},
       {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
@@ -72,10 +73,18 @@ struct GridRow {
   int prefix_len = 0;
   int page_size = 1;
   int head_dim = 128;
-  std::string variant;  ///< "page1-shuffled", "page16-shuffled", "causal"
+  std::string variant;  ///< "page1-shuffled", "page16-shuffled", "causal", "cascade", ...
   bool in_quick = false;
+  /// > 0: a shared-prefix decode row (--workload cascade): every request's first shared_prefix
+  /// positions hold the same slots (one system prompt), then kv_len - shared_prefix own ones.
+  int shared_prefix = 0;
+  /// Shared-prefix rows: the step declares the requests one group (the cascade path), or
+  /// declares no group at all (the plain path on both backends: a CPU backend given the
+  /// tensors does not look for groups itself).
+  bool declare_group = false;
 
   bool is_decode() const { return workload == "decode"; }
+  bool is_cascade() const { return shared_prefix > 0; }
   bool is_verify() const { return workload == "verify"; }
   bool is_draft_extend() const { return workload == "draft_extend"; }
   /// Speculative decoding: a few query tokens per request over a long prefix.
@@ -85,9 +94,15 @@ struct GridRow {
   /// read ceiling.
   bool memory_bound() const { return is_decode() || is_speculative(); }
   int64_t tokens() const { return int64_t(batch) * qo_len; }
-  /// Memory-bound rows: bytes of K and V read (every KV token of every request once).
+  /// Distinct KV tokens the step reads: every KV token of every request, a shared prefix once.
+  int64_t kv_tokens() const {
+    return is_cascade() ? shared_prefix + int64_t(batch) * (kv_len - shared_prefix)
+                        : int64_t(batch) * kv_len;
+  }
+  /// Memory-bound rows: bytes of K and V read (each distinct KV token once: a shared-prefix
+  /// row's GB/s is of the K/V it must read at least, on both paths).
   double kv_bytes() const {
-    return double(batch) * kv_len * kKvHeads * 2.0 * head_dim * dtype_size(kDType);
+    return double(kv_tokens()) * kKvHeads * 2.0 * head_dim * dtype_size(kDType);
   }
   /// Prefill / extend: 4 b h d q (prefix + q / 2) — the causal half of the new-token square.
   double flops() const {
@@ -96,6 +111,7 @@ struct GridRow {
   std::string label() const {
     std::ostringstream os;
     os << workload << " b" << batch << " kv" << kv_len;
+    if (is_cascade()) os << " shared" << shared_prefix;
     if (!is_decode()) os << (is_verify() ? " tree" : " q") << qo_len;
     os << " d" << head_dim << " " << variant;
     return os.str();
@@ -169,6 +185,23 @@ std::vector<GridRow> make_grid() {
     // 8 input sets of 270 MiB.
     rows.push_back(row);
   }
+  // Shared-prefix decode (issue 16): 64 requests behind one 8192-token prompt, 256 own tokens
+  // each; the step declares them one group (cascade) or declares no group (the plain path).
+  for (int page_size : {1, 16}) {
+    for (bool cascade : {true, false}) {
+      GridRow row;
+      row.workload = "decode";
+      row.batch = 64;
+      row.shared_prefix = 8192;
+      row.prefix_len = 8192;
+      row.kv_len = 8192 + 256;
+      row.page_size = page_size;
+      row.declare_group = cascade;
+      row.variant = cascade ? "cascade" : "no-cascade";
+      if (page_size != 1) row.variant += "-page" + std::to_string(page_size);
+      rows.push_back(row);
+    }
+  }
   return rows;
 }
 
@@ -238,6 +271,7 @@ class BenchWorld {
       if (row.is_decode()) {
         spec.seq_lens.push_back(row.kv_len);
         spec.out_cache_loc.push_back(slots_[r][row.kv_len - 1]);
+        if (row.is_cascade()) spec.shared_prefix_group.push_back(row.declare_group ? 0 : -1);
       } else if (row.is_verify()) {
         // seq_lens count the committed prefix; the tree tokens' K/V go to the slots after it.
         spec.seq_lens.push_back(row.prefix_len);
@@ -252,6 +286,10 @@ class BenchWorld {
         spec.out_cache_loc.insert(spec.out_cache_loc.end(), slots_[r].begin() + row.prefix_len,
                                   slots_[r].end());
       }
+    }
+    if (row.is_cascade()) {
+      spec.declare_groups = true;
+      if (row.declare_group) spec.shared_prefix_lens.push_back(row.shared_prefix);
     }
     step_ = std::make_unique<StepBatch>(spec, device.device, &cache_, &pool_);
 
@@ -304,7 +342,7 @@ class BenchWorld {
   /// Bytes one call touches: the K/V it reads plus its inputs and output.
   static int64_t call_bytes(const GridRow& row) {
     const int64_t elem = dtype_size(kDType);
-    const int64_t kv = int64_t(row.batch) * row.kv_len * kKvHeads * 2 * row.head_dim * elem;
+    const int64_t kv = row.kv_tokens() * kKvHeads * 2 * row.head_dim * elem;
     return kv + row.tokens() * (2 * kQHeads + 2 * kKvHeads) * row.head_dim * elem;
   }
 
@@ -402,8 +440,14 @@ class BenchWorld {
   }
 
   static int64_t num_slots(const GridRow& row) {
-    const int64_t pages_per_request = (row.kv_len + row.page_size - 1) / row.page_size;
-    return (1 + row.batch * pages_per_request) * row.page_size;  // + the reserved page 0
+    return (1 + shared_pages(row) + row.batch * own_pages(row)) * row.page_size;  // + page 0
+  }
+  /// Pages of the shared prefix (stored once) and of each request's own tokens.
+  static int64_t shared_pages(const GridRow& row) {
+    return (row.shared_prefix + row.page_size - 1) / row.page_size;
+  }
+  static int64_t own_pages(const GridRow& row) {
+    return (row.kv_len - row.shared_prefix + row.page_size - 1) / row.page_size;
   }
 
   static KvCacheConfig cache_config(const GridRow& row, const ToolDevice& device, int sets) {
@@ -420,11 +464,14 @@ class BenchWorld {
 
   /// Pages come from the allocator and are then shuffled, as in an engine that has served for a
   /// while: page-1 rows gather every token from a random place.
+  /// A shared-prefix row: the prompt's pages once, shared by every request, then each
+  /// request's own pages (the prompt's page count is whole: own tokens start on a new page).
   void assign_slots(Rng& rng) {
     const int page = row_.page_size;
-    const int64_t pages_per_request = (row_.kv_len + page - 1) / page;
+    const int64_t shared = shared_pages(row_);
+    const int64_t own = own_pages(row_);
     SlotAllocator allocator(cache_.num_slots(), page);
-    std::vector<int32_t> pages = allocator.allocate_pages(row_.batch * pages_per_request);
+    std::vector<int32_t> pages = allocator.allocate_pages(shared + row_.batch * own);
     for (size_t i = pages.size(); i > 1; --i) {
       std::swap(pages[i - 1], pages[size_t(rng.next() % i)]);
     }
@@ -433,7 +480,9 @@ class BenchWorld {
       std::vector<int32_t>& slots = slots_[size_t(r)];
       slots.resize(size_t(row_.kv_len));
       for (int i = 0; i < row_.kv_len; ++i) {
-        slots[size_t(i)] = pages[size_t(r * pages_per_request + i / page)] * page + i % page;
+        const int64_t own_index = i - shared * page;  // < 0: a page of the shared prefix
+        const int64_t p = own_index < 0 ? i / page : shared + r * own + own_index / page;
+        slots[size_t(i)] = pages[size_t(p)] * page + i % page;
       }
       pool_.write(r, 0, slots);
     }
@@ -534,6 +583,7 @@ void write_json(const std::string& path, const std::string& device_name, const R
         << ", \"batch\": " << g.batch << ", \"kv_len\": " << g.kv_len
         << ", \"qo_len\": " << g.qo_len << ", \"prefix_len\": " << g.prefix_len;
     if (g.is_verify()) out << ", \"tree_tokens\": " << g.qo_len;
+    if (g.is_cascade()) out << ", \"shared_prefix\": " << g.shared_prefix;
     out << ", \"page_size\": " << g.page_size << ", \"head_dim\": " << g.head_dim
         << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
         << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
@@ -617,7 +667,12 @@ std::string bench_usage() {
          "ancestors and itself), on CUDA captured on the backend's CUDA-graph buffers as an\n"
          "engine runs it; DRAFT_EXTEND (workload draft_extend; --workload draft) batch {16,64} x\n"
          "4096 prefix x 4 new tokens, causal, eager (the backend captures DECODE and\n"
-         "TARGET_VERIFY only). Times are per call: one layer's forward.\n"
+         "TARGET_VERIFY only). Shared-prefix decode (--workload cascade; workload decode,\n"
+         "variant cascade / no-cascade): batch 64, every request behind one 8192-token prompt\n"
+         "plus 256 own tokens, page 1 and 16; the step declares the requests one group\n"
+         "(ForwardBatch::shared_prefix_group_cpu: the cascade path) or no group (the plain\n"
+         "path); their GB/s count the distinct K/V bytes (the prompt once). On CUDA a step with\n"
+         "groups runs eagerly (it is not captured). Times are per call: one layer's forward.\n"
          "The ceilings are measured first, in the same run: CPU read-only streaming bandwidth\n"
          "(1 GiB, all cores, AVX2) and the fp32 FMA rate (and the AVX-512 rate where the CPU\n"
          "kernels use it); CUDA read-only streaming (4 GiB), device copy and cuBLAS bf16 GEMM\n"
@@ -640,7 +695,7 @@ int run_bench(const std::vector<std::string>& args) {
   const bool cpu = device.device.is_cpu();
   const bool quick = parsed.has("--quick");
   std::string workload = parsed.get_choice(
-      "--workload", "all", {"all", "decode", "prefill", "extend", "verify", "draft"});
+      "--workload", "all", {"all", "decode", "prefill", "extend", "verify", "draft", "cascade"});
   if (workload == "draft") workload = "draft_extend";
   const double max_row_seconds = parsed.get_double("--max-row-seconds", quick ? 1.0 : 15.0, 0, 1e6);
   const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
@@ -651,7 +706,9 @@ int run_bench(const std::vector<std::string>& args) {
   std::vector<GridRow> grid;
   for (const GridRow& row : make_grid()) {
     if (quick && !row.in_quick) continue;
-    if (workload != "all" && row.workload != workload) continue;
+    if (workload == "cascade" ? !row.is_cascade()
+                              : workload != "all" && (row.workload != workload || row.is_cascade()))
+      continue;
     grid.push_back(row);
   }
 

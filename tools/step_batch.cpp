@@ -53,6 +53,12 @@ StepBatch::StepBatch(const StepSpec& spec, Device device, KvCache* kv_cache,
                size_t(mask_bytes));
     batch_.spec.custom_mask = custom_mask_.view(DType::kUInt8, {mask_bytes});
   }
+  if (spec.declare_groups) {
+    shared_prefix_group_ = MirroredIndex(spec.shared_prefix_group, Device::cpu());
+    shared_prefix_lens_ = MirroredIndex(spec.shared_prefix_lens, Device::cpu());
+    batch_.shared_prefix_group_cpu = shared_prefix_group_.host_view();
+    batch_.shared_prefix_lens_cpu = shared_prefix_lens_.host_view();
+  }
   batch_.kv_cache = kv_cache;
   batch_.req_to_token_pool = req_to_token_pool;
 }

@@ -20,6 +20,11 @@ struct StepSpec {
   std::vector<int32_t> out_cache_loc;     ///< [num_tokens]
   int draft_token_num = 0;                ///< TARGET_VERIFY
   std::vector<uint8_t> custom_mask;       ///< TARGET_VERIFY, SpecInfo::custom_mask layout
+  /// Shared-prefix groups the step declares (ForwardBatch::shared_prefix_group_cpu /
+  /// shared_prefix_lens_cpu; host tensors): given when declare_groups (even with no group).
+  bool declare_groups = false;
+  std::vector<int32_t> shared_prefix_group;  ///< [batch_size], -1 = none
+  std::vector<int32_t> shared_prefix_lens;   ///< [num_groups]
 };
 
 /// A random draft tree of `num_tokens` tokens for TARGET_VERIFY: parent[i] is the tree token
@@ -52,6 +57,8 @@ class StepBatch {
   MirroredIndex prefix_lens_;
   MirroredIndex extend_lens_;
   MirroredIndex out_cache_loc_;
+  MirroredIndex shared_prefix_group_;
+  MirroredIndex shared_prefix_lens_;
   Buffer custom_mask_;
   ForwardBatch batch_;
 };
