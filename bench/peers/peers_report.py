@@ -28,13 +28,15 @@ VERIFY_ROWS = ((1, 4096, 8), (16, 4096, 8), (64, 4096, 8), (64, 1024, 16))
 VERIFY_QUICK = ((1, 4096, 8), (16, 4096, 8))
 DRAFT_EXTEND_ROWS = ((16, 4096, 4), (64, 4096, 4))
 MULTISTEP_DRAFT_ROWS = ((16, 4096, 4, 3),)
+# Shared-prefix decode (issue 16): (batch, shared prefix, own tokens a request), page 1 and 16.
+CASCADE_ROWS = ((64, 8192, 256),)
 
 KVATTN = "kvattn"
 # Every implementation name, in the order tables show them. FlashInfer names follow the wrapper
 # and backend (paged unless "-ragged"); "+merge" is the reference backend's extend path
 # (ragged over the new tokens, paged over the prefix, merge_state).
 PEER_ORDER = (
-    "flashinfer-decode", "flashinfer-decode-tc",
+    "flashinfer-decode", "flashinfer-decode-tc", "flashinfer-cascade",
     "flashinfer-fa2", "flashinfer-fa2-graph", "flashinfer-fa3",
     "flashinfer-fa2-ragged", "flashinfer-fa3-ragged",
     "flashinfer-fa2-ragged+merge", "flashinfer-fa3-ragged+merge",
@@ -68,6 +70,18 @@ class Case:
     in_quick: bool = False
     topk: int = 0  # multi-step draft: branches per request (0: not a multi-step draft row)
     num_steps: int = 0  # multi-step draft: draft decode steps
+    # Shared-prefix decode (issue 16): every request's first shared_prefix tokens are the same
+    # (one prompt, its pages stored once); variant "cascade-..." declares the requests one
+    # shared-prefix group to kvattn, "no-cascade-..." declares none (kvattn's plain path).
+    shared_prefix: int = 0
+
+    @property
+    def is_shared_prefix(self) -> bool:
+        return self.shared_prefix > 0
+
+    @property
+    def declares_groups(self) -> bool:
+        return self.is_shared_prefix and self.variant.startswith("cascade")
 
     @property
     def is_decode(self) -> bool:
@@ -93,8 +107,10 @@ class Case:
     def kvattn_graph(self) -> bool:
         """kvattn's calls timed in a CUDA graph: DECODE, and TARGET_VERIFY / the multi-step draft
         on the graph buffers (init_cuda_graph_state) as an engine runs them. kvattn captures no
-        EXTEND-like step (prefill, extend, DRAFT_EXTEND): those are timed in eager loops."""
-        return self.is_decode or self.is_verify or self.is_multistep
+        EXTEND-like step (prefill, extend, DRAFT_EXTEND): those are timed in eager loops, and
+        neither a decode step with shared-prefix groups (kvattn runs it eagerly)."""
+        return (self.is_decode and not self.declares_groups) or self.is_verify or \
+            self.is_multistep
 
     @property
     def tokens(self) -> int:
@@ -117,6 +133,9 @@ class Case:
         (one call = all steps): step t reads the prefix and the topk x (t + 1) draft tokens so
         far of each request, the prefix counted once, not once per branch."""
         per_token = KV_HEADS * 2.0 * self.head_dim * self.kv_elem_bytes
+        if self.is_shared_prefix:  # the prompt once, then every request's own tokens
+            own = self.kv_len - self.shared_prefix
+            return float(self.shared_prefix + self.batch * own) * per_token
         if self.is_multistep:
             tokens = sum(self.prefix_len + self.topk * (t + 1) for t in range(self.num_steps))
             return float(self.batch) * tokens * per_token
@@ -140,7 +159,10 @@ class Case:
         position); they differ only in where the KV pool puts the tokens."""
         key = (self.workload, self.batch, self.kv_len, self.qo_len, self.prefix_len,
                self.head_dim, self.kv_dtype, self.window)
-        # Multi-step rows only, so the other rows keep their keys (and seeds, and inputs).
+        # Multi-step and shared-prefix rows only, so the other rows keep their keys (and seeds,
+        # and inputs).
+        if self.shared_prefix:
+            return key + ("shared", self.shared_prefix)
         return key + (self.topk, self.num_steps) if self.topk else key
 
     @property
@@ -154,6 +176,8 @@ class Case:
             return (f"draft-multistep b{self.batch} prefix{self.prefix_len} topk{self.topk} "
                     f"steps{self.num_steps} {page}")
         text = f"{self.workload} b{self.batch} kv{self.kv_len}"
+        if self.is_shared_prefix:
+            text += f" shared{self.shared_prefix}"
         if not self.is_decode:
             text += f" q{self.qo_len}"
         text += f" {self.variant}"
@@ -181,6 +205,12 @@ class Case:
             return ["flashinfer-fa2", "flashinfer-fa3"]
         if self.is_multistep:
             return ["flashinfer-decode", "flashinfer-decode-tc"]
+        if self.declares_groups:
+            # Two-level MultiLevelCascadeAttentionWrapper: the prompt's pages for every query,
+            # then each request's own pages, merged (FlashInfer's own cascade).
+            return ["flashinfer-cascade"]
+        if self.is_shared_prefix:
+            return ["flashinfer-decode", "flashinfer-decode-tc"]
         if self.is_decode:
             names = ["flashinfer-decode", "flashinfer-decode-tc"]
         elif self.workload == "prefill":
@@ -201,6 +231,8 @@ class Case:
             # The fa2 module holds every mask mode; plan() packs the bool mask with
             # segment_packbits, which loads the small "quantization" module.
             return [("fa2", self.kv_dtype, swa), ("quantization", "", False)]
+        if self.declares_groups:
+            return [("fa2", self.kv_dtype, swa), ("cascade", "", False)]
         if self.is_decode or self.is_multistep:
             return [("decode", self.kv_dtype, swa), ("fa2", self.kv_dtype, swa)]
         modules = [("fa2", self.kv_dtype, swa)]
@@ -238,6 +270,7 @@ def make_grid(quick: bool = False) -> List[Case]:
                       variant=f"page{win['page_size']}-shuffled-window{win['window']}",
                       in_quick=True))
     cases.extend(speculative_cases())
+    cases.extend(cascade_cases())
     if quick:
         cases = [c for c in cases if c.in_quick]
     return cases
@@ -262,6 +295,19 @@ def speculative_cases() -> List[Case]:
     return cases
 
 
+def cascade_cases() -> List[Case]:
+    """The issue-16 rows, last (the rows before keep their order, keys and seeds): per page size
+    the cascade row and the same batch without groups, adjacent (they share inputs)."""
+    cases = []
+    for batch, shared, own in CASCADE_ROWS:
+        for page_size in (1, 16):
+            for variant in ("cascade", "no-cascade"):
+                cases.append(Case("decode", batch, shared + own, prefix_len=shared,
+                                  shared_prefix=shared, page_size=page_size,
+                                  variant=f"{variant}-page{page_size}-shuffled"))
+    return cases
+
+
 _TINY_BATCH = {1: 1, 8: 2, 16: 2, 64: 3, 256: 4}
 
 
@@ -276,7 +322,7 @@ def tiny_case(case: Case) -> Case:
     return dataclasses.replace(
         case, batch=_TINY_BATCH.get(case.batch, 2), kv_len=case.kv_len // 64,
         qo_len=max(1, case.qo_len // 64) if not case.is_decode else 1,
-        prefix_len=case.prefix_len // 64,
+        prefix_len=case.prefix_len // 64, shared_prefix=case.shared_prefix // 64,
         window=case.window // 64 if case.window >= 0 else -1,
         variant=case.variant.replace(f"window{case.window}", f"window{case.window // 64}"))
 
@@ -347,6 +393,8 @@ def make_row(case: Case, impl: str, time_us: Optional[float], ceilings: Dict[str
     if case.topk:
         row["topk"] = case.topk
         row["num_steps"] = case.num_steps
+    if case.shared_prefix:
+        row["shared_prefix"] = case.shared_prefix
     if error:
         row["error"] = error
     for key, value in extra.items():
@@ -365,7 +413,8 @@ def case_of_row(row: dict) -> Case:
                 prefix_len=row["prefix_len"], page_size=row["page_size"],
                 head_dim=row["head_dim"], kv_dtype=row["kv_dtype"],
                 window=row.get("window", -1), variant=row["variant"],
-                topk=row.get("topk", 0) or 0, num_steps=row.get("num_steps", 0) or 0)
+                topk=row.get("topk", 0) or 0, num_steps=row.get("num_steps", 0) or 0,
+                shared_prefix=row.get("shared_prefix", 0) or 0)
 
 
 # ---- JSON --------------------------------------------------------------------------------------

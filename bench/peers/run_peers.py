@@ -179,6 +179,8 @@ def modules_of_impl(case: Case, impl: str) -> List[str]:
         mods = [("decode", case.kv_dtype, swa)]
     elif impl == "flashinfer-decode-tc" or impl.startswith("flashinfer-fa2"):
         mods = [("fa2", case.kv_dtype, swa)]
+    elif impl == "flashinfer-cascade":  # a paged prefill wrapper a level, merge_state_in_place
+        mods = [("fa2", case.kv_dtype, swa), ("cascade", "", False)]
     elif impl.startswith("flashinfer-fa3"):
         mods = [("fa3", case.kv_dtype, swa)]
     else:
@@ -878,6 +880,9 @@ class Runner:
             v = torch.randn(shape, dtype=torch.bfloat16, device=self.device, generator=gen)
             q = torch.randn((case.tokens, Q_HEADS, HEAD_DIM), dtype=torch.bfloat16,
                             device=self.device, generator=gen)
+            if case.is_shared_prefix:  # one prompt: request 0's first tokens for every request
+                k[:, :case.shared_prefix] = k[:1, :case.shared_prefix]
+                v[:, :case.shared_prefix] = v[:1, :case.shared_prefix]
             if case.kv_dtype == "fp8_e4m3":
                 k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
             data.k.append(k)
@@ -917,11 +922,24 @@ class Runner:
         ps = case.page_size
         per_request = -(-case.kv_len // ps)
         layout = Layout()
-        layout.num_pages = 1 + case.batch * per_request
         gen = torch.Generator(device="cpu")
         gen.manual_seed(case.seed() ^ (ps * 7919))
-        pages = (torch.randperm(layout.num_pages - 1, generator=gen) + 1).view(case.batch,
-                                                                               per_request)
+        if case.is_shared_prefix:
+            # The prompt's pages once (whole pages: its length is a multiple of the page), in
+            # every request's row, then the request's own pages; all of them shuffled.
+            if case.shared_prefix % ps:
+                raise ValueError(f"{case.label}: shared prefix {case.shared_prefix} is not a "
+                                 f"multiple of page size {ps}")
+            shared_pages = case.shared_prefix // ps
+            own_pages = per_request - shared_pages
+            layout.num_pages = 1 + shared_pages + case.batch * own_pages
+            order = torch.randperm(layout.num_pages - 1, generator=gen) + 1
+            shared = order[:shared_pages].expand(case.batch, shared_pages)
+            pages = torch.cat([shared, order[shared_pages:].view(case.batch, own_pages)], dim=1)
+        else:
+            layout.num_pages = 1 + case.batch * per_request
+            pages = (torch.randperm(layout.num_pages - 1, generator=gen) + 1).view(case.batch,
+                                                                                   per_request)
         position = torch.arange(case.kv_len)
         slots = pages[:, position // ps] * ps + position % ps
         layout.pages = pages.to(self.device)
@@ -1180,6 +1198,12 @@ class Runner:
             fields["out_cache_loc"] = layout.slots[:, -1].contiguous()
             fields["positions"] = torch.full((b,), case.kv_len - 1, dtype=torch.int64,
                                              device=self.device)
+            if case.is_shared_prefix:
+                # Shared-prefix groups (README.md, "Shared-prefix (cascade) attention"): every
+                # request in group 0, or (no-cascade) the groups declared as none at all.
+                fields["shared_prefix_group_cpu"] = [0 if case.declares_groups else -1] * b
+                fields["shared_prefix_lens_cpu"] = [case.shared_prefix] if \
+                    case.declares_groups else None
         elif case.is_verify:
             # The tree's slots, positions (prefix + depth) and mask, as SGLang's verify batch
             # holds them (spec_info.custom_mask / draft_token_num).
@@ -1411,6 +1435,8 @@ class Runner:
             if case.is_multistep:
                 return self._flashinfer_multistep(case, data, layout, impl, kv_caches, outs,
                                                   keep)
+            if impl == "flashinfer-cascade":
+                return self._flashinfer_cascade(case, data, layout, kv_caches, keep)
             if impl in ("flashinfer-decode", "flashinfer-decode-tc"):
                 tc = impl.endswith("-tc")
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -1462,6 +1488,34 @@ class Runner:
                 o2, s2 = paged.run(data.q[i], kv_caches[i], return_lse=True)
                 return merge_state(o1, s1, o2, s2)[0]
             return call, finish
+
+    def _flashinfer_cascade(self, case: Case, data: Data, layout: Layout, kv_caches,
+                            keep: list):
+        """A shared-prefix row through FlashInfer's MultiLevelCascadeAttentionWrapper, 2 levels
+        over the same paged cache: level 0 all b queries (one qo segment) over the prompt's
+        pages, level 1 each query over its request's own pages; run() merges the two states
+        (merge_state_in_place). Planned once, as the decode wrappers."""
+        torch = self.torch
+        fi = self.flashinfer
+        b, ps = case.batch, case.page_size
+        i32 = dict(dtype=torch.int32, device=self.device)
+        shared_pages = case.shared_prefix // ps
+        own_pages = layout.pages.shape[1] - shared_pages
+        own = case.kv_len - case.shared_prefix
+        wrapper = fi.MultiLevelCascadeAttentionWrapper(2, self.fi_workspace, "NHD")
+        wrapper.plan(
+            [torch.tensor([0, b], **i32), torch.arange(b + 1, **i32)],
+            [torch.tensor([0, shared_pages], **i32), torch.arange(b + 1, **i32) * own_pages],
+            [layout.pages[0, :shared_pages].to(torch.int32).contiguous(),
+             layout.pages[:, shared_pages:].reshape(-1).to(torch.int32)],
+            [torch.tensor([ps], **i32), torch.full((b,), own - (own_pages - 1) * ps, **i32)],
+            Q_HEADS, KV_HEADS, HEAD_DIM, ps, causal=False, sm_scale=self.scale,
+            q_data_type=torch.bfloat16, kv_data_type=self.kv_torch_dtype(case))
+        keep.append(wrapper)
+
+        def call(i):
+            return wrapper.run(data.q[i], kv_caches[i])
+        return call, lambda out: out
 
     def _flashinfer_verify(self, case: Case, data: Data, impl: str, kv_caches, kv_indptr,
                            kv_indices, last_page_len, outs, keep: list):
@@ -2153,7 +2207,8 @@ def self_test() -> int:
         check("args reject zero budget", True)
 
     full = report.make_grid()
-    decode = [c for c in full if c.is_decode and c.kv_dtype == "bf16" and c.window < 0]
+    decode = [c for c in full if c.is_decode and c.kv_dtype == "bf16" and c.window < 0 and
+              not c.is_shared_prefix]
     check("grid decode rows", len(decode) == 28, str(len(decode)))
     check("grid 32768 only b<=16", all(c.batch <= 16 for c in decode if c.kv_len == 32768))
     check("grid prefill", sorted((c.batch, c.qo_len) for c in full if c.workload == "prefill")
@@ -2185,11 +2240,40 @@ def self_test() -> int:
     check("prefill flops", pre.flops() == 4 * 32 * 128 * 16384 * 8192)
     check("extend flops", ext[0].flops() == 4 * 8 * 32 * 128 * 512 * (4096 + 256))
 
-    # Speculative rows (issue 19): after the SPEC grid, which keeps its rows, keys and seeds.
+    # Speculative rows (issue 19): after the SPEC grid, which keeps its rows, keys and seeds;
+    # then the shared-prefix rows (issue 16).
     spec = [c for c in full if c.workload in ("verify", "draft")]
-    check("spec rows last", full[-len(spec):] == spec and len(full) - len(spec) == 35)
+    shared = [c for c in full if c.is_shared_prefix]
+    check("spec rows after the grid, shared-prefix rows last",
+          full[-len(shared):] == shared and full[-len(shared) - len(spec):-len(shared)] == spec
+          and len(full) - len(spec) - len(shared) == 35)
     check("spec keys leave the grid's alone", all(len(c.data_key) == 8 for c in full
-                                                  if c.workload not in ("verify", "draft")))
+                                                  if c.workload not in ("verify", "draft")
+                                                  and not c.is_shared_prefix))
+    # Shared-prefix rows: per page size the cascade row and the same batch without groups, one
+    # data group (same inputs); kvattn eager with groups, captured without; FlashInfer's
+    # two-level cascade wrapper against kvattn's groups, its decode wrappers against the plain.
+    check("shared rows", [c.label for c in shared] == [
+        "decode b64 kv8448 shared8192 cascade-page1-shuffled",
+        "decode b64 kv8448 shared8192 no-cascade-page1-shuffled",
+        "decode b64 kv8448 shared8192 cascade-page16-shuffled",
+        "decode b64 kv8448 shared8192 no-cascade-page16-shuffled"], str([c.label for c in shared]))
+    check("shared rows one data group", len(report.group_by_data(shared)) == 1 and
+          shared[0].seed() != decode[0].seed())
+    check("shared rows: groups, graphs, peers",
+          [c.declares_groups for c in shared] == [True, False, True, False] and
+          [c.kvattn_graph for c in shared] == [False, True, False, True] and
+          shared[0].peers() == ["flashinfer-cascade"] and
+          shared[1].peers() == ["flashinfer-decode", "flashinfer-decode-tc"] and
+          not runs_impl(shared[0], "torch-sdpa-flash") and
+          modules_of_impl(shared[0], "flashinfer-cascade") == ["fa2-bf16", "cascade"])
+    check("shared bytes: the prompt once",
+          shared[0].kv_bytes() == (8192 + 64 * 256) * 8 * 2 * 128 * 2)
+    check("shared rows regex", len(select_cases(parse_args(["--rows", "shared8192"]))) == 4 and
+          len(select_cases(parse_args(["--rows", "shared", "--quick"]))) == 0)
+    tiny_shared = [report.tiny_case(c) for c in shared]
+    check("tiny shared rows", all(t.shared_prefix == 128 and t.kv_len == 132 and
+                                  t.shared_prefix % t.page_size == 0 for t in tiny_shared))
     verify = [c for c in spec if c.is_verify]
     check("grid verify", [(c.batch, c.prefix_len, c.qo_len, c.kv_len) for c in verify] ==
           [(1, 4096, 8, 4104), (16, 4096, 8, 4104), (64, 4096, 8, 4104), (64, 1024, 16, 1040)])
