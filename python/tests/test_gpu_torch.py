@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 import kvattn  # noqa: E402
 from kvattn.torch_backend import measure_forward_overhead_us  # noqa: E402
 from torch_scenarios import (Engine, ForwardMode, decode_step, extend_like_step,  # noqa: E402
-                             multi_step_draft, verify_step)
+                             multi_step_draft, shared_prefix_decode_step, shared_prefix_requests,
+                             verify_step)
 
 DEVICE = os.environ.get("KVATTN_TEST_TORCH_DEVICE", "cuda")
 if DEVICE == "cuda":
@@ -240,6 +241,36 @@ def test_bad_index_refuses_the_whole_step(bad):
     report(f"bad index ({bad}) refused", str(error)[:160])
     # The engine drops the step and goes on: the next steps are correct.
     decode_step(e, [3, 100])
+    e.backend.check_errors(synchronize=True)
+
+
+def test_declared_shared_prefix_groups():
+    """Shared-prefix groups on the forward batch (README, "Shared prefixes"): requests 0, 2, 3
+    and 5 behind one 1024-token prompt (declared as 1000 shared keys: not a multiple of the page),
+    1 and 4 on their own. The cascade step matches SDPA; a member whose row breaks the promise
+    refuses the step (GPU: reported by check_errors, naming shared_prefix_lens_cpu[0]) and
+    writes nothing; the next steps are right."""
+    e = engine(page_size=16)
+    shared_prefix_requests(e, 1024, [5, 40, 1, 17, 600, 3], members=(0, 2, 3, 5))
+    groups = dict(shared_prefix_group_cpu=[0, -1, 0, 0, -1, 0], shared_prefix_lens_cpu=[1000])
+    report("declared shared-prefix group max rel err", shared_prefix_decode_step(e, 6, **groups))
+    e.backend.check_errors(synchronize=True)
+    shared_prefix_decode_step(e, 6)
+
+    e.req_to_token_pool.req_to_token[5, 999] = e.token_slots[1][0]
+    before = [t.clone() for t in e.token_to_kv_pool.k_buffer + e.token_to_kv_pool.v_buffer]
+    error = _refused(e, lambda: shared_prefix_decode_step(e, 6, check=False, **groups))
+    assert error.argument == "shared_prefix_lens_cpu[0]", str(error)
+    after = e.token_to_kv_pool.k_buffer + e.token_to_kv_pool.v_buffer
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, after))
+    e.backend.check_errors(synchronize=True)  # reported once
+    report("broken shared-prefix promise refused", str(error)[:200])
+    # The engine fixes the row; the refused step's new tokens get their K/V (it drops the
+    # step's results and runs the tokens again: here, fresh K/V in their slots).
+    e.req_to_token_pool.req_to_token[5, 999] = e.token_slots[0][999]
+    e.fill(torch.tensor([e.token_slots[r][-1] for r in range(6)], device=e.device))
+    shared_prefix_decode_step(e, 6, **groups)
     e.backend.check_errors(synchronize=True)
 
 

@@ -23,9 +23,9 @@ else:
 import kvattn  # noqa: E402
 from kvattn.torch_backend import (KvattnAttnBackend, describe_layer,  # noqa: E402
                                   forward_mode_of, measure_forward_overhead_us)
-from torch_scenarios import (Engine, ForwardMode, TokenToKVPool, assert_close,  # noqa: E402
-                             decode_step, extend_like_step, multi_step_draft, radix_attention,
-                             sdpa_reference, verify_step)
+from torch_scenarios import (Engine, ForwardMode, TokenToKVPool, decode_step,  # noqa: E402
+                             extend_like_step, multi_step_draft, radix_attention,
+                             shared_prefix_decode_step, shared_prefix_requests, verify_step)
 
 
 def engine(**options):
@@ -307,43 +307,16 @@ def test_declared_shared_prefix_groups():
     rows. The output is each request's plain attention; a member whose row breaks the promise
     refuses the step, naming shared_prefix_lens_cpu[0], and writes nothing."""
     e = engine(page_size=4)
-    layer = e.layer()
-    prompt = e.add_tokens(0, 36)
-    e.fill(prompt)
-    for r in (2, 3):  # the engine's radix cache: the prompt's slots, then the request's own
-        e.req_to_token_pool.req_to_token[r, :36] = prompt.to(torch.int32)
-        e.token_slots[r] = [int(s) for s in prompt]
-    for r, own in enumerate([5, 40, 1, 17, 60]):
-        e.fill(e.add_tokens(r, own))
+    shared_prefix_requests(e, 36, [5, 40, 1, 17, 60], members=(0, 2, 3))
     groups = dict(shared_prefix_group_cpu=[0, -1, 0, 0, -1], shared_prefix_lens_cpu=[35])
-
-    def step(**fields):
-        reqs = list(range(5))
-        new = [e.add_tokens(r, 1) for r in reqs]
-        seq = [len(e.token_slots[r]) for r in reqs]
-        fb = e.batch(ForwardMode.DECODE, reqs, seq, out_cache_loc=torch.cat(new), **fields)
-        e.backend.init_forward_metadata(fb)
-        q = e.randn(5, layer.tp_q_head_num * layer.head_dim)
-        k = e.randn(5, layer.tp_k_head_num, layer.head_dim)
-        v = e.randn(5, layer.tp_k_head_num, layer.v_head_dim)
-        out = e.backend.forward(q, k, v, layer, fb)
-        q3 = q.view(5, layer.tp_q_head_num, layer.head_dim)
-        expected = []
-        for r in reqs:
-            kk, vv = e.kv(layer.layer_id, e.token_slots[r])
-            visible = torch.ones(1, len(e.token_slots[r]), dtype=torch.bool)
-            expected.append(sdpa_reference(q3[r:r + 1], kk, vv, layer.scaling, visible))
-        return assert_close(out, torch.cat(expected).reshape(5, -1), e.q_dtype, "DECODE groups",
-                            row_len=layer.v_head_dim)
-
-    step(**groups)
-    step()  # the same batch without groups (the CPU backend then looks for groups itself)
+    shared_prefix_decode_step(e, 5, **groups)
+    shared_prefix_decode_step(e, 5)  # no groups (the CPU backend then looks for them itself)
 
     # Request 3 now holds another slot at shared position 20: the promise is broken.
     e.req_to_token_pool.req_to_token[3, 20] = e.token_slots[1][0]
     k_before = [k.clone() for k in e.token_to_kv_pool.k_buffer]
     with pytest.raises(kvattn.InvalidArgumentError, match=r"shared_prefix_lens_cpu\[0\]"):
-        step(**groups)
+        shared_prefix_decode_step(e, 5, check=False, **groups)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bytes: NaN != NaN
                for a, b in zip(k_before, e.token_to_kv_pool.k_buffer))
     # A group of one member is refused by the lengths' validation.

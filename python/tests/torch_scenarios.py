@@ -376,3 +376,45 @@ def multi_step_draft(engine, seq_lens, topk, num_steps, sinks=None):
                                         engine.q_dtype, f"draft step {step}",
                                         row_len=layer.v_head_dim))
     return worst
+
+
+def shared_prefix_requests(engine, prompt_len, own_lens, members):
+    """Requests 0..len(own_lens)-1 with `own_lens` tokens of their own each; those in `members`
+    first hold the slots of one prompt_len-token prompt (as an engine's radix cache hands them
+    out: the prompt's slots, then the request's own). prompt_len: a multiple of the page size."""
+    prompt = engine.add_tokens(members[0], prompt_len)
+    engine.fill(prompt)
+    for r in members[1:]:
+        engine.req_to_token_pool.req_to_token[r, :prompt_len] = prompt.to(torch.int32)
+        engine.token_slots[r] = [int(s) for s in prompt]
+    for r, own in enumerate(own_lens):
+        engine.fill(engine.add_tokens(r, own))
+
+
+def shared_prefix_decode_step(engine, num_reqs, *, layer=None, check=True, **groups):
+    """A DECODE step of requests 0..num_reqs-1 (one new token each); `groups`: the forward
+    batch's shared_prefix_group_cpu / shared_prefix_lens_cpu attributes. Returns the worst
+    relative error against SDPA over each request's whole row (check=False: the output is not
+    compared, for a step the backend refuses)."""
+    layer = layer or engine.layer()
+    reqs = list(range(num_reqs))
+    new = [engine.add_tokens(r, 1) for r in reqs]
+    seq = [len(engine.token_slots[r]) for r in reqs]
+    fb = engine.batch(ForwardMode.DECODE, reqs, seq, out_cache_loc=torch.cat(new), **groups)
+    engine.backend.init_forward_metadata(fb)
+    n = num_reqs
+    q = engine.randn(n, layer.tp_q_head_num * layer.head_dim)
+    k = engine.randn(n, layer.tp_k_head_num, layer.head_dim)
+    v = engine.randn(n, layer.tp_k_head_num, layer.v_head_dim)
+    out = engine.backend.forward(q, k, v, layer, fb)
+    if not check:
+        return None
+    q3 = q.view(n, layer.tp_q_head_num, layer.head_dim)
+    expected = []
+    for r in reqs:
+        kk, vv = engine.kv(layer.layer_id, engine.token_slots[r])
+        visible = torch.ones(1, len(engine.token_slots[r]), dtype=torch.bool,
+                             device=engine.device)
+        expected.append(sdpa_reference(q3[r:r + 1], kk, vv, layer.scaling, visible))
+    return assert_close(out, torch.cat(expected).reshape(n, -1), engine.q_dtype,
+                        "DECODE with shared-prefix groups", row_len=layer.v_head_dim)
