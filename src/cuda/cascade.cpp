@@ -15,9 +15,6 @@
 namespace kvattn::cuda {
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
 // The scratch regions of one layer: gathered q, shared out, shared LSE, own out, own LSE.
 struct ScratchLayout {
   size_t q = 0, shared_out = 0, shared_lse = 0, own_out = 0, own_lse = 0, total = 0;
@@ -31,12 +28,12 @@ ScratchLayout scratch_layout(const CascadeStep& step, const BackendConfig& confi
   const char* what = "cascade scratch";
   ScratchLayout s;
   s.q = 0;
-  s.shared_out = aligned(core::checked_bytes(
+  s.shared_out = align_region(core::checked_bytes(
       {shared, heads, config.head_dim, int64_t(dtype_size(compute_dtype))}, what));
-  s.shared_lse = s.shared_out + aligned(core::checked_bytes({shared, heads, vd, 4}, what));
-  s.own_out = s.shared_lse + aligned(core::checked_bytes({shared, heads, 4}, what));
-  s.own_lse = s.own_out + aligned(core::checked_bytes({tokens, heads, vd, 4}, what));
-  s.total = s.own_lse + aligned(core::checked_bytes({tokens, heads, 4}, what));
+  s.shared_lse = s.shared_out + align_region(core::checked_bytes({shared, heads, vd, 4}, what));
+  s.own_out = s.shared_lse + align_region(core::checked_bytes({shared, heads, 4}, what));
+  s.own_lse = s.own_out + align_region(core::checked_bytes({tokens, heads, vd, 4}, what));
+  s.total = s.own_lse + align_region(core::checked_bytes({tokens, heads, 4}, what));
   return s;
 }
 
@@ -105,7 +102,7 @@ void upload_cascade_arrays(CascadeStep& step, const BackendConfig& config, DType
   const size_t batch = size_t(full.batch_size);
   auto region = [](size_t& offset, size_t count) {
     const size_t at = offset;
-    offset += aligned(std::max<size_t>(count, 1) * sizeof(int32_t));
+    offset += align_region(std::max<size_t>(count, 1) * sizeof(int32_t));
     return at;
   };
   size_t bytes = 0;

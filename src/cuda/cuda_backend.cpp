@@ -22,12 +22,6 @@
 namespace kvattn::cuda {
 namespace {
 
-// cudaMalloc'd bases are 256-byte aligned; the prefill region starts on such a boundary too.
-constexpr size_t kRegionAlignment = 256;
-size_t align_region(size_t bytes) {
-  return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
-}
-
 cudaStream_t as_stream(void* stream) {
   return static_cast<cudaStream_t>(stream);
 }

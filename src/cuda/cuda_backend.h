@@ -65,6 +65,13 @@ struct DecodeSetup {
   int concurrent_tc_decode_ctas = 0;
   int tc_decode_min_split = 0;  ///< keys (KVATTN_TC_DECODE_MIN_SPLIT; default 256)
 };
+/// cudaMalloc'd bases are 256-byte aligned; the regions a buffer is cut into (the prefill
+/// region of a call's metadata, the io copies, the cascade scratch) start on such a boundary too.
+constexpr size_t kRegionAlignment = 256;
+inline size_t align_region(size_t bytes) {
+  return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+}
+
 /// Packed rows a request (q tokens x GQA group) up to which a call runs on the decode-shaped
 /// kernel: two of its 32-row tiles (each reads the request's KV; beyond that the prefill
 /// kernels' larger tiles read it fewer times).

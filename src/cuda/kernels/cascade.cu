@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/cascade.h"
+#include "cuda/kernels/index.cuh"
 #include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
@@ -16,15 +17,6 @@ constexpr int kCheckThreads = 256;
 constexpr int kPositionsPerCheckCta = 4 * kCheckThreads;
 constexpr int kMaxCheckCtasPerMember = 64;
 
-__device__ __forceinline__ const int32_t* row_of_entry(const ReqToTokenSource& s, int entry) {
-  const int64_t row = s.req_pool_indices_int64
-                          ? static_cast<const int64_t*>(s.req_pool_indices)[entry]
-                          : static_cast<const int32_t*>(s.req_pool_indices)[entry];
-  // A row outside req_to_token is the step-check kernel's to report; nothing to compare here.
-  if (row < 0 || row >= s.max_reqs) return nullptr;
-  return s.table + row * s.row_stride;
-}
-
 // One (chunk of positions, member) per CTA: blockIdx.y is the member.
 __global__ void __launch_bounds__(kCheckThreads) check_shared_prefix_kernel(
     const SharedPrefixCheck c) {
@@ -33,8 +25,8 @@ __global__ void __launch_bounds__(kCheckThreads) check_shared_prefix_kernel(
   const int group = c.member_group[index];
   const int leader = c.group_leader[group];
   const int64_t len = c.group_len[group];
-  const int32_t* row = row_of_entry(c.source, entry);
-  const int32_t* lead = row_of_entry(c.source, leader);
+  const int32_t* row = detail::source_row(c.source, entry);
+  const int32_t* lead = detail::source_row(c.source, leader);
   const bool compare = entry != leader && row != nullptr && lead != nullptr;
   const uint8_t* mask = nullptr;
   int64_t row_len = 0;

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_util.h"
-#include "cuda/kernels/index.h"
+#include "cuda/kernels/index.cuh"
 #include "cuda/kernels/step_check.cuh"
 #include "kvattn/error.h"
 
@@ -18,15 +18,7 @@ constexpr int kKeysPerIndexCta = 4 * kIndexThreads;
 // More CTAs per entry than this only adds launch size (a 32K-key row needs 32).
 constexpr int kMaxIndexCtasPerEntry = 64;
 
-// The req_to_token row of entry `request`, or null when the row index is outside (the
-// step-check kernel reports that; the entry then reads as an empty row).
-__device__ __forceinline__ const int32_t* source_row(const ReqToTokenSource& s, int request) {
-  const int64_t row = s.req_pool_indices_int64
-                          ? static_cast<const int64_t*>(s.req_pool_indices)[request]
-                          : static_cast<const int32_t*>(s.req_pool_indices)[request];
-  if (row < 0 || row >= s.max_reqs) return nullptr;
-  return s.table + row * s.row_stride;
-}
+using detail::source_row;
 
 // The slot at `position` of `row`; a slot outside the pool (or a position outside the row, which
 // the host's length checks rule out) reads as slot 0 and is flagged for batch entry `entry`.
