@@ -43,12 +43,12 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$LOG
 T=$CARRY/kvattn_cuda_tests
 
 want tc && step tc 120 "$T" \
-  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*:*CudaDeterministic*'
+  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*:*CudaDeterministic*:CudaCascade.*'
 want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
   --gtest_filter='PrefillBench.DecodeShaped'
 if want bench; then
   export KVATTN_GIT_COMMIT=${KVATTN_GIT_COMMIT:-$(cat "$CARRY/COMMIT" 2>/dev/null || echo unknown)}
-  for w in verify draft; do
+  for w in verify draft cascade; do
     step "bench-$w" 90 "$CARRY/kvattn" bench --device cuda --workload "$w" \
       --json "$OUT/h200-$w-$(date +%Y%m%d).json"
   done
@@ -95,11 +95,12 @@ fi
 
 {
   echo "== GPU"; cat "$LOGS/gpu.txt"
-  echo "== tc kernel + verify/draft graph tests"
+  echo "== tc kernel + verify/draft graph + cascade tests"
   grep -E "^\[  (PASSED|FAILED) |FAILED  |Failure|  tc |rel_l2" "$LOGS/tc.log" 2>/dev/null | head -40
   echo "== decode-shaped timing"; grep -vE "^\[|^Note|^$" "$LOGS/tcbench.log" 2>/dev/null | tail -16
-  echo "== kvattn bench (verify, draft)"
-  grep -hE "^(verify|draft)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" 2>/dev/null
+  echo "== kvattn bench (verify, draft, cascade)"
+  grep -hE "^(verify|draft|decode)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" \
+    "$LOGS/bench-cascade.log" 2>/dev/null
   echo "== all CUDA tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  " "$LOGS/all.log" 2>/dev/null | head -30
   echo "== device checks"; tail -40 "$LOGS/checks.log" 2>/dev/null
   echo "== sanitizers"; grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/memcheck.log" \

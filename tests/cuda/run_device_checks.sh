@@ -11,13 +11,13 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
   > "$OUT/gpu.txt" 2>&1
 
-"$BIN" --gtest_filter='CudaScenarios.*:CudaDecode.*:Cuda/BadInput.*:CudaGraphs*:Cases/BadIndexOnCuda.*:CudaStepErrors.*:CudaAllocation.*' \
+"$BIN" --gtest_filter='CudaScenarios.*:CudaDecode.*:Cuda/BadInput.*:CudaGraphs*:Cases/BadIndexOnCuda.*:CudaStepErrors.*:CudaAllocation.*:CudaCascade.*' \
   > "$OUT/tests.log" 2>&1
 tests_rc=$?
 KVATTN_DECODE_BENCH=1 "$BIN" --gtest_filter='DecodeBench.*' > "$OUT/bench.log" 2>&1
 bench_rc=$?
 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN" \
-  --gtest_filter='CudaDecode.SanitizerSmoke:CudaDecode.BadSlot*:CudaDecode.BadDevice*:CudaDecode.GraphReplay*:Cuda/BadInput.ReqPoolIndicesRange/*:Cuda/BadInput.OutCacheLocRange/*:Cuda/BadInput.ReqToTokenContents/*:Cases/BadIndexOnCuda.*:CudaStepErrors.*:CudaGraphsBadInput.*' \
+  --gtest_filter='CudaDecode.SanitizerSmoke:CudaDecode.BadSlot*:CudaDecode.BadDevice*:CudaDecode.GraphReplay*:Cuda/BadInput.ReqPoolIndicesRange/*:Cuda/BadInput.OutCacheLocRange/*:Cuda/BadInput.ReqToTokenContents/*:Cuda/BadInput.SharedPrefixGroups/*:Cases/BadIndexOnCuda.*:CudaStepErrors.*:CudaGraphsBadInput.*:CudaCascade.GroupsRunEagerly*' \
   > "$OUT/memcheck.log" 2>&1
 memcheck_rc=$?
 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN" \
