@@ -76,6 +76,9 @@ const std::vector<OptionSpec>& soak_options() {
       {"--memory-every", "N", "sample memory every N steps (default 100)"},
       {"--max-growth-mib", "M", "allowed memory growth after the warm-up (default 16)"},
       {"--seed", "N", "seed of the workload and the data (default 1)"},
+      {"--shared-groups", "",
+       "DECODE / TARGET_VERIFY steps declare the requests behind one system prompt a "
+       "shared-prefix group (ForwardBatch::shared_prefix_group_cpu: the cascade path)"},
       {"--json", "FILE", "also write the summary as JSON"},
       {"--quiet", "", "print only the summary (and failures)"},
   };
@@ -123,7 +126,8 @@ const char* kFaultNames[] = {"out_cache_loc past the pool", "out_cache_loc -1",
 class Soak {
  public:
   Soak(const ToolDevice& device, int steps, int page_size, double arrival_rate, int check_every,
-       int fault_every, int memory_every, double max_growth_mib, uint64_t seed, bool quiet)
+       int fault_every, int memory_every, double max_growth_mib, uint64_t seed, bool quiet,
+       bool shared_groups)
       : device_(device),
         steps_(steps),
         page_size_(page_size),
@@ -133,6 +137,7 @@ class Soak {
         memory_every_(memory_every),
         max_growth_mib_(max_growth_mib),
         quiet_(quiet),
+        shared_groups_(shared_groups),
         rng_(seed),
         data_rng_(seed ^ 0xda7a),
         cache_(KvCache::allocate(cache_config(page_size, device.device))),
@@ -353,6 +358,7 @@ class Soak {
       spec.seq_lens.push_back(r.seq_len + 1);
       spec.out_cache_loc.push_back(r.slots[size_t(r.seq_len)]);
     }
+    declare_groups(spec);
     if (!execute(spec, fault, true)) return;
     for (Request& r : running_) commit(r, 1);
     retire();
@@ -371,12 +377,32 @@ class Soak {
       append_tree_mask(r.seq_len, random_tree_parents(kDraftTokens, kDraftChain, data_rng_),
                        spec.custom_mask);
     }
+    declare_groups(spec);
     if (!execute(spec, fault, true)) return;
     for (Request& r : running_) {
       const int room = r.max_new_tokens - r.generated;
       commit(r, int(std::min<int64_t>(room, data_rng_.uniform_int(1, kDraftChain))));
     }
     retire();
+  }
+
+  // --shared-groups: the running requests behind one system prompt (two or more of them) form a
+  // group sharing the prompt's tokens (their rows start with its slots); the others stay out.
+  void declare_groups(StepSpec& spec) {
+    if (!shared_groups_) return;
+    spec.declare_groups = true;
+    spec.shared_prefix_group.assign(running_.size(), -1);
+    for (int p = 0; p < kSystemPrompts; ++p) {
+      int members = 0;
+      for (const Request& r : running_) members += r.system_prompt == p ? 1 : 0;
+      if (members < 2) continue;
+      const int32_t group = int32_t(spec.shared_prefix_lens.size());
+      for (size_t i = 0; i < running_.size(); ++i) {
+        if (running_[i].system_prompt == p) spec.shared_prefix_group[i] = group;
+      }
+      spec.shared_prefix_lens.push_back(prompts_[size_t(p)].len);
+    }
+    if (!spec.shared_prefix_lens.empty()) ++grouped_steps_;
   }
 
   void idle_step() {
@@ -658,6 +684,10 @@ class Soak {
         faults_, faults_refused_, faults_by_check_errors_);
     std::printf("  %s: %zu samples; growth after the warm-up %.2f MiB (bound %.0f MiB)\n", what,
                 memory_.size(), growth, max_growth_mib_);
+    if (shared_groups_) {
+      std::printf("  shared-prefix groups declared in %d DECODE / TARGET_VERIFY steps\n",
+                  grouped_steps_);
+    }
     std::printf("  time: %.1f s (%.1f s in the backend's calls)\n", seconds, step_seconds_);
     const bool ok = failures_ == 0;
     std::printf("%s\n", ok ? "soak OK" : "soak FAILED");
@@ -684,6 +714,7 @@ class Soak {
   int memory_every_;
   double max_growth_mib_;
   bool quiet_;
+  bool shared_groups_;
   Rng rng_;
   Rng data_rng_;
   KvCache cache_;
@@ -705,6 +736,7 @@ class Soak {
   int wrong_ = 0;
   double worst_ = 0;
   int faults_ = 0;
+  int grouped_steps_ = 0;  ///< --shared-groups: steps that declared at least one group
   int faults_refused_ = 0;
   int faults_by_check_errors_ = 0;
   int fault_kind_ = 0;
@@ -749,7 +781,7 @@ int run_soak(const std::vector<std::string>& args) {
   const double max_growth = parsed.get_double("--max-growth-mib", 16.0, 0.0, 1e9);
   const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
   Soak soak(device, steps, page_size, rate, check_every, fault_every, memory_every, max_growth,
-            seed, parsed.has("--quiet"));
+            seed, parsed.has("--quiet"), parsed.has("--shared-groups"));
   const bool ok = soak.run();
   const std::string path = parsed.get("--json", "");
   if (!path.empty()) {
