@@ -38,6 +38,7 @@
 #include "core/prefill_tiles.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/decode.h"
+#include "cuda/kernels/index.h"
 #include "cuda/kernels/step_check.h"
 #include "kvattn/backend.h"
 #include "kvattn/memory.h"
@@ -169,6 +170,15 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
                                   const AttentionLayer& layer, const TensorView& q,
                                   const TensorView& out, float* lse, const TensorView& ragged_k,
                                   const TensorView& ragged_v, const StepState* state);
+
+/// The tile shape a prefill plan (core::plan_prefill_tiles) is made for: the decode-shaped
+/// kernel's (tc, setup.tc_decode) or the prefill family's; deterministic mode never splits KV.
+core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const BackendConfig& config,
+                                          core::MaskMode mask, int window_left, bool tc);
+
+/// The engine's req_to_token and a batch's rows of it, as the index kernels read them.
+ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool,
+                                     const TensorView& req_pool_indices);
 
 /// Runs one call (decode kernel or prefill kernel) with `params`.
 void run_call(const CallState& call, const core::AttentionParams& params, int device,

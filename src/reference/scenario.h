@@ -50,6 +50,10 @@ struct ScenarioSpec {
   /// > 0: the first shared_prefix positions of every request long enough hold the longest
   /// request's slots (a shared system prompt: the cascade path)
   int shared_prefix = 0;
+  /// TARGET_VERIFY: this many runs of prefix columns of each request's tree mask are 0 (each in
+  /// a random row; the first the prefix's last 48 columns, the others a third of the prefix): an
+  /// engine's mask that hides prefix keys (the CUDA backend's dense-prefix scan must see them)
+  int prefix_holes = 0;
   DType sinks_dtype = DType::kFloat32;
 
   std::string shape_label() const;  ///< "b4 kv1..300 q8/2 d128 page1" for tables
