@@ -33,6 +33,7 @@
 #include "cuda/kernels/launch.cuh"
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/step_check.cuh"
+#include "cuda/kernels/split_merge.cuh"
 #include "cuda/kernels/toolkit/compiled_head_dims.h"
 #include "cuda/kernels/toolkit/online_softmax.cuh"
 #include "cuda/kernels/toolkit/ptx.cuh"
@@ -562,6 +563,28 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
     if (d0 == 0 && p.lse != nullptr) {
       p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = row_lse[r];
     }
+  }
+
+  // ---- a split tile's last chunk to finish merges the tile (tiles.merge_in_kernel) ----------
+  // The chunks publish their partials (fence, then count): the CTA that brings the count to
+  // num_partials sees every chunk's partial in L2 and folds them (merge_split_row reads through
+  // L2), then resets the count for the plan's next launch (the next layer).
+  if (item.partial < 0 || tiles.merge_in_kernel == 0) return;
+  __shared__ int merges_here;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* arrived = const_cast<int*>(&tiles.merges[item.merge].arrived);
+    const int before = atomicAdd(arrived, 1);
+    merges_here = before == tiles.merges[item.merge].num_partials - 1;
+    if (merges_here) *arrived = 0;  // every chunk has counted itself
+  }
+  __syncthreads();
+  if (!merges_here) return;
+  __threadfence();
+  const core::PrefillMergeItem merge = tiles.merges[item.merge];
+  for (int r = warp; r < Tr::kTileRows; r += Tr::kWarps) {
+    detail::merge_split_row<T>(p, tiles, merge, r, lane);
   }
 }
 
