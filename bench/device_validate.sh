@@ -13,7 +13,7 @@
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
 # STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,sanitize,check,python,llama,peers; peers: FlashInfer
-# side by side on PEERS_ROWS, default ^verify, carry .whl/peers too); logs go to $OUT/logs.tgz and a
+# side by side on PEERS_ROWS, default ^verify, PEERS_IMPLS a comma list, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
 CARRY=${1:-.carry}
@@ -86,7 +86,7 @@ if want peers; then  # last: FlashInfer side by side on PEERS_ROWS, in the time 
     PYTHONPATH=/tmp/site PATH="$(dirname "$(command -v python3)"):/usr/local/cuda/bin:$PATH" \
       CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws \
       FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_CACHE_DIR=/tmp/tvm-ffi PYTHONUNBUFFERED=1 \
-      step peers $((left + 30)) python3 bench/peers/run_peers.py --rows "${PEERS_ROWS:-^verify}" \
+      step peers $((left + 30)) python3 bench/peers/run_peers.py --rows "${PEERS_ROWS:-^verify}" ${PEERS_IMPLS:+--impls "$PEERS_IMPLS"} \
       --budget-s "$left" --commit "$(cat "$CARRY/COMMIT" 2>/dev/null)" --out-dir "$OUT"
   else
     summary+=("peers      skipped: $left s left")

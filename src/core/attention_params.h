@@ -53,6 +53,13 @@ struct AttentionParams {
   MaskMode mask = MaskMode::kCausal;
   const uint8_t* custom_mask = nullptr;  ///< kCustom: per request [q_len, kv_len], row-major
   const int64_t* mask_indptr = nullptr;  ///< [batch_size + 1] offsets into custom_mask
+  /// kCustom, optional (null: none): keys j < mask_dense[r] are visible to every query of
+  /// request r, so a kernel may skip reading the mask there (TARGET_VERIFY: the prefix columns,
+  /// found on the device by launch_mask_dense_prefix). The decode-shaped kernel (kTcDecode)
+  /// also takes mask rows shorter than kv_len: a row then covers the last row_len keys and the
+  /// keys before them are visible (the multi-step draft's branch masks); the other kernels
+  /// need row_len >= kv_len.
+  const int32_t* mask_dense = nullptr;
   int window_left = -1;
   float sm_scale = 1.f;
   float logit_cap = 0.f;

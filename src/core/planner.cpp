@@ -286,6 +286,7 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
   out.kv_start = meta.take(bs * sizeof(int32_t));
   out.kv_len = meta.take(bs * sizeof(int32_t));
   out.mask_indptr = capacity.custom_mask ? meta.take((bs + 1) * sizeof(int64_t)) : 0;
+  out.mask_dense = capacity.custom_mask ? meta.take(bs * sizeof(int32_t)) : 0;
   if (capacity.decode_items > 0) {
     out.decode_items = meta.take(size_t(capacity.decode_items) * sizeof(DecodeWorkItem));
     out.merge_indptr = meta.take((bs + 1) * sizeof(int32_t));

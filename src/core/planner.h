@@ -116,6 +116,8 @@ struct CallMetadataLayout {
   size_t kv_start = 0;      ///< int32 [batch_size]
   size_t kv_len = 0;        ///< int32 [batch_size]
   size_t mask_indptr = 0;   ///< int64 [batch_size + 1] (custom mask only)
+  size_t mask_dense = 0;    ///< int32 [batch_size] (custom mask only; zeros, a device kernel
+                            ///< may raise them: AttentionParams::mask_dense)
   size_t decode_items = 0;  ///< DecodeWorkItem [decode_items]
   size_t merge_indptr = 0;  ///< int32 [batch_size + 1]
   size_t num_items = 0;     ///< int32 [1]: items of the current plan (graph grids are larger)

@@ -134,6 +134,7 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       chunk.kv_end = static_cast<int32_t>(
           std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
       chunk.partial = plan.num_partials++;
+      chunk.merge = static_cast<int32_t>(plan.merges.size() - 1);
       ordered.push_back({chunk, (step_end - step_begin + 1) * shape.kv_tile});
     }
   }

@@ -33,8 +33,8 @@ struct PrefillWorkItem {
   int32_t kv_begin = 0;     ///< keys [kv_begin, kv_end) of the request, already clipped to what
   int32_t kv_end = 0;       ///< the tile can see (causal / window); multiples of kv_tile inside
   int32_t partial = -1;     ///< -1: writes out/lse itself; else its slot in the partial buffers
-  int32_t reserved0 = 0;    ///< keeps the struct 32 bytes (two 16-byte loads)
-  int32_t reserved1 = 0;
+  int32_t merge = -1;       ///< a split chunk: its tile's merge item (else -1)
+  int32_t reserved1 = 0;    ///< keeps the struct 32 bytes (two 16-byte loads)
 };
 
 /// One split tile to finish: merges num_partials consecutive partial slots into out/lse.
@@ -44,7 +44,10 @@ struct PrefillMergeItem {
   int32_t q_row_begin = 0;
   int32_t first_partial = 0;
   int32_t num_partials = 0;
-  int32_t reserved0 = 0;
+  /// Device counter, 0 as the host writes the plan: chunks of the tile done so far, when the
+  /// attention kernel merges its split tiles itself (PrefillTiles::merge_in_kernel: the chunk
+  /// that finishes last merges and sets it back to 0 for the next launch of the plan).
+  int32_t arrived = 0;
   int32_t reserved1 = 0;
   int32_t reserved2 = 0;
 };
@@ -90,6 +93,9 @@ struct PrefillTiles {
   int num_partials = 0;
   int tile_rows = 0;
   int group_size = 0;
+  /// The attention kernel merges the split tiles itself (the decode-shaped kernel: the last
+  /// chunk of a tile to finish, counted in PrefillMergeItem::arrived); else a merge grid does.
+  int merge_in_kernel = 0;
 };
 
 /// Byte layout of the plan buffer: [items | merges] is metadata copied from the host; the

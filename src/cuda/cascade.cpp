@@ -156,6 +156,9 @@ void upload_cascade_arrays(CascadeStep& step, const BackendConfig& config, DType
 void build_cascade_indices(const CascadeStep& step, const ReqToTokenSource& source,
                            int64_t num_slots, const uint8_t* custom_mask, int draft_token_num,
                            StepState* state, cudaStream_t stream) {
+  // TARGET_VERIFY on the decode-shaped kernel: the own keys' all-ones mask columns (the
+  // committed tokens past the shared ones) are skipped as in a plain step.
+  scan_mask_dense_prefix(step.own, stream);
   for (const CallState* call : {&step.own, &step.shared}) {
     KvIndexBuild build;
     build.source = source;

@@ -306,9 +306,23 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
   if (p.mask == core::MaskMode::kCustom) {
     p.custom_mask = call.custom_mask;
     p.mask_indptr = call.meta<int64_t>(call.offsets.mask_indptr);
+    p.mask_dense = call.meta<int32_t>(call.offsets.mask_dense);
   }
   p.window_left = call.layout.window_left;
   return p;
+}
+
+void scan_mask_dense_prefix(const CallState& call, cudaStream_t stream) {
+  if (call.custom_mask == nullptr || !call.tc_decode) return;
+  // The tree mask's all-ones prefix columns: the decode-shaped kernel skips their bytes.
+  MaskDensePrefix scan;
+  scan.mask = call.custom_mask;
+  scan.mask_indptr = call.meta<int64_t>(call.offsets.mask_indptr);
+  scan.qo_indptr = call.meta<int32_t>(call.offsets.qo_indptr);
+  scan.kv_len = call.meta<int32_t>(call.offsets.kv_len);
+  scan.dense = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.mask_dense));
+  scan.batch_size = call.layout.batch_size;
+  launch_mask_dense_prefix(scan, stream);
 }
 
 void run_call(const CallState& call, const core::AttentionParams& params, int device,
@@ -412,9 +426,20 @@ void save_kv(const BackendConfig& config, const AttentionLayer& layer, const Ten
   launch_kv_write(w, stream);
 }
 
-// ---- the backend -----------------------------------------------------------------------------
-
-namespace {
+core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const BackendConfig& config,
+                                          core::MaskMode mask, int window_left, bool tc) {
+  core::PrefillTileShape shape;
+  shape.num_q_heads = config.num_q_heads;
+  shape.num_kv_heads = config.num_kv_heads;
+  shape.tile_rows = tc ? setup.tc_decode_tile_rows : setup.prefill_tile_rows;
+  shape.kv_tile = tc ? setup.tc_decode_kv_tile : setup.prefill_kv_tile;
+  shape.mask = mask;
+  shape.window_left = window_left;
+  shape.concurrent_ctas = tc ? setup.concurrent_tc_decode_ctas : setup.concurrent_prefill_ctas;
+  if (config.deterministic) shape.concurrent_ctas = 0;  // no split-KV: tiles are the request's
+  if (tc) shape.min_split_keys = setup.tc_decode_min_split;
+  return shape;
+}
 
 ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool,
                                      const TensorView& req_pool_indices) {
@@ -427,6 +452,10 @@ ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool,
   s.req_pool_indices_int64 = req_pool_indices.dtype() == DType::kInt64;
   return s;
 }
+
+// ---- the backend -----------------------------------------------------------------------------
+
+namespace {
 
 class CudaBackend final : public AttentionBackend {
  public:
@@ -599,6 +628,7 @@ class CudaBackend final : public AttentionBackend {
         fold.max_kv_len = capturing ? max_context : call.max_kv_len;
         launch_fold_window_mask(fold, stream);
       }
+      scan_mask_dense_prefix(call, stream);
       KvIndexBuild build;
       build.source = req_to_token_source(*config_.req_to_token_pool, batch.req_pool_indices);
       build.kv_start = call.meta<int32_t>(call.offsets.kv_start);
@@ -797,19 +827,8 @@ class CudaBackend final : public AttentionBackend {
     return step_state_of(step_.graph_pool ? graph_calls_[0] : eager_calls_[0]);
   }
 
-  // tc: the decode-shaped kernel's plan shape (setup_.tc_decode), else the prefill family's.
   core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left, bool tc) const {
-    core::PrefillTileShape shape;
-    shape.num_q_heads = config_.num_q_heads;
-    shape.num_kv_heads = config_.num_kv_heads;
-    shape.tile_rows = tc ? setup_.tc_decode_tile_rows : setup_.prefill_tile_rows;
-    shape.kv_tile = tc ? setup_.tc_decode_kv_tile : setup_.prefill_kv_tile;
-    shape.mask = mask;
-    shape.window_left = window_left;
-    shape.concurrent_ctas = tc ? setup_.concurrent_tc_decode_ctas : setup_.concurrent_prefill_ctas;
-    if (config_.deterministic) shape.concurrent_ctas = 0;  // no split-KV: tiles are the request's
-    if (tc) shape.min_split_keys = setup_.tc_decode_min_split;
-    return shape;
+    return prefill_tile_shape(setup_, config_, mask, window_left, tc);
   }
 
   // graph_q_len > 0 (the graph pool): a prefill plan is padded to the capacity of its batch

@@ -38,6 +38,7 @@
 #include "core/prefill_tiles.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/decode.h"
+#include "cuda/kernels/index.h"
 #include "cuda/kernels/step_check.h"
 #include "kvattn/backend.h"
 #include "kvattn/memory.h"
@@ -176,6 +177,19 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
                                   const AttentionLayer& layer, const TensorView& q,
                                   const TensorView& out, float* lse, const TensorView& ragged_k,
                                   const TensorView& ragged_v, const StepState* state);
+
+/// The tile shape a prefill plan (core::plan_prefill_tiles) is made for: the decode-shaped
+/// kernel's (tc, setup.tc_decode) or the prefill family's; deterministic mode never splits KV.
+core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const BackendConfig& config,
+                                          core::MaskMode mask, int window_left, bool tc);
+
+/// The engine's req_to_token and a batch's rows of it, as the index kernels read them.
+ReqToTokenSource req_to_token_source(const ReqToTokenPool& pool,
+                                     const TensorView& req_pool_indices);
+
+/// in_graph, a call with a tree mask on the decode-shaped kernel: the mask's all-ones prefix
+/// columns of each request into the call's mask_dense (launch_mask_dense_prefix); else nothing.
+void scan_mask_dense_prefix(const CallState& call, cudaStream_t stream);
 
 /// Runs one call (decode kernel or prefill kernel) with `params`.
 void run_call(const CallState& call, const core::AttentionParams& params, int device,

@@ -30,6 +30,15 @@ class CudaDraftRunner final : public core::DraftRunner {
     setup_ = make_decode_setup(config_, device_.index);
     guard_ = std::make_unique<StepGuard>(config.kv_cache->num_slots(),
                                          config.req_to_token_pool->max_reqs());
+    // Shared prefix: a request's topk branches read its prefix once, as the query rows of one
+    // decode-shaped call a step (else every branch is a decode entry of its own and reads it).
+    const int group = config_.num_q_heads / config_.num_kv_heads;
+    const DType kv_dtype = config_.kv_cache->config().dtype;
+    shared_prefix_ = setup_.tc_decode && config_.q_dtype == setup_.compute_dtype &&
+                     (kv_dtype == config_.q_dtype || is_fp8_dtype(kv_dtype)) &&
+                     int64_t(topk_) * group <= kTcDecodeMaxRows &&
+                     env_int("KVATTN_DRAFT_SHARED_PREFIX", 1, 0) != 0;
+    if (shared_prefix_) make_branch_masks();
   }
 
   uint64_t step_id() const override { return guard_->step_id(); }
@@ -53,6 +62,7 @@ class CudaDraftRunner final : public core::DraftRunner {
     step_ = guard_->begin_step(batch.mode, batch.batch_size);
     ready_ = false;
     indices_built_ = false;
+    shared_steps_ = false;
     core::validate_batch(batch, config_, device_);
     const core::HostLengths lens = core::read_host_lengths(batch, false);
     const int bs = batch.batch_size;
@@ -73,6 +83,11 @@ class CudaDraftRunner final : public core::DraftRunner {
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
     entries_ = entries;
     max_kv_len_ = 0;
+    if (shared_prefix_ && bs <= mask_requests_) {
+      plan_shared_prefix(lens, stream);
+      ready_ = true;
+      return;
+    }
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
@@ -115,17 +130,29 @@ class CudaDraftRunner final : public core::DraftRunner {
               "call init_forward_metadata_out_graph for this batch first");
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
     const int bs = batch_size_;
+    const ReqToTokenPool& p = *config_.req_to_token_pool;
+    const bool capturing = stream_is_capturing(stream);
+    // Shared prefix: step s's keys are the request's req_to_token row up to its last draft
+    // token, one index set a request. A captured launch covers max_context_len keys.
+    for (int s = 0; s < num_steps_ && shared_steps_; ++s) {
+      const CallState& call = steps_[size_t(s)];
+      KvIndexBuild build;
+      build.source = req_to_token_source(p, batch.req_pool_indices);
+      build.kv_start = call.meta<int32_t>(call.offsets.kv_start);
+      build.kv_len = call.meta<int32_t>(call.offsets.kv_len);
+      build.kv_indptr = call.meta<int64_t>(call.offsets.kv_indptr);
+      build.batch_size = bs;
+      build.kv_indices = static_cast<int32_t*>(call.kv_indices.data());
+      build.num_slots = config_.kv_cache->num_slots();
+      build.step_state = step_state_of(steps_[0]);
+      build.max_kv_len = capturing ? p.max_context_len() : max_kv_len_;
+      launch_build_kv_indices(build, stream);
+    }
     // The index sets of all steps: one launch per kMaxDraftStepsPerLaunch steps. A captured
     // launch covers max_context_len keys an entry, whatever the replayed lengths.
-    for (int first = 0; first < num_steps_; first += kMaxDraftStepsPerLaunch) {
+    for (int first = 0; first < num_steps_ && !shared_steps_; first += kMaxDraftStepsPerLaunch) {
       DraftIndexBuild build;
-      const ReqToTokenPool& p = *config_.req_to_token_pool;
-      build.source.table = p.table().data_as<const int32_t>();
-      build.source.row_stride = p.table().stride(0);
-      build.source.max_reqs = p.max_reqs();
-      build.source.max_context_len = p.max_context_len();
-      build.source.req_pool_indices = batch.req_pool_indices.data();
-      build.source.req_pool_indices_int64 = batch.req_pool_indices.dtype() == DType::kInt64;
+      build.source = req_to_token_source(p, batch.req_pool_indices);
       build.batch_size = bs;
       build.topk = topk_;
       build.first_step = first;
@@ -138,7 +165,7 @@ class CudaDraftRunner final : public core::DraftRunner {
       }
       build.num_slots = config_.kv_cache->num_slots();
       build.step_state = step_state_of(steps_[0]);
-      build.max_kv_len = stream_is_capturing(stream) ? p.max_context_len() : max_kv_len_;
+      build.max_kv_len = capturing ? p.max_context_len() : max_kv_len_;
       launch_build_draft_kv_indices(build, stream);
     }
     // The requests' rows and the req_to_token reads, checked before any draft step runs (each
@@ -216,16 +243,23 @@ class CudaDraftRunner final : public core::DraftRunner {
     const int64_t entries = int64_t(max_bs) * topk_;
     check_arg(entries <= INT32_MAX / 2, "max_bs", "got ", max_bs, ": ", entries,
               " draft entries (max_bs x topk), expected fewer than 2^30");
+    // Either path's buffers (out_graph picks by the batch): the larger of the two.
     const int64_t kv_capacity = entries * config_.req_to_token_pool->max_context_len();
-    BufferGrowth growth;
-    for (CallState& call : steps_) {
-      core::CallCapacity cap;
-      cap.batch_size = int(entries);
-      cap.decode_items = core::decode_item_capacity(int(entries), setup_.plan_config);
-      cap.num_q_heads = config_.num_q_heads;
-      cap.v_head_dim = config_.v_head_dim;
-      plan_frozen_call(call, cap, kv_capacity, core::PrefillBufferLayout{}, growth);
+    core::CallCapacity cap;
+    cap.batch_size = int(entries);
+    cap.decode_items = core::decode_item_capacity(int(entries), setup_.plan_config);
+    cap.custom_mask = shared_prefix_;
+    cap.num_q_heads = config_.num_q_heads;
+    cap.v_head_dim = config_.v_head_dim;
+    core::PrefillBufferLayout region;
+    if (shared_prefix_) {
+      const core::PrefillTileShape shape = shared_prefix_shape();
+      const core::PrefillPlanCapacity plan = core::prefill_plan_capacity(max_bs, topk_, shape);
+      region = core::prefill_buffer_layout(plan.items, plan.merges, plan.partials,
+                                           shape.tile_rows, config_.v_head_dim);
     }
+    BufferGrowth growth;
+    for (CallState& call : steps_) plan_frozen_call(call, cap, kv_capacity, region, growth);
     growth.need(sink_lse_, core::checked_bytes({entries, config_.num_q_heads,
                                                 int64_t(sizeof(float))},
                                                "sink LSE"));
@@ -237,6 +271,87 @@ class CudaDraftRunner final : public core::DraftRunner {
   }
 
  private:
+  core::PrefillTileShape shared_prefix_shape() const {
+    return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true);
+  }
+
+  // The branch masks of every step, for up to max_reqs requests (a few hundred KB, written once):
+  // step s's request block is [topk rows][(s + 1) * topk columns], row b keeping columns
+  // t * topk + b (its own draft tokens of steps 0..s); the mask covers the last (s + 1) * topk
+  // keys of the request, the prefix before them is visible to every branch (the decode-shaped
+  // kernel's short mask rows, AttentionParams::mask_dense).
+  void make_branch_masks() {
+    mask_requests_ = config_.req_to_token_pool->max_reqs();
+    std::vector<uint8_t> host;
+    for (int s = 0; s < num_steps_; ++s) {
+      const int cols = (s + 1) * topk_;
+      mask_offsets_.push_back(int64_t(host.size()));
+      std::vector<uint8_t> block(size_t(topk_) * size_t(cols), 0);
+      for (int b = 0; b < topk_; ++b) {
+        for (int t = 0; t <= s; ++t) block[size_t(b) * size_t(cols) + size_t(t * topk_ + b)] = 1;
+      }
+      for (int r = 0; r < mask_requests_; ++r) host.insert(host.end(), block.begin(), block.end());
+    }
+    ensure_bytes(branch_masks_, std::max<size_t>(host.size(), 1), false, device_, "branch masks");
+    check_cuda(cudaMemcpy(branch_masks_.data(), host.data(), host.size(), cudaMemcpyHostToDevice),
+               "cudaMemcpy(branch masks)");
+  }
+
+  // out_graph of the shared-prefix path: step s is one call of batch_size requests, topk query
+  // rows each (entry r * topk + b is request r's row b), over the request's prefix and the draft
+  // tokens of steps 0..s (req_to_token positions [0, seq_r + (s + 1) * topk)) under the branch
+  // mask, on the decode-shaped kernel.
+  void plan_shared_prefix(const core::HostLengths& lens, cudaStream_t stream) {
+    shared_steps_ = true;
+    const int bs = batch_size_;
+    const core::PrefillTileShape shape = shared_prefix_shape();
+    for (int s = 0; s < num_steps_; ++s) {
+      CallState& call = steps_[size_t(s)];
+      core::PagedLayout& layout = call.layout;
+      layout = core::PagedLayout();
+      layout.batch_size = bs;
+      layout.mask = core::MaskMode::kCustom;
+      layout.qo_indptr.resize(size_t(bs) + 1);
+      layout.kv_start.assign(size_t(bs), 0);
+      layout.kv_len.resize(size_t(bs));
+      layout.kv_indptr.assign(size_t(bs) + 1, 0);
+      layout.mask_indptr.resize(size_t(bs) + 1);
+      const int64_t mask_block = int64_t(topk_) * (s + 1) * topk_;
+      for (int r = 0; r <= bs; ++r) {
+        layout.qo_indptr[size_t(r)] = r * topk_;
+        layout.mask_indptr[size_t(r)] = r * mask_block;
+      }
+      for (int r = 0; r < bs; ++r) {
+        layout.kv_len[size_t(r)] = lens.seq_lens[size_t(r)] + (s + 1) * topk_;
+        layout.kv_indptr[size_t(r) + 1] = layout.kv_indptr[size_t(r)] + layout.kv_len[size_t(r)];
+        max_kv_len_ = std::max(max_kv_len_, layout.kv_len[size_t(r)]);
+      }
+      call.paged = true;
+      call.prefill = true;
+      call.tc_decode = true;
+      call.custom_mask = static_cast<const uint8_t*>(branch_masks_.data()) + mask_offsets_[size_t(s)];
+      call.item_limit = 0;
+      call.max_kv_len = max_kv_len_;
+      call.prefill_plan = core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape);
+      call.prefill_items = int(call.prefill_plan.items.size());
+      call.prefill_merges = int(call.prefill_plan.merges.size());
+      call.padded = graph_pool_;
+      if (graph_pool_) {
+        core::pad_prefill_plan(call.prefill_plan, core::prefill_plan_capacity(bs, topk_, shape));
+      }
+      core::CallCapacity cap;
+      cap.batch_size = graph_pool_ ? graph_max_bs_ * topk_ : bs;
+      cap.decode_items = graph_pool_ ? core::decode_item_capacity(cap.batch_size,
+                                                                  setup_.plan_config)
+                                     : 0;
+      cap.custom_mask = true;
+      cap.num_q_heads = config_.num_q_heads;
+      cap.v_head_dim = config_.v_head_dim;
+      const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
+      upload_call(call, cap, keys, config_.v_head_dim, step_, device_, stream);
+    }
+  }
+
   BackendConfig config_;
   Device device_;
   int topk_;
@@ -254,6 +369,11 @@ class CudaDraftRunner final : public core::DraftRunner {
   int64_t graph_kv_capacity_ = 0;
   int entries_ = 0;
   int32_t max_kv_len_ = 0;
+  bool shared_prefix_ = false;  ///< the config lets a request's branches share its prefix reads
+  bool shared_steps_ = false;   ///< the current batch runs the shared-prefix path
+  int mask_requests_ = 0;       ///< requests branch_masks_ covers (max_reqs)
+  Buffer branch_masks_;         ///< the steps' branch masks (make_branch_masks)
+  std::vector<int64_t> mask_offsets_;  ///< step s's masks start here in branch_masks_
 };
 
 }  // namespace

@@ -55,6 +55,10 @@ struct ScenarioSpec {
   /// adjacent; about a quarter of the requests stay out), each group sharing its first member's
   /// first n slots, n drawn below every member's seq_len (never a multiple of page_size > 1).
   int declared_groups = 0;
+  /// TARGET_VERIFY: this many runs of prefix columns of each request's tree mask are 0 (each in
+  /// a random row; the first the prefix's last 48 columns, the others a third of the prefix): an
+  /// engine's mask that hides prefix keys (the CUDA backend's dense-prefix scan must see them)
+  int prefix_holes = 0;
   DType sinks_dtype = DType::kFloat32;
 
   std::string shape_label() const;  ///< "b4 kv1..300 q8/2 d128 page1" for tables

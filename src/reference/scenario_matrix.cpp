@@ -388,6 +388,19 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.kv_dtype = DType::kFloat8E5M2;
     s.k_scale = 0.9f;
   });
+  add("verify prefix holes", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 6;
+    s.max_kv_len = 700;
+    s.prefix_holes = 3;
+  });
+  add("verify prefix holes page16 GQA8", ForwardMode::kTargetVerify, [](ScenarioSpec& s) {
+    s.draft_token_num = 3;
+    s.max_kv_len = 1200;
+    s.page_size = 16;
+    s.num_q_heads = 16;
+    s.num_kv_heads = 2;
+    s.prefix_holes = 1;
+  });
   add("draft extend", ForwardMode::kDraftExtend, [](ScenarioSpec& s) { s.max_q_len = 5; });
   add("draft extend fp8 e5m2", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
     s.max_q_len = 6;
@@ -456,6 +469,24 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.page_size = 16;
     s.kv_dtype = DType::kFloat8E4M3;
     s.k_scale = 0.6f;
+  });
+  add("multi-step long prefix sinks", decode, [](ScenarioSpec& s) {
+    s.topk = 4;
+    s.num_steps = 3;
+    s.batch_size = 3;
+    s.max_kv_len = 1500;
+    s.sinks = true;
+  });
+  add("multi-step topk6 GQA16 (per-branch path)", decode, [](ScenarioSpec& s) {
+    s.topk = 6;
+    s.num_steps = 2;
+    s.num_q_heads = 32;
+    s.num_kv_heads = 2;
+  });
+  add("multi-step fp32 q", decode, [](ScenarioSpec& s) {
+    s.topk = 2;
+    s.num_steps = 2;
+    s.q_dtype = DType::kFloat32;
   });
   add("multi-step window model, full layer", decode, [](ScenarioSpec& s) {
     s.topk = 2;

@@ -351,12 +351,22 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
         depth[size_t(i)] = depth[size_t(q.tree_parent[size_t(i)])] + 1;
       }
       const int64_t kv_len = q.seq + n;
+      const size_t request_begin = custom_mask.size();
       for (int i = 0; i < n; ++i) {
         std::vector<uint8_t> row(size_t(kv_len), 0);
         std::fill(row.begin(), row.begin() + q.seq, 1);  // the prefix is fully visible
         for (int a = i; a >= 0; a = q.tree_parent[size_t(a)]) row[size_t(q.seq + a)] = 1;
         custom_mask.insert(custom_mask.end(), row.begin(), row.end());
         tree_positions.push_back(q.seq + depth[size_t(i)]);
+      }
+      // Holes wide enough to move the output well past the error bar: the first the last
+      // min(seq, 48) prefix columns of a row, the others a third of the prefix from anywhere.
+      for (int h = 0; h < s.prefix_holes && q.seq > 0; ++h) {
+        const int row = rng.uniform(0, n - 1);
+        const int width = h == 0 ? std::min(q.seq, 48) : std::max(1, q.seq / 3);
+        const int start = h == 0 ? q.seq - width : rng.uniform(0, q.seq - width);
+        uint8_t* mask_row = custom_mask.data() + request_begin + size_t(row) * size_t(kv_len);
+        std::fill(mask_row + start, mask_row + start + width, uint8_t(0));
       }
     }
   }

@@ -104,6 +104,7 @@ PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
         auto merge = merges.find({r, h, static_cast<int>(row)});
         if (chunks.size() == 1) {
           EXPECT_EQ(chunks[0].partial, -1);
+          EXPECT_EQ(chunks[0].merge, -1);
           EXPECT_EQ(merge, merges.end());
           continue;
         }
@@ -118,6 +119,15 @@ PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
           if (c + 1 < chunks.size()) EXPECT_EQ((chunks[c].kv_end - begin) % s.kv_tile, 0);
           EXPECT_GE(chunks[c].partial, merge->second.first_partial);
           EXPECT_LT(chunks[c].partial, merge->second.first_partial + merge->second.num_partials);
+          // The chunk names its merge item (the in-kernel merge counts arrivals there).
+          if (chunks[c].merge < 0 || chunks[c].merge >= static_cast<int>(plan.merges.size())) {
+            ADD_FAILURE() << "chunk names merge " << chunks[c].merge << " of "
+                          << plan.merges.size();
+            continue;
+          }
+          const PrefillMergeItem& named = plan.merges[size_t(chunks[c].merge)];
+          EXPECT_EQ(named.first_partial, merge->second.first_partial);
+          EXPECT_EQ(named.arrived, 0);
           ++partial_seen.at(chunks[c].partial);
         }
       }

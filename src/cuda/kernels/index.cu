@@ -92,6 +92,66 @@ __global__ void __launch_bounds__(kIndexThreads) fold_window_mask_kernel(const W
   }
 }
 
+// The first zero byte's index in [0, n) of `bytes` (n <= 4 bytes of a word), or -1.
+__device__ __forceinline__ int first_zero_byte(uint32_t word) {
+  const uint32_t zeros = (word - 0x01010101u) & ~word & 0x80808080u;  // exact for the lowest one
+  return zeros == 0 ? -1 : (__ffs(zeros) - 1) / 8;
+}
+
+constexpr int kScanThreads = 256;
+
+__global__ void __launch_bounds__(kScanThreads) mask_dense_prefix_kernel(const MaskDensePrefix m) {
+  __shared__ int first_zero_key;
+  const int request = int(blockIdx.x);
+  const int kv_len = m.kv_len[request];
+  if (threadIdx.x == 0) first_zero_key = kv_len;
+  __syncthreads();
+  const int q_len = m.qo_indptr[request + 1] - m.qo_indptr[request];
+  const int64_t begin = m.mask_indptr[request];
+  const int64_t row_len = q_len > 0 ? (m.mask_indptr[request + 1] - begin) / q_len : 0;
+  const int64_t skip = row_len - kv_len;  // columns before key 0 (< 0: keys before column 0)
+  const int64_t c0 = skip > 0 ? skip : 0;
+  const int lane = int(threadIdx.x) & 31;
+  // A warp a row; lanes take the row's bytes in 16-byte chunks (bytes before the first aligned
+  // chunk and after the last one singly). found: this lane's smallest zero column, or INT64_MAX.
+  for (int i = int(threadIdx.x) / 32; i < q_len; i += kScanThreads / 32) {
+    const uint8_t* row = m.mask + begin + i * row_len;
+    const int64_t head_end =
+        min(row_len, c0 + int64_t((16 - (reinterpret_cast<uintptr_t>(row + c0) & 15)) & 15));
+    const int64_t chunks = (row_len - head_end) / 16;
+    const int64_t tail = head_end + chunks * 16;
+    int64_t found = INT64_MAX;
+    for (int64_t c = c0 + lane; c < head_end; c += 32) {
+      if (row[c] == 0) found = min(found, c);
+    }
+    for (int64_t c = tail + lane; c < row_len; c += 32) {
+      if (row[c] == 0) found = min(found, c);
+    }
+    const uint4* body = reinterpret_cast<const uint4*>(row + head_end);
+    for (int64_t base = 0; base < chunks; base += 4 * 32) {  // warp-uniform; 4 loads a lane
+      const int64_t k = base + lane;
+      uint4 v[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        v[t] = k + t * 32 < chunks ? __ldg(body + k + t * 32) : make_uint4(~0u, ~0u, ~0u, ~0u);
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint32_t w[4] = {v[t].x, v[t].y, v[t].z, v[t].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int b = first_zero_byte(w[q]);
+          if (b >= 0) found = min(found, head_end + (k + t * 32) * 16 + q * 4 + b);
+        }
+      }
+      if (__any_sync(0xffffffffu, found != INT64_MAX)) break;  // later chunks only go higher
+    }
+    if (found != INT64_MAX) atomicMin(&first_zero_key, int(found - skip));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) m.dense[request] = max(0, first_zero_key);
+}
+
 uint32_t ctas_per_entry(int max_kv_len) {
   const int wanted = (std::max(max_kv_len, 1) + kKeysPerIndexCta - 1) / kKeysPerIndexCta;
   return uint32_t(std::min(wanted, kMaxIndexCtasPerEntry));
@@ -109,6 +169,12 @@ void launch_fold_window_mask(const WindowMaskFold& f, cudaStream_t stream) {
   const dim3 grid(uint32_t(ctas), uint32_t(f.batch_size));
   fold_window_mask_kernel<<<grid, kIndexThreads, 0, stream>>>(f);
   check_launch("fold_window_mask_kernel");
+}
+
+void launch_mask_dense_prefix(const MaskDensePrefix& m, cudaStream_t stream) {
+  if (m.batch_size == 0) return;
+  mask_dense_prefix_kernel<<<uint32_t(m.batch_size), kScanThreads, 0, stream>>>(m);
+  check_launch("mask_dense_prefix_kernel");
 }
 
 void launch_build_kv_indices(const KvIndexBuild& b, cudaStream_t stream) {

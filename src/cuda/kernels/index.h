@@ -87,4 +87,19 @@ struct WindowMaskFold {
 };
 void launch_fold_window_mask(const WindowMaskFold& fold, cudaStream_t stream);
 
+/// TARGET_VERIFY: per request, the number of leading keys every row of its tree mask keeps
+/// (dense[r] = the smallest key j whose mask byte is 0 in some row, kv_len[r] when none): the
+/// prefix columns an engine's mask sets to 1 (SpecInfo::custom_mask). The decode-shaped kernel
+/// reads no mask byte below it (AttentionParams::mask_dense). One CTA a request, 16-byte loads;
+/// launch sizes depend on batch_size alone (records into a CUDA graph).
+struct MaskDensePrefix {
+  const uint8_t* mask = nullptr;         ///< the mask the attention reads (folded or the engine's)
+  const int64_t* mask_indptr = nullptr;  ///< [batch_size + 1] device (call metadata)
+  const int32_t* qo_indptr = nullptr;    ///< [batch_size + 1] device (call metadata)
+  const int32_t* kv_len = nullptr;       ///< [batch_size] device (call metadata)
+  int32_t* dense = nullptr;              ///< [batch_size] device (call metadata) out
+  int batch_size = 0;
+};
+void launch_mask_dense_prefix(const MaskDensePrefix& scan, cudaStream_t stream);
+
 }  // namespace kvattn::cuda

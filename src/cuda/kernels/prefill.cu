@@ -16,6 +16,7 @@
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/prefill_kernel.cuh"
 #include "cuda/kernels/sm90/prefill_kernel.cuh"
+#include "cuda/kernels/split_merge.cuh"
 #include "cuda/kernels/tc_decode_kernel.cuh"
 #include "kvattn/error.h"
 
@@ -24,25 +25,11 @@ namespace {
 
 constexpr int kMergeThreads = 128;
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-
 /// Rows of a split tile one merge CTA folds: a warp a row.
 constexpr int kMergeRowsPerCta = kMergeThreads / 32;
 
 /// Grid (merges, tile_rows / kMergeRowsPerCta): warp w folds row blockIdx.y * 4 + w of a split
-/// tile. The lanes first take the chunks' LSEs (the merged LSE, each chunk's weight
-/// e^(lse_c - lse)), then 4 output dims each, with the chunks' loads independent of each other
-/// (unrolled), so a request split into many chunks costs a few memory latencies, not one per
-/// chunk (bench/NOTES.md: at verify b1 the fold of 17 chunks one after another cost ~60 us).
+/// tile (detail::merge_split_row).
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     prefill_merge_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
@@ -50,84 +37,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   // attention grid that wrote the partials.
   ptx::grid_dependency_wait();
   if (detail::step_refused(p.step_error)) return;
-  const core::PrefillMergeItem merge = tiles.merges[blockIdx.x];
-  const int lane = threadIdx.x & 31;
   const int r = int(blockIdx.y) * kMergeRowsPerCta + (threadIdx.x >> 5);
-  if (r >= tiles.tile_rows) return;
-  const int q_begin = p.qo_indptr[merge.request];
-  const int q_len = p.qo_indptr[merge.request + 1] - q_begin;
-  const int group = tiles.group_size;
-  const int packed = merge.q_row_begin + r;
-  if (packed >= q_len * group) return;  // (a graph's padding merge has no rows)
-  const int n = merge.num_partials;
-  const float* lse_of = tiles.partial_lse + int64_t(merge.first_partial) * tiles.tile_rows + r;
-  const float* out_of = tiles.partial_out +
-                        (int64_t(merge.first_partial) * tiles.tile_rows + r) * p.v_head_dim;
-  const int64_t chunk_stride = int64_t(tiles.tile_rows) * p.v_head_dim;
-
-  // Lane c holds chunk c's LSE (the first 32 chunks; more are read again where needed).
-  const float lse_first = lane < n ? lse_of[int64_t(lane) * tiles.tile_rows] : -INFINITY;
-  float top = lse_first;
-  for (int c = lane + 32; c < n; c += 32) top = fmaxf(top, lse_of[int64_t(c) * tiles.tile_rows]);
-#pragma unroll
-  for (int o = 16; o >= 1; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-  float total = 0.f;
-  if (top != -INFINITY) {
-    total = __expf(lse_first - top);
-    for (int c = lane + 32; c < n; c += 32) {
-      total += __expf(lse_of[int64_t(c) * tiles.tile_rows] - top);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o >= 1; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-  const bool empty = !(total > 0.f);  // every chunk empty: o = 0, LSE -inf
-  const float inv_total = empty ? 0.f : 1.f / total;
-  const float weight_first = empty ? 0.f : __expf(lse_first - top) * inv_total;
-
-  const int token = packed / group;
-  const int head = merge.kv_head * group + packed % group;
-  const int64_t out_row =
-      (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head;
-  for (int base = 0; base < p.v_head_dim; base += 128) {  // uniform: the shuffles need all lanes
-    const int d0 = base + lane * 4;
-    const bool active = d0 < p.v_head_dim;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c0 = 0; c0 < n; c0 += 32) {
-      float weight = weight_first;  // lane i: chunk c0 + i
-      if (c0 > 0) {
-        weight = !empty && c0 + lane < n
-                     ? __expf(lse_of[int64_t(c0 + lane) * tiles.tile_rows] - top) * inv_total
-                     : 0.f;
-      }
-      const int count = min(32, n - c0);
-#pragma unroll 8
-      for (int i = 0; i < count; ++i) {
-        const float w = __shfl_sync(0xffffffffu, weight, i);
-        if (active) {
-          const float4 part =
-              *reinterpret_cast<const float4*>(out_of + (c0 + i) * chunk_stride + d0);
-          acc.x = fmaf(part.x, w, acc.x);
-          acc.y = fmaf(part.y, w, acc.y);
-          acc.z = fmaf(part.z, w, acc.z);
-          acc.w = fmaf(part.w, w, acc.w);
-        }
-      }
-    }
-    if (!active) continue;
-    if (p.out_fp32) {
-      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row + d0) = acc;
-    } else {
-      T* out = static_cast<T*>(p.out) + out_row;
-      out[d0] = from_float<T>(acc.x);
-      out[d0 + 1] = from_float<T>(acc.y);
-      out[d0 + 2] = from_float<T>(acc.z);
-      out[d0 + 3] = from_float<T>(acc.w);
-    }
-  }
-  if (p.lse != nullptr && lane == 0) {
-    p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] =
-        empty ? -INFINITY : top + __logf(total);
-  }
+  detail::merge_split_row<T>(p, tiles, tiles.merges[blockIdx.x], r, threadIdx.x & 31);
 }
 
 /// The split-KV merge of a plan's split tiles (nothing when it has none). programmatic: launched
@@ -492,12 +403,20 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
   }
   validate(p, tiles, device, /*tc_decode=*/true);
   if (tiles.num_items == 0) return;
+  // The last chunk of a split tile merges it (KVATTN_TC_DECODE_MERGE=grid: a merge grid after
+  // the attention grid, as the prefill families do).
+  static const bool in_kernel = [] {
+    const char* v = std::getenv("KVATTN_TC_DECODE_MERGE");
+    return v == nullptr || std::strcmp(v, "grid") != 0;
+  }();
+  core::PrefillTiles run = tiles;
+  run.merge_in_kernel = in_kernel ? 1 : 0;
   if (p.head_dim == 64) {
-    tc_decode::launch_tc_decode_hd64(p, tiles, stream);
+    tc_decode::launch_tc_decode_hd64(p, run, stream);
   } else {
-    tc_decode::launch_tc_decode_hd128(p, tiles, stream);
+    tc_decode::launch_tc_decode_hd128(p, run, stream);
   }
-  launch_merge(p, tiles, stream, /*programmatic=*/true);
+  if (!in_kernel) launch_merge(p, run, stream, /*programmatic=*/true);
 }
 
 }  // namespace kvattn::cuda

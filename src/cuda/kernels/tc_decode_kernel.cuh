@@ -33,6 +33,7 @@
 #include "cuda/kernels/launch.cuh"
 #include "cuda/kernels/prefill.h"
 #include "cuda/kernels/step_check.cuh"
+#include "cuda/kernels/split_merge.cuh"
 #include "cuda/kernels/toolkit/compiled_head_dims.h"
 #include "cuda/kernels/toolkit/online_softmax.cuh"
 #include "cuda/kernels/toolkit/ptx.cuh"
@@ -283,15 +284,24 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
       ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + (((lane >> 3) & 1) ^ (lane & 7)) * 16;
   const uint32_t v_lane =
       ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
-  // kCustom: the request's mask is [q_len, row_len] with row_len >= kv_len; keys are the last
-  // kv_len columns of a row.
-  const uint8_t* mask_base = nullptr;
+  // kCustom: the request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns
+  // are the last keys. Keys before mask_from are visible to every row and their mask bytes are
+  // never read: those before the row's first column (row_len < kv_len: the multi-step draft's
+  // branch masks) and those below p.mask_dense[request] (TARGET_VERIFY: the all-ones prefix
+  // columns). Mask element (token, key j >= mask_from) is custom_mask[mask_offset + token *
+  // row_len + j].
+  int64_t mask_offset = 0;
   int64_t mask_row_len = 0;
+  int mask_from = 0;
   if (custom) {
     const int64_t begin = p.mask_indptr[request];
     mask_row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
-    mask_base = p.custom_mask + begin + (mask_row_len - kv_len);
+    mask_offset = begin + (mask_row_len - kv_len);
+    mask_from = static_cast<int>(max(int64_t(0), int64_t(kv_len) - mask_row_len));
+    if (p.mask_dense != nullptr) mask_from = max(mask_from, min(kv_len, p.mask_dense[request]));
   }
+  // Whether step u's keys reach the masked columns (warp-uniform).
+  auto step_masked = [&](int u) { return custom && step_key(u) + Tr::kWarpKeys > mask_from; };
 
   // kCustom: each lane's 16 mask bytes of a step (rows a * 16 + lane / 4 + 8 h, keys n * 8 +
   // 2 (lane % 4) + e), loaded one step ahead into registers that nothing reads until the next
@@ -299,6 +309,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
   // every 16 keys (measured: verify b64 x 4096 took 470 us against 257 us without a mask).
   constexpr int kMaskBytes = kMAtoms * 8;
   auto load_mask = [&](int u, uint8_t(&into)[kMaskBytes]) {
+    if (u >= warp_steps || !step_masked(u)) return;  // the step reads no mask byte
     const int first = step_key(u);
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) {
@@ -306,13 +317,13 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
       for (int h = 0; h < 2; ++h) {
         const int packed = row0 + a * 16 + (lane >> 2) + 8 * h;
         const int token = min(packed, rows_total - 1) / group;
-        const uint8_t* mask_row = mask_base + token * mask_row_len;
+        const uint8_t* mask_row = p.custom_mask + (mask_offset + token * mask_row_len);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int j = first + n * 8 + (lane & 3) * 2 + e;
-            into[a * 8 + h * 4 + n * 2 + e] = u < warp_steps && j < kv_end ? mask_row[j] : 0;
+            into[a * 8 + h * 4 + n * 2 + e] = j < kv_end && j >= mask_from ? mask_row[j] : 1;
           }
         }
       }
@@ -330,7 +341,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
     slots = load_slot(u + kStages + 1);
     if (custom) load_mask(u + 1, mask_next);
     uint32_t hidden = 0;  // bit (a * 8 + h * 4 + n * 2 + e): element s[a][4n + 2h + e] masked
-    const bool needs_mask = custom || first + Tr::kWarpKeys > kv_end ||
+    const bool masked = step_masked(u);
+    const bool needs_mask = masked || first + Tr::kWarpKeys > kv_end ||
                             (causal && first + Tr::kWarpKeys - 1 > diagonal + tile_first_token) ||
                             (window >= 0 && first < diagonal + tile_last_token - window);
     if (needs_mask) {
@@ -348,7 +360,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
             for (int e = 0; e < 2; ++e) {
               const int j = first + n * 8 + (lane & 3) * 2 + e;
               bool visible = j < kv_end && j <= last_visible && j >= first_visible;
-              if (custom) visible = visible && mask_now[a * 8 + h * 4 + n * 2 + e] != 0;
+              if (masked) visible = visible && mask_now[a * 8 + h * 4 + n * 2 + e] != 0;
               if (!visible) hidden |= 1u << (a * 8 + h * 4 + n * 2 + e);
             }
           }
@@ -551,6 +563,28 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
     if (d0 == 0 && p.lse != nullptr) {
       p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = row_lse[r];
     }
+  }
+
+  // ---- a split tile's last chunk to finish merges the tile (tiles.merge_in_kernel) ----------
+  // The chunks publish their partials (fence, then count): the CTA that brings the count to
+  // num_partials sees every chunk's partial in L2 and folds them (merge_split_row reads through
+  // L2), then resets the count for the plan's next launch (the next layer).
+  if (item.partial < 0 || tiles.merge_in_kernel == 0) return;
+  __shared__ int merges_here;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* arrived = const_cast<int*>(&tiles.merges[item.merge].arrived);
+    const int before = atomicAdd(arrived, 1);
+    merges_here = before == tiles.merges[item.merge].num_partials - 1;
+    if (merges_here) *arrived = 0;  // every chunk has counted itself
+  }
+  __syncthreads();
+  if (!merges_here) return;
+  __threadfence();
+  const core::PrefillMergeItem merge = tiles.merges[item.merge];
+  for (int r = warp; r < Tr::kTileRows; r += Tr::kWarps) {
+    detail::merge_split_row<T>(p, tiles, merge, r, lane);
   }
 }
 
