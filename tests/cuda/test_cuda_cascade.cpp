@@ -13,6 +13,9 @@
 #include <memory>
 #include <string>
 
+#include "core/batch_layout.h"
+#include "core/cascade.h"
+#include "cuda/cascade.h"
 #include "cuda/cuda_test_support.h"
 #include "kvattn/kvattn.h"
 #include "reference/scenario.h"
@@ -125,6 +128,49 @@ TEST(CudaCascade, GroupsRunEagerlyOnAGraphBackendAndCaptureIsRefused) {
     backend->set_cuda_stream(nullptr);
     CUDA_OK(cudaStreamSynchronize(stream));
     CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
+// Host only (runs without a device): the two layouts of a cascade step from the step's full
+// layout and the declared groups.
+TEST(CudaCascadeHost, LayoutsOfDeclaredGroups) {
+  core::HostLengths lens;
+  lens.seq_lens = {50, 60, 70, 80, 0, 100};
+  lens.groups_declared = true;
+  lens.shared_group = {1, -1, 0, 1, -1, 0};
+  lens.shared_prefix_lens = {40, 25};
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify}) {
+    const bool verify = mode == ForwardMode::kTargetVerify;
+    const int draft = verify ? 3 : 0;
+    const core::PagedLayout full =
+        core::make_paged_layout(mode, core::IndexSet::kFull, -1, lens, draft);
+    cuda::CascadeStep step;
+    cuda::make_cascade_layouts(step, core::declared_cascade_plan(lens), full);
+    const int q = verify ? 3 : 1;
+    // Group 0: requests 2 and 5 over 40 keys; group 1: requests 0 and 3 over 25.
+    const core::PagedLayout& shared = step.shared.layout;
+    EXPECT_EQ(shared.batch_size, 2);
+    EXPECT_EQ(shared.qo_indptr, (std::vector<int32_t>{0, 2 * q, 4 * q}));
+    EXPECT_EQ(shared.kv_start, (std::vector<int32_t>{0, 0}));
+    EXPECT_EQ(shared.kv_len, (std::vector<int32_t>{40, 25}));
+    EXPECT_EQ(shared.kv_indptr, (std::vector<int64_t>{0, 40, 65}));
+    EXPECT_EQ(int(shared.mask), int(core::MaskMode::kNone));
+    EXPECT_EQ(step.shared_tokens, 4 * q);
+    EXPECT_EQ(step.num_tokens, 6 * q);
+    EXPECT_EQ(step.max_shared_len, 40);
+    // Every request over its own keys: members past their group's shared ones.
+    const core::PagedLayout& own = step.own.layout;
+    const std::vector<int32_t> skip = {25, 0, 40, 25, 0, 40};
+    int64_t keys = 0;
+    for (int r = 0; r < 6; ++r) {
+      EXPECT_EQ(own.kv_start[size_t(r)], skip[size_t(r)]) << r;
+      EXPECT_EQ(own.kv_len[size_t(r)], full.kv_len[size_t(r)] - skip[size_t(r)]) << r;
+      keys += own.kv_len[size_t(r)];
+      EXPECT_EQ(own.kv_indptr[size_t(r) + 1], keys) << r;
+    }
+    EXPECT_EQ(own.qo_indptr, full.qo_indptr);
+    EXPECT_EQ(own.mask_indptr, full.mask_indptr);  // verify: the step's mask, as it is
+    EXPECT_EQ(int(own.mask), int(full.mask));
   }
 }
 
