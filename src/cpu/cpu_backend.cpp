@@ -195,36 +195,39 @@ namespace {
 // The engine's promise for declared groups (ForwardBatch::shared_prefix_lens_cpu): every member
 // holds its leader's slots in the shared positions and (TARGET_VERIFY) every tree token sees
 // them (`hidden_key` gives a member's first shared key some tree token does not see, or -1).
-// A broken promise refuses the step here, before anything is written.
+// A broken promise refuses the step here, before anything is written, naming what the CUDA
+// backend's device check names: the first member in batch order, its first broken position
+// (a slot before a mask at the same position).
 void check_declared_groups(const core::CascadePlan& c, const CpuIndexSet& full,
                            const ForwardBatch& batch,
                            const std::function<int64_t(int32_t, int64_t)>& hidden_key) {
-  for (int g = 0; g < c.num_groups(); ++g) {
+  for (int32_t r = 0; r < int32_t(c.shared_row.size()); ++r) {
+    const int32_t row = c.shared_row[size_t(r)];
+    if (row < 0) continue;
+    const auto g = int(std::upper_bound(c.group_indptr.begin(), c.group_indptr.end(), row) -
+                       c.group_indptr.begin() - 1);
     const int64_t shared = c.shared_len[size_t(g)];
     const int32_t lead = c.members[size_t(c.group_indptr[size_t(g)])];
     const int32_t* lead_keys = full.kv_indices.data() + full.layout.kv_indptr[size_t(lead)];
-    for (int32_t i = c.group_indptr[size_t(g)]; i < c.group_indptr[size_t(g) + 1]; ++i) {
-      const int32_t r = c.members[size_t(i)];
-      const int32_t* keys = full.kv_indices.data() + full.layout.kv_indptr[size_t(r)];
-      const int64_t differs = std::mismatch(keys, keys + shared, lead_keys).first - keys;
-      const int64_t hidden = hidden_key ? hidden_key(r, shared) : -1;
-      if (differs == shared && hidden < 0) continue;
-      core::SharedPrefixViolation v;
-      v.group = g;
-      v.shared_len = shared;
-      v.entry = r;
-      v.row = read_index(batch.req_pool_indices, r);
-      v.leader = lead;
-      v.leader_row = read_index(batch.req_pool_indices, lead);
-      v.mask = differs == shared;
-      v.position = v.mask ? hidden : differs;
-      if (!v.mask) {
-        v.slot = keys[differs];
-        v.leader_slot = lead_keys[differs];
-      }
-      const core::NamedProblem problem = core::describe_shared_prefix_violation(v);
-      throw_error(ErrorKind::kInvalidArgument, problem.argument, problem.message);
+    const int32_t* keys = full.kv_indices.data() + full.layout.kv_indptr[size_t(r)];
+    const int64_t differs = std::mismatch(keys, keys + shared, lead_keys).first - keys;
+    const int64_t hidden = hidden_key ? hidden_key(r, shared) : -1;
+    if (differs == shared && hidden < 0) continue;
+    core::SharedPrefixViolation v;
+    v.group = g;
+    v.shared_len = shared;
+    v.entry = r;
+    v.row = read_index(batch.req_pool_indices, r);
+    v.leader = lead;
+    v.leader_row = read_index(batch.req_pool_indices, lead);
+    v.mask = hidden >= 0 && hidden < differs;
+    v.position = v.mask ? hidden : differs;
+    if (!v.mask) {
+      v.slot = keys[differs];
+      v.leader_slot = lead_keys[differs];
     }
+    const core::NamedProblem problem = core::describe_shared_prefix_violation(v);
+    throw_error(ErrorKind::kInvalidArgument, problem.argument, problem.message);
   }
 }
 
