@@ -12,7 +12,8 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tcbench,bench,all,checks,sanitize,check,python,llama,peers; peers: FlashInfer
+# STEPS=a,b,... picks steps (tc,tcgrid,tcbench,bench,all,checks,sanitize,check,python,llama,peers;
+# TC_FILTER / SAN_FILTER override the tc / memcheck test filters; peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, PEERS_IMPLS a comma list, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
@@ -42,8 +43,9 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > "$LOGS/gpu.txt" 2>&1
 T=$CARRY/kvattn_cuda_tests
 
-want tc && step tc 120 "$T" \
-  --gtest_filter='TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*:*CudaDeterministic*:CudaCascade.*'
+want tc && step tc 120 "$T" --gtest_filter="${TC_FILTER:-TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*:*CudaDeterministic*:CudaCascade.*}"
+# the decode-shaped kernel with its split merge as a second grid (the A/B knob)
+want tcgrid && KVATTN_TC_DECODE_MERGE=grid step tcgrid 60 "$T" --gtest_filter='TcDecodeKernel*'
 want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
   --gtest_filter='PrefillBench.DecodeShaped'
 if want bench; then
@@ -58,7 +60,7 @@ want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 200 
   bash tests/cuda/run_device_checks.sh "$T"
 if want sanitize; then  # the decode-shaped kernel under memcheck and racecheck (small cases)
   step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$T" \
-    --gtest_filter='TcDecodeKernel.DecodeGroupsAndShortKv:TcDecodeKernel.Fp8KvAndFp32Output'
+    --gtest_filter="${SAN_FILTER:-TcDecodeKernel.DecodeGroupsAndShortKv:TcDecodeKernel.Fp8KvAndFp32Output}"
   step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
     --gtest_filter='TcDecodeKernel.DecodeGroupsAndShortKv'
 fi
