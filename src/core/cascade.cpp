@@ -106,4 +106,12 @@ NamedProblem describe_shared_prefix_violation(const SharedPrefixViolation& v) {
               "shared_prefix_lens_cpu[" + g + "] positions"};
 }
 
+int32_t CascadePlan::shared_len_of(int32_t request) const {
+  const int32_t row = shared_row[size_t(request)];
+  if (row < 0) return 0;
+  const auto g = std::upper_bound(group_indptr.begin(), group_indptr.end(), row) -
+                 group_indptr.begin() - 1;
+  return shared_len[size_t(g)];
+}
+
 }  // namespace kvattn::core

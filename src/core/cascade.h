@@ -22,6 +22,8 @@ struct CascadePlan {
   std::vector<int32_t> shared_row;    ///< [batch_size] the request's query row in the shared
                                       ///< call (its place in `members`), -1 when not grouped
   int num_groups() const { return int(shared_len.size()); }
+  /// Leading keys request `request` shares with its group (0 when it is in none).
+  int32_t shared_len_of(int32_t request) const;
   bool empty() const { return shared_len.empty(); }
 };
 

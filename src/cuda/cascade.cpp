@@ -77,13 +77,7 @@ void make_cascade_layouts(CascadeStep& step, core::CascadePlan groups,
   own = full;
   own.kv_indptr.assign(1, 0);
   for (int r = 0; r < own.batch_size; ++r) {
-    const int32_t row = c.shared_row[size_t(r)];
-    int32_t skip = 0;
-    if (row >= 0) {
-      const auto g = std::upper_bound(c.group_indptr.begin(), c.group_indptr.end(), row) -
-                     c.group_indptr.begin() - 1;
-      skip = c.shared_len[size_t(g)];
-    }
+    const int32_t skip = c.shared_len_of(r);
     own.kv_start[size_t(r)] += skip;
     own.kv_len[size_t(r)] -= skip;
     own.kv_indptr.push_back(own.kv_indptr.back() + own.kv_len[size_t(r)]);

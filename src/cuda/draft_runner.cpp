@@ -91,13 +91,7 @@ class CudaDraftRunner final : public core::DraftRunner {
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
-      layout = core::PagedLayout();
-      layout.batch_size = entries;
-      layout.mask = core::MaskMode::kCausal;
-      layout.qo_indptr.resize(size_t(entries) + 1);
-      layout.kv_start.assign(size_t(entries), 0);
-      layout.kv_len.resize(size_t(entries));
-      layout.kv_indptr.assign(size_t(entries) + 1, 0);
+      reset_layout(layout, entries, core::MaskMode::kCausal);
       for (int e = 0; e < entries; ++e) {
         layout.qo_indptr[e] = e;
         layout.kv_len[e] = lens.seq_lens[e / topk_] + s + 1;
@@ -271,6 +265,18 @@ class CudaDraftRunner final : public core::DraftRunner {
   }
 
  private:
+  // A draft step's layout of `n` entries: keys from req_to_token position 0, sizes set, the
+  // lengths for the caller to fill.
+  static void reset_layout(core::PagedLayout& layout, int n, core::MaskMode mask) {
+    layout = core::PagedLayout();
+    layout.batch_size = n;
+    layout.mask = mask;
+    layout.qo_indptr.resize(size_t(n) + 1);
+    layout.kv_start.assign(size_t(n), 0);
+    layout.kv_len.resize(size_t(n));
+    layout.kv_indptr.assign(size_t(n) + 1, 0);
+  }
+
   core::PrefillTileShape shared_prefix_shape() const {
     return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true);
   }
@@ -308,13 +314,7 @@ class CudaDraftRunner final : public core::DraftRunner {
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
-      layout = core::PagedLayout();
-      layout.batch_size = bs;
-      layout.mask = core::MaskMode::kCustom;
-      layout.qo_indptr.resize(size_t(bs) + 1);
-      layout.kv_start.assign(size_t(bs), 0);
-      layout.kv_len.resize(size_t(bs));
-      layout.kv_indptr.assign(size_t(bs) + 1, 0);
+      reset_layout(layout, bs, core::MaskMode::kCustom);
       layout.mask_indptr.resize(size_t(bs) + 1);
       const int64_t mask_block = int64_t(topk_) * (s + 1) * topk_;
       for (int r = 0; r <= bs; ++r) {
