@@ -403,11 +403,13 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
   }
   validate(p, tiles, device, /*tc_decode=*/true);
   if (tiles.num_items == 0) return;
-  // The last chunk of a split tile merges it (KVATTN_TC_DECODE_MERGE=grid: a merge grid after
-  // the attention grid, as the prefill families do).
+  // A merge grid after the attention grid (as the prefill families), or with
+  // KVATTN_TC_DECODE_MERGE=kernel the last chunk of a split tile merges it. The in-kernel merge
+  // measured slower (bench/NOTES.md, v4: verify b1 60 us against 22.5: one CTA folds the tile's
+  // 32 rows, 8 a warp one after another, where the grid spreads them over 8 CTAs).
   static const bool in_kernel = [] {
     const char* v = std::getenv("KVATTN_TC_DECODE_MERGE");
-    return v == nullptr || std::strcmp(v, "grid") != 0;
+    return v != nullptr && std::strcmp(v, "kernel") == 0;
   }();
   core::PrefillTiles run = tiles;
   run.merge_in_kernel = in_kernel ? 1 : 0;
