@@ -387,14 +387,23 @@ class BenchWorld {
 
     std::vector<std::vector<int32_t>> rows;
     std::vector<int64_t> out_rows;
-    testing::RefBatch ref_batch;
-    ref_batch.mode = ForwardMode::kDecode;
-    for (size_t i = 0; i < samples.size(); ++i) {
-      const Sample& s = samples[i];
+    for (const Sample& s : samples) {
       rows.emplace_back(slots_[s.request].begin(), slots_[s.request].begin() + s.position + 1);
       out_rows.push_back(s.out_row);
+    }
+    return decode_rows_max_rel_err(rows, out_rows);
+  }
+
+ private:
+  /// Rows `out_rows` of set 0's output against the float64 reference of a decode whose query
+  /// (the same row of q) reads the slots `rows[i]` (in that order).
+  double decode_rows_max_rel_err(const std::vector<std::vector<int32_t>>& rows,
+                                 const std::vector<int64_t>& out_rows) {
+    testing::RefBatch ref_batch;
+    ref_batch.mode = ForwardMode::kDecode;
+    for (size_t i = 0; i < rows.size(); ++i) {
       ref_batch.req_pool_indices.push_back(int32_t(i));
-      ref_batch.seq_lens.push_back(s.position + 1);
+      ref_batch.seq_lens.push_back(int32_t(rows[i].size()));
     }
     CompactPool compact = snapshot_rows(cache_, 0, rows);
     ref_batch.max_context_len = compact.max_context_len;
@@ -411,7 +420,6 @@ class BenchWorld {
     return max_rel_err(ref, out_host.view, dense);
   }
 
- private:
   /// Every query of the first and the last request (their 8-16 tree tokens, or 4 new tokens)
   /// against the oracle run in the step's own mode: TARGET_VERIFY rows under the tree mask the
   /// backend was given, DRAFT_EXTEND causal (tools/oracle.h check_step_requests; the step's new
@@ -653,6 +661,15 @@ void print_row(const RowResult& r, bool cpu) {
   std::fflush(stdout);
 }
 
+/// Whether `--workload workload` selects the row: cascade the shared-prefix decode rows, draft
+/// the DRAFT_EXTEND rows, any other name the rows of that workload but the shared-prefix ones.
+bool selected_by(const GridRow& row, const std::string& workload) {
+  if (workload == "all") return true;
+  if (workload == "cascade") return row.is_cascade();
+  if (workload == "draft") return row.is_draft_extend();
+  return row.workload == workload && !row.is_cascade();
+}
+
 }  // namespace
 
 std::string bench_usage() {
@@ -696,7 +713,6 @@ int run_bench(const std::vector<std::string>& args) {
   const bool quick = parsed.has("--quick");
   std::string workload = parsed.get_choice(
       "--workload", "all", {"all", "decode", "prefill", "extend", "verify", "draft", "cascade"});
-  if (workload == "draft") workload = "draft_extend";
   const double max_row_seconds = parsed.get_double("--max-row-seconds", quick ? 1.0 : 15.0, 0, 1e6);
   const uint64_t seed = uint64_t(parsed.get_int("--seed", 1, 0, INT64_MAX));
   const std::string json_path = parsed.get("--json", "");
@@ -706,9 +722,7 @@ int run_bench(const std::vector<std::string>& args) {
   std::vector<GridRow> grid;
   for (const GridRow& row : make_grid()) {
     if (quick && !row.in_quick) continue;
-    if (workload == "cascade" ? !row.is_cascade()
-                              : workload != "all" && (row.workload != workload || row.is_cascade()))
-      continue;
+    if (!selected_by(row, workload)) continue;
     grid.push_back(row);
   }
 
