@@ -47,8 +47,8 @@ const std::vector<OptionSpec>& bench_options() {
       {"--json", "FILE",
        "write the SPEC §6 results file (e.g. bench/results/cpu-grid-<date>.json)"},
       {"--workload", "all|decode|prefill|extend|verify|draft|cascade",
-       "only rows of this workload (default all; draft: the draft_extend rows; cascade: the "
-       "shared-prefix decode rows)"},
+       "only rows of this workload (default all; draft: the draft_extend rows and the "
+       "draft_multistep row; cascade: the shared-prefix decode rows)"},
       {"--max-row-seconds", "S",
        "CPU: skip rows whose one call is estimated above S s (default 15; --quick 1)"},
       {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
@@ -63,13 +63,16 @@ const std::vector<OptionSpec>& bench_options() {
 
 /// One row of the grid.
 struct GridRow {
-  /// "decode", "prefill", "extend", "verify" (TARGET_VERIFY) or "draft_extend" (DRAFT_EXTEND)
+  /// "decode", "prefill", "extend", "verify" (TARGET_VERIFY), "draft_extend" (DRAFT_EXTEND) or
+  /// "draft_multistep" (MultiStepDraftBackend: num_steps draft decode steps of topk branches)
   std::string workload;
   int batch = 1;
   /// KV tokens per request: decode the context; extend / draft_extend prefix + new; verify
-  /// prefix + tree tokens
+  /// prefix + tree tokens; draft_multistep prefix + num_steps x topk draft tokens
   int kv_len = 0;
-  int qo_len = 1;  ///< query tokens per request (verify: the tree tokens)
+  /// query tokens per request (verify: the tree tokens; draft_multistep: topk x num_steps, topk
+  /// a step)
+  int qo_len = 1;
   int prefix_len = 0;
   int page_size = 1;
   int head_dim = 128;
@@ -82,20 +85,32 @@ struct GridRow {
   /// declares no group at all (the plain path on both backends: a CPU backend given the
   /// tensors does not look for groups itself).
   bool declare_group = false;
+  /// draft_multistep: branches per request and draft steps. Draft token of step t, branch b of
+  /// request r at req_to_token position prefix_len + t * topk + b; one call runs every step.
+  int topk = 0;
+  int num_steps = 0;
 
   bool is_decode() const { return workload == "decode"; }
   bool is_cascade() const { return shared_prefix > 0; }
   bool is_verify() const { return workload == "verify"; }
   bool is_draft_extend() const { return workload == "draft_extend"; }
+  bool is_multistep() const { return workload == "draft_multistep"; }
   /// Speculative decoding: a few query tokens per request over a long prefix.
-  bool is_speculative() const { return is_verify() || is_draft_extend(); }
+  bool is_speculative() const { return is_verify() || is_draft_extend() || is_multistep(); }
   /// Rows whose time is the K/V read (decode, and the speculative rows: 4-16 query tokens per
   /// request over a 1024-4096 token prefix): reported in GB/s of K/V read, as a fraction of the
   /// read ceiling.
   bool memory_bound() const { return is_decode() || is_speculative(); }
   int64_t tokens() const { return int64_t(batch) * qo_len; }
   /// Distinct KV tokens the step reads: every KV token of every request, a shared prefix once.
+  /// draft_multistep (one call = every step): step t reads each request's prefix once (not once
+  /// per branch) and its (t + 1) x topk draft tokens so far, summed over the steps.
   int64_t kv_tokens() const {
+    if (is_multistep()) {
+      int64_t tokens = 0;
+      for (int t = 0; t < num_steps; ++t) tokens += prefix_len + int64_t(t + 1) * topk;
+      return int64_t(batch) * tokens;
+    }
     return is_cascade() ? shared_prefix + int64_t(batch) * (kv_len - shared_prefix)
                         : int64_t(batch) * kv_len;
   }
@@ -105,7 +120,14 @@ struct GridRow {
     return double(kv_tokens()) * kKvHeads * 2.0 * head_dim * dtype_size(kDType);
   }
   /// Prefill / extend: 4 b h d q (prefix + q / 2) — the causal half of the new-token square.
+  /// draft_multistep: 4 h d per query row and key, b x topk rows over prefix + t + 1 keys in
+  /// step t (as bench/peers).
   double flops() const {
+    if (is_multistep()) {
+      double keys = 0;
+      for (int t = 0; t < num_steps; ++t) keys += prefix_len + t + 1;
+      return 4.0 * batch * topk * kQHeads * head_dim * keys;
+    }
     return 4.0 * batch * kQHeads * head_dim * double(qo_len) * (prefix_len + qo_len / 2.0);
   }
   std::string label() const {
@@ -183,6 +205,22 @@ std::vector<GridRow> make_grid() {
     row.variant = "causal";
     // Not in --quick: b16 adds 5 s to it on 2 CPU cores (2026-12-02), most of that filling its
     // 8 input sets of 270 MiB.
+    rows.push_back(row);
+  }
+  // The multi-step draft (MultiStepDraftBackend) as bench/peers's draft-multistep row: batch 16
+  // x 4096 prefix, 4 branches a request, 3 draft steps, page 1 shuffled; one call = the 3 steps'
+  // forward of one layer, their draft tokens' K/V in the pool already (save_kv_cache false, as
+  // run_peers.py times it); on CUDA captured on the draft backend's CUDA-graph buffers.
+  {
+    GridRow row;
+    row.workload = "draft_multistep";
+    row.batch = 16;
+    row.prefix_len = 4096;
+    row.topk = 4;
+    row.num_steps = 3;
+    row.qo_len = row.topk * row.num_steps;
+    row.kv_len = row.prefix_len + row.qo_len;
+    row.variant = "topk4-steps3";
     rows.push_back(row);
   }
   // Shared-prefix decode (issue 16): 64 requests behind one 8192-token prompt, 256 own tokens
@@ -265,10 +303,15 @@ class BenchWorld {
                 : row.is_verify()       ? ForwardMode::kTargetVerify
                 : row.is_draft_extend() ? ForwardMode::kDraftExtend
                                         : ForwardMode::kExtend;
+    if (row.is_multistep()) spec.mode = ForwardMode::kDecode;  // the draft decode steps' batch
     if (row.is_verify()) spec.draft_token_num = row.qo_len;
     for (int r = 0; r < row.batch; ++r) {
       spec.req_pool_indices.push_back(r);
-      if (row.is_decode()) {
+      if (row.is_multistep()) {
+        // seq_lens count the committed prefix; the draft tokens follow it in req_to_token (their
+        // K/V are in the pool: the steps save none, so the batch has no out_cache_loc).
+        spec.seq_lens.push_back(row.prefix_len);
+      } else if (row.is_decode()) {
         spec.seq_lens.push_back(row.kv_len);
         spec.out_cache_loc.push_back(slots_[r][row.kv_len - 1]);
         if (row.is_cascade()) spec.shared_prefix_group.push_back(row.declare_group ? 0 : -1);
@@ -297,13 +340,16 @@ class BenchWorld {
     for (int layer = 0; layer < sets; ++layer) {
       fill_random(cache_.k_buffer(layer), fill_seed++, 1.f);
       fill_random(cache_.v_buffer(layer), fill_seed++, 1.f);
+      // draft_multistep: q / out of every step, step-major ([num_steps][batch][topk] rows);
+      // no new K/V (the steps save none).
       const int64_t tokens = row.tokens();
+      const int64_t kv_tokens = row.is_multistep() ? 0 : tokens;
       q_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kQHeads, row.head_dim}));
-      k_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kKvHeads, row.head_dim}));
-      v_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kKvHeads, row.head_dim}));
+      k_.push_back(OwnedTensor::make(device.device, kDType, {kv_tokens, kKvHeads, row.head_dim}));
+      v_.push_back(OwnedTensor::make(device.device, kDType, {kv_tokens, kKvHeads, row.head_dim}));
       out_.push_back(OwnedTensor::make(device.device, kDType, {tokens, kQHeads, row.head_dim}));
       for (const OwnedTensor* input : {&q_.back(), &k_.back(), &v_.back()}) {
-        fill_random(input->view, fill_seed++, 1.f);
+        if (input->view.numel() > 0) fill_random(input->view, fill_seed++, 1.f);
       }
     }
 
@@ -315,6 +361,23 @@ class BenchWorld {
     config.head_dim = row.head_dim;
     config.q_dtype = kDType;
     config.cuda_stream = cuda_stream;
+    if (row.is_multistep()) {
+      // As an engine's draft worker in CUDA-graph mode (and bench/peers): the draft backend's
+      // graph buffers for this batch, the host plan of every step (out_graph; in_capture: it
+      // must run on those buffers), then in_graph (the index sets of all steps: once a step of
+      // the engine, not per layer) once here; the timing captures the steps' forward. The CPU:
+      // init_forward_metadata, outside the timing too.
+      draft_ =
+          std::make_unique<MultiStepDraftBackend>(device.kind, config, row.topk, row.num_steps);
+      if (graph_step()) {
+        draft_->init_cuda_graph_state(row.batch);
+        draft_->init_forward_metadata_out_graph(step_->batch(), /*in_capture=*/true);
+        draft_->init_forward_metadata_in_graph(step_->batch());
+      } else {
+        draft_->init_forward_metadata(step_->batch());
+      }
+      return;
+    }
     backend_ = make_backend(device.kind, config);
     if (graph_step()) {
       // TARGET_VERIFY as an engine runs it on CUDA: a captured bucket of the backend's graph
@@ -330,23 +393,35 @@ class BenchWorld {
   }
 
   /// Whether the row runs on the backend's CUDA-graph buffers and must be timed captured.
-  bool graph_step() const { return row_.is_verify() && device_.kind == BackendKind::kCuda; }
+  bool graph_step() const {
+    return (row_.is_verify() || row_.is_multistep()) && device_.kind == BackendKind::kCuda;
+  }
 
   /// Bytes the world holds on the device: the pool of all layers plus every input set.
   static int64_t world_bytes(const GridRow& row, int sets) {
     const int64_t elem = dtype_size(kDType);
     const int64_t pool = num_slots(row) * kKvHeads * 2 * row.head_dim * elem;
-    const int64_t inputs = row.tokens() * (2 * kQHeads + 2 * kKvHeads) * row.head_dim * elem;
-    return sets * (pool + inputs);
+    return sets * (pool + row.tokens() * input_elems_per_token(row) * elem);
   }
   /// Bytes one call touches: the K/V it reads plus its inputs and output.
   static int64_t call_bytes(const GridRow& row) {
     const int64_t elem = dtype_size(kDType);
     const int64_t kv = row.kv_tokens() * kKvHeads * 2 * row.head_dim * elem;
-    return kv + row.tokens() * (2 * kQHeads + 2 * kKvHeads) * row.head_dim * elem;
+    return kv + row.tokens() * input_elems_per_token(row) * elem;
   }
 
+  /// One timed call: one layer's forward (draft_multistep: every draft step's forward of one
+  /// layer, step t on rows [t, t + 1) x batch x topk of q / out).
   void forward(int set) {
+    if (draft_) {
+      const int64_t rows = int64_t(row_.batch) * row_.topk;
+      for (int t = 0; t < row_.num_steps; ++t) {
+        draft_->forward_step(t, q_[set].view.slice0(t * rows, (t + 1) * rows), TensorView(),
+                             TensorView(), out_[set].view.slice0(t * rows, (t + 1) * rows),
+                             layer(set), /*out_cache_loc=*/TensorView());
+      }
+      return;
+    }
     backend_->forward(q_[set].view, k_[set].view, v_[set].view, out_[set].view, layer(set),
                       step_->batch(), /*save_kv_cache=*/true);
   }
@@ -354,12 +429,17 @@ class BenchWorld {
   /// Max relative error of sampled query rows of set 0 against the float64 reference. Decode,
   /// prefill and extend: each sampled query (request r, absolute position p) sees positions
   /// [0, p] of its request, which the oracle computes as a decode of length p + 1: exact for
-  /// causal full attention. Speculative rows: speculative_max_rel_err.
+  /// causal full attention. draft_multistep: multistep_max_rel_err; the other speculative rows:
+  /// speculative_max_rel_err.
   double sampled_max_rel_err() {
     // With one input set every call leaves the same state; otherwise set 0's output must be the
     // last one written.
     if (sets_ > 1) forward(0);
     synchronize(device_.device);
+    if (draft_) {
+      draft_->check_errors(/*synchronize=*/true);  // a refused draft step fails the row
+      return multistep_max_rel_err();
+    }
     if (row_.is_speculative()) return speculative_max_rel_err();
     struct Sample {
       int request;
@@ -420,6 +500,32 @@ class BenchWorld {
     return max_rel_err(ref, out_host.view, dense);
   }
 
+  /// Every branch of the first and the last request in every draft step. Query (step t,
+  /// request r, branch b), output row t x batch x topk + r x topk + b, is a decode over r's
+  /// prefix and its branch's draft tokens of steps 0..t (req_to_token positions prefix + s x
+  /// topk + b, s <= t), whose K/V the pool holds (the steps save none).
+  double multistep_max_rel_err() {
+    std::vector<std::vector<int32_t>> rows;
+    std::vector<int64_t> out_rows;
+    const int64_t step_rows = int64_t(row_.batch) * row_.topk;
+    std::vector<int> requests = {0};
+    if (row_.batch > 1) requests.push_back(row_.batch - 1);
+    for (int t = 0; t < row_.num_steps; ++t) {
+      for (int r : requests) {
+        const std::vector<int32_t>& slots = slots_[size_t(r)];
+        for (int b = 0; b < row_.topk; ++b) {
+          std::vector<int32_t> keys(slots.begin(), slots.begin() + row_.prefix_len);
+          for (int s = 0; s <= t; ++s) {
+            keys.push_back(slots[size_t(row_.prefix_len + s * row_.topk + b)]);
+          }
+          rows.push_back(std::move(keys));
+          out_rows.push_back(t * step_rows + int64_t(r) * row_.topk + b);
+        }
+      }
+    }
+    return decode_rows_max_rel_err(rows, out_rows);
+  }
+
   /// Every query of the first and the last request (their 8-16 tree tokens, or 4 new tokens)
   /// against the oracle run in the step's own mode: TARGET_VERIFY rows under the tree mask the
   /// backend was given, DRAFT_EXTEND causal (tools/oracle.h check_step_requests; the step's new
@@ -445,6 +551,12 @@ class BenchWorld {
     inputs.kv_dtype = kDType;
     return check_step_requests(cache_, layer(0), spec, rows, picked, slot_rows, inputs,
                                out_[0].view);
+  }
+
+  /// Input and output values per query token: q and out, plus the new k and v the step saves
+  /// (draft_multistep saves none).
+  static int64_t input_elems_per_token(const GridRow& row) {
+    return (2 * kQHeads + (row.is_multistep() ? 0 : 2 * kKvHeads)) * row.head_dim;
   }
 
   static int64_t num_slots(const GridRow& row) {
@@ -528,7 +640,8 @@ class BenchWorld {
   std::vector<std::vector<int32_t>> slots_;  ///< [batch][kv_len] slot of each position
   std::unique_ptr<StepBatch> step_;
   std::vector<OwnedTensor> q_, k_, v_, out_;
-  std::unique_ptr<AttentionBackend> backend_;
+  std::unique_ptr<AttentionBackend> backend_;     ///< every row but draft_multistep
+  std::unique_ptr<MultiStepDraftBackend> draft_;  ///< draft_multistep
 };
 
 /// Host timing: one call per sample, rotating the input sets; median after one warm-up call.
@@ -591,6 +704,7 @@ void write_json(const std::string& path, const std::string& device_name, const R
         << ", \"batch\": " << g.batch << ", \"kv_len\": " << g.kv_len
         << ", \"qo_len\": " << g.qo_len << ", \"prefix_len\": " << g.prefix_len;
     if (g.is_verify()) out << ", \"tree_tokens\": " << g.qo_len;
+    if (g.is_multistep()) out << ", \"topk\": " << g.topk << ", \"num_steps\": " << g.num_steps;
     if (g.is_cascade()) out << ", \"shared_prefix\": " << g.shared_prefix;
     out << ", \"page_size\": " << g.page_size << ", \"head_dim\": " << g.head_dim
         << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
@@ -624,7 +738,7 @@ int64_t host_available_bytes() {
 }
 
 void print_header(bool cpu) {
-  std::printf("%-12s %5s %6s %6s %6s %4s %4s %-16s %10s %14s %8s %11s  %s\n", "workload", "batch",
+  std::printf("%-15s %5s %6s %6s %6s %4s %4s %-16s %10s %14s %8s %11s  %s\n", "workload", "batch",
               "kv_len", "qo_len", "prefix", "page", "hd", "variant", "time",
               cpu ? "GB/s|GFLOP/s" : "GB/s|TFLOP/s", "fraction", "max_rel_err", "note");
 }
@@ -655,18 +769,19 @@ void print_row(const RowResult& r, bool cpu) {
       err = "inf";
     }
   }
-  std::printf("%-12s %5d %6d %6d %6d %4d %4d %-16s %10s %14s %8s %11s  %s\n", g.workload.c_str(),
+  std::printf("%-15s %5d %6d %6d %6d %4d %4d %-16s %10s %14s %8s %11s  %s\n", g.workload.c_str(),
               g.batch, g.kv_len, g.qo_len, g.prefix_len, g.page_size, g.head_dim, g.variant.c_str(),
               time.c_str(), rate.c_str(), fraction.c_str(), err.c_str(), r.note.c_str());
   std::fflush(stdout);
 }
 
 /// Whether `--workload workload` selects the row: cascade the shared-prefix decode rows, draft
-/// the DRAFT_EXTEND rows, any other name the rows of that workload but the shared-prefix ones.
+/// the DRAFT_EXTEND rows and the multi-step draft row, any other name the rows of that workload
+/// but the shared-prefix ones.
 bool selected_by(const GridRow& row, const std::string& workload) {
   if (workload == "all") return true;
   if (workload == "cascade") return row.is_cascade();
-  if (workload == "draft") return row.is_draft_extend();
+  if (workload == "draft") return row.is_draft_extend() || row.is_multistep();
   return row.workload == workload && !row.is_cascade();
 }
 
@@ -684,20 +799,31 @@ std::string bench_usage() {
          "ancestors and itself), on CUDA captured on the backend's CUDA-graph buffers as an\n"
          "engine runs it; DRAFT_EXTEND (workload draft_extend; --workload draft) batch {16,64} x\n"
          "4096 prefix x 4 new tokens, causal, eager (the backend captures DECODE and\n"
-         "TARGET_VERIFY only). Shared-prefix decode (--workload cascade; workload decode,\n"
-         "variant cascade / no-cascade): batch 64, every request behind one 8192-token prompt\n"
-         "plus 256 own tokens, page 1 and 16; the step declares the requests one group\n"
+         "TARGET_VERIFY only); the multi-step draft (workload draft_multistep; --workload draft\n"
+         "too) batch 16 x 4096 prefix, topk 4 branches a request, 3 steps (MultiStepDraftBackend:\n"
+         "step t decodes 16 x 4 rows, branch b of request r over its prefix and its draft tokens\n"
+         "of steps 0..t at positions prefix + s*topk + b, whose K/V the pool holds); one call is\n"
+         "init_forward_metadata once outside the timing, then the 3 steps' forward of one layer\n"
+         "(save_kv_cache false, as bench/peers), on CUDA captured on the draft backend's\n"
+         "CUDA-graph buffers (init_cuda_graph_state(16)); its GB/s count each request's prefix\n"
+         "once a step (not once a branch) plus its (t+1)*topk draft tokens, summed over the\n"
+         "steps. Shared-prefix decode (--workload cascade; workload decode, variant cascade /\n"
+         "no-cascade): batch 64, every request behind one 8192-token prompt plus 256 own\n"
+         "tokens, page 1 and 16; the step declares the requests one group\n"
          "(ForwardBatch::shared_prefix_group_cpu: the cascade path) or no group (the plain\n"
          "path); their GB/s count the distinct K/V bytes (the prompt once). On CUDA a step with\n"
-         "groups runs eagerly (it is not captured). Times are per call: one layer's forward.\n"
+         "groups runs eagerly (it is not captured). Times are per call: one layer's forward\n"
+         "(draft_multistep: all its steps).\n"
          "The ceilings are measured first, in the same run: CPU read-only streaming bandwidth\n"
          "(1 GiB, all cores, AVX2) and the fp32 FMA rate (and the AVX-512 rate where the CPU\n"
          "kernels use it); CUDA read-only streaming (4 GiB), device copy and cuBLAS bf16 GEMM\n"
-         "8192^3. Decode, verify and draft_extend report GB/s of K+V read as a fraction of the\n"
-         "read bandwidth; prefill and extend report FLOP/s (4*b*h*d*q*(prefix + q/2)) as a\n"
-         "fraction of the matrix / FMA rate. Every row is checked on sampled queries against the\n"
-         "float64 reference (max_rel_err; verify and draft_extend: every query of the first and\n"
-         "last request, in the step's own mode and mask).\n"
+         "8192^3. Decode, verify, draft_extend and draft_multistep report GB/s of K+V read as a\n"
+         "fraction of the read bandwidth; prefill and extend report FLOP/s\n"
+         "(4*b*h*d*q*(prefix + q/2)) as a fraction of the matrix / FMA rate. Every row is\n"
+         "checked on sampled queries against the float64 reference (max_rel_err; verify and\n"
+         "draft_extend: every query of the first and last request, in the step's own mode and\n"
+         "mask; draft_multistep: every branch of the first and last request in every step, each\n"
+         "a decode over the keys it sees).\n"
          "On the CPU, rows estimated too slow or too big for the machine are listed as skipped.\n"
          "Progress goes to stderr. Exit code 1 when a row fails or exceeds the bf16 error bar.\n"
          "\n"
@@ -790,9 +916,9 @@ int run_bench(const std::vector<std::string>& args) {
         "16) %.1f GB/s\n",
         ceilings.cpu_random_slot_gbps, ceilings.cpu_random_page16_gbps);
     std::printf(
-        "fraction: decode, verify, draft_extend of read GB/s; prefill/extend of the compute rate "
-        "(fp32 FMA, or AVX-512 / AMX where those kernels run). Rows whose one call is estimated over "
-        "%.1f s, or whose world needs over %.1f GiB, are skipped.\n",
+        "fraction: decode, verify, draft_extend, draft_multistep of read GB/s; prefill/extend of "
+        "the compute rate (fp32 FMA, or AVX-512 / AMX where those kernels run). Rows whose one "
+        "call is estimated over %.1f s, or whose world needs over %.1f GiB, are skipped.\n",
         max_row_seconds, double(memory_limit) / double(kGiB));
   } else {
     std::printf(
@@ -800,7 +926,8 @@ int run_bench(const std::vector<std::string>& args) {
         "%.0f TFLOP/s\n",
         ceilings.read_gbps, ceilings.copy_gbps, ceilings.gemm_bf16_tflops);
     std::printf(
-        "fraction: decode, verify, draft_extend of read GB/s; prefill/extend of the GEMM rate.\n");
+        "fraction: decode, verify, draft_extend, draft_multistep of read GB/s; prefill/extend of "
+        "the GEMM rate.\n");
   }
   std::printf("\n");
   print_header(cpu);
@@ -816,7 +943,10 @@ int run_bench(const std::vector<std::string>& args) {
     // bandwidth, prefill at a quarter of the FMA rate (what the CPU backend reached on the
     // 2-core development machine, 2026-11-29: 14-33% of read, 25-55% of FMA); the speculative
     // rows (a few queries per request over a long prefix) at the slower of the two.
-    const double read_s = row.kv_bytes() / (0.25 * ceilings.read_gbps * 1e9);
+    // The CPU's multi-step draft reads a request's prefix once per branch (each branch is a
+    // decode query of its own there), topk times the bytes the row counts.
+    const double cpu_reads = row.is_multistep() ? row.topk : 1;
+    const double read_s = row.kv_bytes() * cpu_reads / (0.25 * ceilings.read_gbps * 1e9);
     const double compute_s = row.flops() / (0.25 * ceilings.cpu_compute_gflops() * 1e9);
     const double estimate_s = row.is_decode()        ? read_s
                               : row.is_speculative() ? std::max(read_s, compute_s)
@@ -850,12 +980,13 @@ int run_bench(const std::vector<std::string>& args) {
           cuda::bench::TimingOptions options;
           options.calls_per_rep = sets;
           options.max_seconds = quick ? 0.3 : 1.0;
-          // DRAFT_EXTEND runs eagerly in an engine (no graph buffers for it): time it so.
+          // DRAFT_EXTEND runs eagerly in an engine (no graph buffers for it): time it so. The
+          // multi-step draft: a captured call is the draft steps' forward of one layer.
           options.use_graph = !row.is_draft_extend();
           const cuda::bench::Timing t = cuda::bench::time_on_stream(
               [&](int call) { world.forward(call); }, stream_handle, options);
           if (world.graph_step() && !t.graph) {
-            throw_error(ErrorKind::kDeviceError, "verify",
+            throw_error(ErrorKind::kDeviceError, row.workload,
                         "forward on the CUDA-graph buffers could not be captured");
           }
           timing = {t.median_us, t.reps, t.graph};
