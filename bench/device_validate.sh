@@ -12,7 +12,7 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tcgrid (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
+# STEPS=a,b,... picks steps (tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
 # TC_FILTER / SAN_FILTER override the tc / memcheck test filters; peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, PEERS_IMPLS a comma list, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
@@ -45,7 +45,7 @@ T=$CARRY/kvattn_cuda_tests
 
 want tc && step tc 120 "$T" --gtest_filter="${TC_FILTER:-TcDecodeKernel*:PrefillKernel.*:CudaGraphs*:CudaScenarios.*:*CudaDeterministic*:CudaCascade.*}"
 # the decode-shaped kernel with its split merge inside the kernel (the A/B knob)
-want tcgrid && KVATTN_TC_DECODE_MERGE=kernel step tcgrid 60 "$T" --gtest_filter='TcDecodeKernel*'
+want tckernel && KVATTN_TC_DECODE_MERGE=kernel step tckernel 60 "$T" --gtest_filter='TcDecodeKernel*'
 want tcbench && KVATTN_PREFILL_BENCH=1 step tcbench 90 "$T" \
   --gtest_filter='PrefillBench.DecodeShaped'
 if want bench; then
