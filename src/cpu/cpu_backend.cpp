@@ -564,7 +564,49 @@ void CpuDraftRunner::init_forward_metadata(const ForwardBatch& batch) {
     prefix_begin[size_t(r) + 1] = int64_t(prefix_slots.size());
     append_slots(pool, row, lens.seq_lens[r], draft_positions, num_slots, draft_slots);
   }
-  for (int s = 0; s < num_steps_; ++s) {
+  // Shared prefix: a request's topk branches read its prefix once a step, as the query rows of
+  // one request whose keys are the prefix and the draft tokens of steps 0..s (in req_to_token
+  // order: step t's branch b at prefix + t * topk + b), branch b's mask row keeping the prefix
+  // and its own draft tokens. A window model keeps one decode query a branch (its keys are then
+  // in position order, which the window bound needs).
+  static const bool shared_wanted = [] {
+    const char* v = std::getenv("KVATTN_DRAFT_SHARED_PREFIX");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  branch_masks_.clear();
+  if (shared_wanted && topk_ > 1 && config_.sliding_window_size < 0) {
+    branch_masks_.resize(size_t(num_steps_));
+    for (int s = 0; s < num_steps_; ++s) {
+      CpuIndexSet& step = steps[size_t(s)];
+      core::PagedLayout& layout = step.layout;
+      const int drafts_seen = (s + 1) * topk_;
+      layout.batch_size = bs;
+      layout.mask = core::MaskMode::kCustom;
+      layout.qo_indptr.assign(size_t(bs) + 1, 0);
+      layout.kv_start.assign(size_t(bs), 0);
+      layout.kv_len.assign(size_t(bs), 0);
+      layout.kv_indptr.assign(size_t(bs) + 1, 0);
+      layout.mask_indptr.assign(size_t(bs) + 1, 0);
+      std::vector<uint8_t>& mask = branch_masks_[size_t(s)];
+      for (int r = 0; r < bs; ++r) {
+        const int32_t seq = lens.seq_lens[size_t(r)];
+        const int32_t kv_len = seq + drafts_seen;
+        layout.qo_indptr[size_t(r) + 1] = (r + 1) * topk_;
+        layout.kv_len[size_t(r)] = kv_len;
+        layout.kv_indptr[size_t(r) + 1] = layout.kv_indptr[size_t(r)] + kv_len;
+        layout.mask_indptr[size_t(r) + 1] = layout.mask_indptr[size_t(r)] + int64_t(topk_) * kv_len;
+        const int32_t* prefix = prefix_slots.data() + prefix_begin[size_t(r)];
+        const int32_t* drafts = draft_slots.data() + int64_t(r) * draft_positions;
+        step.kv_indices.insert(step.kv_indices.end(), prefix, prefix + seq);
+        step.kv_indices.insert(step.kv_indices.end(), drafts, drafts + drafts_seen);
+        for (int b = 0; b < topk_; ++b) {
+          mask.insert(mask.end(), size_t(seq), uint8_t(1));
+          for (int j = 0; j < drafts_seen; ++j) mask.push_back(j % topk_ == b ? 1 : 0);
+        }
+      }
+    }
+  }
+  for (int s = 0; s < num_steps_ && branch_masks_.empty(); ++s) {
     CpuIndexSet& step = steps[size_t(s)];
     core::PagedLayout& layout = step.layout;
     layout.batch_size = queries;
@@ -612,9 +654,13 @@ void CpuDraftRunner::forward_step(int step, const TensorView& q, const TensorVie
   core::set_query_fields(params, q, out, layer);
   params.deterministic = config_.deterministic;
   set_paged(params, cache, layer, steps_[size_t(step)]);
-  // The step's keys are in position order (prefix, then the branch's drafts), so a window is
-  // the usual bottom-right bound.
-  params.window_left = layer.sliding_window_size;
+  if (!branch_masks_.empty()) {
+    params.custom_mask = branch_masks_[size_t(step)].data();
+  } else {
+    // The step's keys are in position order (prefix, then the branch's drafts), so a window is
+    // the usual bottom-right bound.
+    params.window_left = layer.sliding_window_size;
+  }
   const int dv = layer.resolved_v_head_dim();
   if (layer.sinks.defined()) {  // as CpuBackend::forward_any: the LSE, then the sink folded in
     sink_lse_.resize(size_t(num_queries_) * layer.num_q_heads);

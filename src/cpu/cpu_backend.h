@@ -112,6 +112,10 @@ class CpuDraftRunner final : public core::DraftRunner {
   bool ready_ = false;
   int num_queries_ = 0;  // batch_size * topk
   std::vector<CpuIndexSet> steps_;  // one per draft step
+  /// Shared prefix (no window model): step s is one call whose query rows are a request's
+  /// branches, over its prefix and all draft tokens of steps 0..s under these branch masks
+  /// (one per step; empty: every branch is a decode query of its own).
+  std::vector<std::vector<uint8_t>> branch_masks_;
   std::vector<float> sink_lse_;     // layers with sinks: the rows' LSE before the sink
   uint64_t step_id_ = 0;
 };
