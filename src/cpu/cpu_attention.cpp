@@ -66,6 +66,7 @@ struct WorkItem {
   int32_t kv_end = 0;
   int64_t partial = -1;  // -1: writes the output itself; else its slot in the partial buffers
   int64_t cost = 0;      // rows x keys, for ordering
+  int32_t dense_end = 0;  // custom mask: keys below it are visible to every row of the tile
 };
 
 // A split tile: merges num_partials consecutive partial slots into the output.
@@ -663,6 +664,9 @@ struct TileRows {
   int group = 1;
   VisibleRange first_range{0, 0};  // of the first and the last token
   VisibleRange last_range{0, 0};
+  /// Custom mask: keys below it are visible to every row (WorkItem::dense_end): blocks below it
+  /// read no mask byte.
+  int64_t dense_end = 0;
 };
 
 // Soft-cap and masks on one kv head's scores for keys [block, block + nk), then the
@@ -674,8 +678,8 @@ void mask_and_softmax(const AttentionParams& p, const TileRows& tile, int64_t bl
                       float* o /*[rows, dv]*/, int dv) {
   const bool custom = p.mask == MaskMode::kCustom;
   const int padded = (nk + 7) & ~7;
-  const bool whole_block_visible = !custom && block >= tile.last_range.lo &&
-                                   block + nk <= tile.first_range.hi;
+  const bool whole_block_visible = (!custom || block + nk <= tile.dense_end) &&
+                                   block >= tile.last_range.lo && block + nk <= tile.first_range.hi;
   for (int t = 0; t < tile.tokens; ++t) {
     const int64_t token_t = tile.q_begin + t;
     VisibleRange range{block, block + nk};
@@ -748,6 +752,7 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
   tile.group = group;
   tile.first_range = visible_range(p, tile.q_len, tile.kv_len, item.q_begin);
   tile.last_range = visible_range(p, tile.q_len, tile.kv_len, item.q_end - 1);
+  tile.dense_end = item.dense_end;
   const int rows = tile.tokens * group;  // per kv head
   const int num_heads = item.head_end - item.head_begin;
   const int64_t io_element = dtype_size(p.io_dtype);
@@ -899,8 +904,9 @@ void attend_tile(const CallContext& ctx, const WorkItem& item, ThreadScratch& ws
           // Blocks whose rows see keys from the block's start (no custom mask or soft-cap, the
           // window's lower bound not inside) take the AVX-512 softmax, which also scales the
           // scores; a causal row's upper bound is a per-row key count there.
-          const bool plain = p.mask != MaskMode::kCustom && p.logit_cap <= 0.f &&
-                             block >= tile.last_range.lo;
+          const bool plain =
+              (p.mask != MaskMode::kCustom || block + nk <= tile.dense_end) &&
+              p.logit_cap <= 0.f && block >= tile.last_range.lo;
           amx::pack_keys(keys, k_head_offset(h), nk, dim, kp);
           amx::scores(ws.q_bf16.data() + first_row * dim, kernel_rows, dim, kp,
                       plain ? 1.f : ctx.q_scale, s, kKvBlock);
@@ -1015,6 +1021,20 @@ float merge_partials(const float* const* outs, const float* lses, int count, int
 
 // ---- planning ------------------------------------------------------------------------------------
 
+// The keys [0, end) that every row of a custom-mask tile sees: end is the first 0 byte of any
+// of its rows (an engine's verify mask keeps the prefix: then the tile's blocks there read no
+// mask byte and take the unmasked softmax).
+int64_t custom_mask_dense_end(const AttentionParams& p, int request, int64_t q_len,
+                              int64_t kv_len, int64_t q_begin, int64_t q_end) {
+  int64_t end = kv_len;
+  for (int64_t t = q_begin; t < q_end && end > 0; ++t) {
+    const uint8_t* row = custom_mask_row(p, request, q_len, kv_len, t);
+    const void* zero = std::memchr(row, 0, size_t(end));
+    if (zero != nullptr) end = static_cast<const uint8_t*>(zero) - row;
+  }
+  return end;
+}
+
 // Clips a custom-mask tile to the columns some row of it can see: [lo, hi) in relative keys.
 VisibleRange custom_mask_span(const AttentionParams& p, int request, int64_t q_len,
                               int64_t kv_len, int64_t q_begin, int64_t q_end, VisibleRange span) {
@@ -1126,7 +1146,11 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
       const VisibleRange last = visible_range(p, q_len, kv_len, q1 - 1);
       VisibleRange span{std::max<int64_t>(0, first.lo), std::min(kv_len, last.hi)};
       if (span.hi < span.lo) span.hi = span.lo;
-      if (p.mask == MaskMode::kCustom) span = custom_mask_span(p, r, q_len, kv_len, q0, q1, span);
+      int64_t dense_end = 0;
+      if (p.mask == MaskMode::kCustom) {
+        span = custom_mask_span(p, r, q_len, kv_len, q0, q1, span);
+        dense_end = custom_mask_dense_end(p, r, q_len, kv_len, q0, q1);
+      }
       for (int h = 0; h < p.num_kv_heads; h += ctx.item_heads) {
         WorkItem item;
         item.request = r;
@@ -1136,6 +1160,7 @@ void run_attention(const AttentionParams& p, DType out_dtype, ThreadPool& pool,
         item.q_end = int32_t(q1);
         item.kv_begin = int32_t(span.lo);
         item.kv_end = int32_t(span.hi);
+        item.dense_end = int32_t(dense_end);
         // Rows x keys, plus a constant per tile for loading q and writing the output.
         item.cost = (q1 - q0) * ctx.group * (item.head_end - item.head_begin) *
                     (span.hi - span.lo + 16);
