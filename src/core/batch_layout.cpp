@@ -255,6 +255,33 @@ PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const 
   return layout;
 }
 
+PagedLayout make_draft_step_layout(std::span<const int32_t> seq_lens, int topk, int step,
+                                   bool shared_prefix, bool full_mask_rows) {
+  const int bs = int(seq_lens.size());
+  const int n = shared_prefix ? bs : bs * topk;
+  PagedLayout layout;
+  layout.batch_size = n;
+  layout.mask = shared_prefix ? MaskMode::kCustom : MaskMode::kCausal;
+  layout.qo_indptr.assign(size_t(n) + 1, 0);
+  layout.kv_start.assign(size_t(n), 0);
+  layout.kv_len.assign(size_t(n), 0);
+  layout.kv_indptr.assign(size_t(n) + 1, 0);
+  if (shared_prefix) layout.mask_indptr.assign(size_t(n) + 1, 0);
+  for (int e = 0; e < n; ++e) {
+    const int32_t seq = seq_lens[size_t(shared_prefix ? e : e / topk)];
+    const int32_t kv_len = shared_prefix ? seq + (step + 1) * topk : seq + step + 1;
+    layout.qo_indptr[size_t(e) + 1] = shared_prefix ? (e + 1) * topk : e + 1;
+    layout.kv_len[size_t(e)] = kv_len;
+    layout.kv_indptr[size_t(e) + 1] = layout.kv_indptr[size_t(e)] + kv_len;
+    if (shared_prefix) {
+      layout.mask_indptr[size_t(e) + 1] =
+          layout.mask_indptr[size_t(e)] +
+          int64_t(topk) * (full_mask_rows ? kv_len : (step + 1) * topk);
+    }
+  }
+  return layout;
+}
+
 PagedLayout make_ragged_layout(const HostLengths& lens) {
   PagedLayout layout;
   const int bs = int(lens.seq_lens.size());

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "kvattn/forward_batch.h"
@@ -65,6 +66,19 @@ PagedLayout make_paged_layout(ForwardMode mode, IndexSet set, int window, const 
 
 /// The ragged half of the ragged path: queries and keys are the new tokens, causal.
 PagedLayout make_ragged_layout(const HostLengths& lens);
+
+/// Step `step` (0-based) of the multi-step draft over requests of committed lengths `seq_lens`,
+/// `topk` branches each (branch b's draft token of step t at req_to_token position
+/// seq + t * topk + b). Keys always start at req_to_token position 0 (kv_start 0).
+/// - shared_prefix: one entry a request, its topk branches its query rows, keys the prefix and
+///   every draft token of steps 0..step (kv_len seq + (step + 1) * topk, in req_to_token order),
+///   kCustom: mask_indptr for mask rows of kv_len columns (full_mask_rows) or of only the
+///   (step + 1) * topk draft columns (the decode-shaped CUDA kernel's short rows, the prefix
+///   before them visible). The backend's branch mask keeps a branch's own draft tokens.
+/// - else: one decode entry a (request, branch), r * topk + b, keys the prefix then the branch's
+///   draft tokens (kv_len seq + step + 1, causal; the index set gathers the branch's slots).
+PagedLayout make_draft_step_layout(std::span<const int32_t> seq_lens, int topk, int step,
+                                   bool shared_prefix, bool full_mask_rows);
 
 /// True when EXTEND takes the ragged + paged-prefix path (SPEC §3). `deterministic`
 /// (BackendConfig::deterministic) never takes it: whether a step does depends on its size.

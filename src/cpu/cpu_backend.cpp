@@ -578,23 +578,12 @@ void CpuDraftRunner::init_forward_metadata(const ForwardBatch& batch) {
     branch_masks_.resize(size_t(num_steps_));
     for (int s = 0; s < num_steps_; ++s) {
       CpuIndexSet& step = steps[size_t(s)];
-      core::PagedLayout& layout = step.layout;
       const int drafts_seen = (s + 1) * topk_;
-      layout.batch_size = bs;
-      layout.mask = core::MaskMode::kCustom;
-      layout.qo_indptr.assign(size_t(bs) + 1, 0);
-      layout.kv_start.assign(size_t(bs), 0);
-      layout.kv_len.assign(size_t(bs), 0);
-      layout.kv_indptr.assign(size_t(bs) + 1, 0);
-      layout.mask_indptr.assign(size_t(bs) + 1, 0);
+      step.layout = core::make_draft_step_layout(lens.seq_lens, topk_, s, /*shared_prefix=*/true,
+                                                 /*full_mask_rows=*/true);
       std::vector<uint8_t>& mask = branch_masks_[size_t(s)];
       for (int r = 0; r < bs; ++r) {
         const int32_t seq = lens.seq_lens[size_t(r)];
-        const int32_t kv_len = seq + drafts_seen;
-        layout.qo_indptr[size_t(r) + 1] = (r + 1) * topk_;
-        layout.kv_len[size_t(r)] = kv_len;
-        layout.kv_indptr[size_t(r) + 1] = layout.kv_indptr[size_t(r)] + kv_len;
-        layout.mask_indptr[size_t(r) + 1] = layout.mask_indptr[size_t(r)] + int64_t(topk_) * kv_len;
         const int32_t* prefix = prefix_slots.data() + prefix_begin[size_t(r)];
         const int32_t* drafts = draft_slots.data() + int64_t(r) * draft_positions;
         step.kv_indices.insert(step.kv_indices.end(), prefix, prefix + seq);
@@ -608,21 +597,12 @@ void CpuDraftRunner::init_forward_metadata(const ForwardBatch& batch) {
   }
   for (int s = 0; s < num_steps_ && branch_masks_.empty(); ++s) {
     CpuIndexSet& step = steps[size_t(s)];
-    core::PagedLayout& layout = step.layout;
-    layout.batch_size = queries;
-    layout.mask = core::MaskMode::kCausal;
-    layout.qo_indptr.assign(size_t(queries) + 1, 0);
-    layout.kv_start.assign(size_t(queries), 0);
-    layout.kv_len.assign(size_t(queries), 0);
-    layout.kv_indptr.assign(size_t(queries) + 1, 0);
+    step.layout = core::make_draft_step_layout(lens.seq_lens, topk_, s, /*shared_prefix=*/false,
+                                               /*full_mask_rows=*/false);
     for (int r = 0; r < bs; ++r) {
       const int32_t* prefix = prefix_slots.data() + prefix_begin[size_t(r)];
       const int32_t* drafts = draft_slots.data() + int64_t(r) * draft_positions;
       for (int b = 0; b < topk_; ++b) {
-        const int query = r * topk_ + b;
-        layout.qo_indptr[size_t(query) + 1] = query + 1;
-        layout.kv_len[size_t(query)] = lens.seq_lens[r] + s + 1;
-        layout.kv_indptr[size_t(query) + 1] = layout.kv_indptr[size_t(query)] + lens.seq_lens[r] + s + 1;
         step.kv_indices.insert(step.kv_indices.end(), prefix, prefix + lens.seq_lens[r]);
         for (int t = 0; t <= s; ++t) step.kv_indices.push_back(drafts[t * topk_ + b]);
       }

@@ -91,14 +91,9 @@ class CudaDraftRunner final : public core::DraftRunner {
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
-      reset_layout(layout, entries, core::MaskMode::kCausal);
-      for (int e = 0; e < entries; ++e) {
-        layout.qo_indptr[e] = e;
-        layout.kv_len[e] = lens.seq_lens[e / topk_] + s + 1;
-        layout.kv_indptr[e + 1] = layout.kv_indptr[e] + layout.kv_len[e];
-        max_kv_len_ = std::max(max_kv_len_, layout.kv_len[e]);
-      }
-      layout.qo_indptr[entries] = entries;
+      layout = core::make_draft_step_layout(lens.seq_lens, topk_, s, /*shared_prefix=*/false,
+                                            /*full_mask_rows=*/false);
+      for (int32_t len : layout.kv_len) max_kv_len_ = std::max(max_kv_len_, len);
       call.paged = true;
       call.prefill = false;
       call.custom_mask = nullptr;
@@ -265,18 +260,6 @@ class CudaDraftRunner final : public core::DraftRunner {
   }
 
  private:
-  // A draft step's layout of `n` entries: keys from req_to_token position 0, sizes set, the
-  // lengths for the caller to fill.
-  static void reset_layout(core::PagedLayout& layout, int n, core::MaskMode mask) {
-    layout = core::PagedLayout();
-    layout.batch_size = n;
-    layout.mask = mask;
-    layout.qo_indptr.resize(size_t(n) + 1);
-    layout.kv_start.assign(size_t(n), 0);
-    layout.kv_len.resize(size_t(n));
-    layout.kv_indptr.assign(size_t(n) + 1, 0);
-  }
-
   core::PrefillTileShape shared_prefix_shape() const {
     return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true);
   }
@@ -314,18 +297,10 @@ class CudaDraftRunner final : public core::DraftRunner {
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
-      reset_layout(layout, bs, core::MaskMode::kCustom);
-      layout.mask_indptr.resize(size_t(bs) + 1);
-      const int64_t mask_block = int64_t(topk_) * (s + 1) * topk_;
-      for (int r = 0; r <= bs; ++r) {
-        layout.qo_indptr[size_t(r)] = r * topk_;
-        layout.mask_indptr[size_t(r)] = r * mask_block;
-      }
-      for (int r = 0; r < bs; ++r) {
-        layout.kv_len[size_t(r)] = lens.seq_lens[size_t(r)] + (s + 1) * topk_;
-        layout.kv_indptr[size_t(r) + 1] = layout.kv_indptr[size_t(r)] + layout.kv_len[size_t(r)];
-        max_kv_len_ = std::max(max_kv_len_, layout.kv_len[size_t(r)]);
-      }
+      // Short mask rows: the draft columns only (the kernel sees the prefix before them).
+      layout = core::make_draft_step_layout(lens.seq_lens, topk_, s, /*shared_prefix=*/true,
+                                            /*full_mask_rows=*/false);
+      for (int32_t len : layout.kv_len) max_kv_len_ = std::max(max_kv_len_, len);
       call.paged = true;
       call.prefill = true;
       call.tc_decode = true;
