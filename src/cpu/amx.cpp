@@ -25,6 +25,19 @@ namespace {
 constexpr int kTileElems = 16 * 32;          // one 16 x 32 bf16 B tile (1 KiB)
 constexpr float kRescaleAbove = 5.5451774f;  // 8 ln 2
 
+// Accumulators 0..3 += A tile 4 times the four B tiles at b (kTileElems apart): a 16-row by
+// 64-column pass, B through tiles 5..7 (the fourth reuses 5 once its first product is issued).
+KVATTN_AMX inline __attribute__((always_inline)) void dp_four_b_tiles(const uint16_t* b) {
+  _tile_loadd(5, b, 64);
+  _tile_loadd(6, b + kTileElems, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(7, b + 2 * kTileElems, 64);
+  _tile_loadd(5, b + 3 * kTileElems, 64);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
 // Linux keeps the AMX tile data off until a process asks for it (arch_prctl).
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
@@ -187,15 +200,7 @@ KVATTN_AMX void scores(const uint16_t* q, int rows, int dim, const uint16_t* kp,
     _tile_zero(3);
     for (int c = 0; c < chunks; ++c) {
       _tile_loadd(4, q + int64_t(r0) * dim + c * 32, dim * 2);
-      const uint16_t* b = kp + int64_t(c) * 4 * kTileElems;
-      _tile_loadd(5, b, 64);
-      _tile_loadd(6, b + kTileElems, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, b + 2 * kTileElems, 64);
-      _tile_loadd(5, b + 3 * kTileElems, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 4, 5);
+      dp_four_b_tiles(kp + int64_t(c) * 4 * kTileElems);
     }
     float* dst = s + int64_t(r0) * ld;
     _tile_stored(0, dst, ld * 4);
@@ -339,15 +344,7 @@ KVATTN_AMX void accumulate_pv(const float* p, int ld, int rows, int nk, const ui
         _tile_loadd(3, od + 48, dv * 4);
         for (int kc = 0; kc < key_chunks; ++kc) {
           _tile_loadd(4, pb + kc * 32, kBlockKeys * 2);
-          const uint16_t* b = vp + (int64_t(kc) * col_tiles + t0) * kTileElems;
-          _tile_loadd(5, b, 64);
-          _tile_loadd(6, b + kTileElems, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, b + 2 * kTileElems, 64);
-          _tile_loadd(5, b + 3 * kTileElems, 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 4, 5);
+          dp_four_b_tiles(vp + (int64_t(kc) * col_tiles + t0) * kTileElems);
         }
         _tile_stored(0, od, dv * 4);
         _tile_stored(1, od + 16, dv * 4);

@@ -308,6 +308,11 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
   // step: a mask byte read in the step that needs it would stall the warp on a memory round trip
   // every 16 keys (measured: verify b64 x 4096 took 470 us against 257 us without a mask).
   constexpr int kMaskBytes = kMAtoms * 8;
+  // The tree token of this lane's accumulator row h (0: lane / 4, 1: + 8) of m16 atom a (rows
+  // past the tile's last one read as its last token: they are never stored).
+  auto lane_token = [&](int a, int h) {
+    return min(row0 + a * 16 + (lane >> 2) + 8 * h, rows_total - 1) / group;
+  };
   auto load_mask = [&](int u, uint8_t(&into)[kMaskBytes]) {
     if (u >= warp_steps || !step_masked(u)) return;  // the step reads no mask byte
     const int first = step_key(u);
@@ -315,9 +320,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
     for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int packed = row0 + a * 16 + (lane >> 2) + 8 * h;
-        const int token = min(packed, rows_total - 1) / group;
-        const uint8_t* mask_row = p.custom_mask + (mask_offset + token * mask_row_len);
+        const uint8_t* mask_row =
+            p.custom_mask + (mask_offset + lane_token(a, h) * mask_row_len);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
@@ -350,8 +354,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
       for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int packed = row0 + a * 16 + (lane >> 2) + 8 * h;
-          const int token = min(packed, rows_total - 1) / group;
+          const int token = lane_token(a, h);
           const int last_visible = causal ? diagonal + token : kv_end - 1;
           const int first_visible = window >= 0 ? diagonal + token - window : 0;
 #pragma unroll
