@@ -12,7 +12,7 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
+# STEPS=a,b,... picks steps (prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
 # TC_FILTER / SAN_FILTER override the tc / memcheck test filters; peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, PEERS_IMPLS a comma list, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
@@ -53,6 +53,14 @@ if want bench; then
   for w in verify draft cascade; do
     step "bench-$w" 90 "$CARRY/kvattn" bench --device cuda --workload "$w" \
       --json "$OUT/h200-$w-$(date +%Y%m%d).json"
+  done
+fi
+# per-kernel GPU time of one workload's calls (ncu, one duration metric, clocks left alone)
+if want prof; then
+  for w in ${PROF_WORKLOADS:-cascade verify}; do
+    step "prof-$w" 150 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --launch-count "${PROF_LAUNCHES:-600}" --print-summary per-kernel \
+      "$CARRY/kvattn" bench --device cuda --workload "$w"
   done
 fi
 want all && step all 200 "$T" --gtest_brief=1 --gtest_filter="${ALL_FILTER:-*}"
@@ -103,6 +111,8 @@ fi
   echo "== kvattn bench (verify, draft, cascade)"
   grep -hE "^(verify|draft|decode)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" \
     "$LOGS/bench-cascade.log" 2>/dev/null
+  echo "== per-kernel GPU time (ncu)"
+  for f in "$LOGS"/prof-*.log; do [ -f "$f" ] && { echo "-- $f"; grep -E "^  [^ ].*\\(|gpu__time_duration" "$f" | cut -c1-160 | head -40; }; done
   echo "== all CUDA tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  " "$LOGS/all.log" 2>/dev/null | head -30
   echo "== device checks"; tail -40 "$LOGS/checks.log" 2>/dev/null
   echo "== sanitizers"; grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/memcheck.log" \

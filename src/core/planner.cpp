@@ -354,9 +354,10 @@ PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len,
             " packed rows a request, a fixed-size plan holds at most ", kNoOpRow);
   const int64_t tiles = int64_t(batch_size) * shape.num_kv_heads * ceil_div(rows, shape.tile_rows);
   const int64_t ctas = shape.concurrent_ctas;
-  const int64_t items = tiles + ctas;
-  const int64_t merges = std::min(tiles, ctas);
-  const int64_t partials = std::min(items, 2 * ctas);
+  const bool cluster = shape.cluster > 1;  // every tile exactly `cluster` chunks, no merges
+  const int64_t items = cluster ? tiles * shape.cluster : tiles + ctas;
+  const int64_t merges = cluster ? 0 : std::min(tiles, ctas);
+  const int64_t partials = cluster ? 0 : std::min(items, 2 * ctas);
   check_arg(items <= INT32_MAX, "batch_size", "got ", batch_size, ": ", items,
             " prefill items, over 2^31");
   PrefillPlanCapacity capacity;

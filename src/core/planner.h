@@ -141,7 +141,8 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
 /// many items and merges, and every later plan for the same batch fits. With T = batch_size x
 /// num_kv_heads x ceil(q_len x group / tile_rows) tiles and C = concurrent_ctas (split-KV gives a
 /// tile more than one chunk only when its keys exceed the chunk, itself >= total cost / C):
-///   items <= T + C, merges <= min(T, C), partials <= min(T + C, 2 C).
+///   items <= T + C, merges <= min(T, C), partials <= min(T + C, 2 C); a cluster-split shape
+///   (PrefillTileShape::cluster = K > 1): items = T x K, no merges, no partials.
 /// Worked example (H200 verify at head_dim 128: 32 q / 8 kv heads, tiles of 128 rows, 8 tree
 /// tokens, 132 SMs x 2 CTAs = 264): batch 64 -> T = 64 x 8 x ceil(32 / 128) = 512 tiles; 776
 /// items, 264 merges, 528 partials (about 25 KB of plan and 35 MB of fp32 partial scratch).

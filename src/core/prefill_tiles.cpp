@@ -94,6 +94,30 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
     }
   }
 
+  if (shape.cluster > 1) {
+    // Cluster split: every tile in exactly `cluster` chunks, its chunks consecutive (one cluster),
+    // the tiles heaviest first.
+    check_arg(shape.cluster <= 64, "cluster", "got ", shape.cluster, ", expected <= 64");
+    plan.cluster = shape.cluster;
+    std::stable_sort(raw.begin(), raw.end(),
+                     [](const RawTile& a, const RawTile& b) { return a.cost > b.cost; });
+    plan.items.reserve(raw.size() * size_t(shape.cluster));
+    for (const RawTile& t : raw) {
+      const int64_t steps = ceil_div(int64_t(t.item.kv_end) - t.item.kv_begin, shape.kv_tile);
+      for (int c = 0; c < shape.cluster; ++c) {
+        PrefillWorkItem chunk = t.item;
+        const int64_t step_begin = steps * c / shape.cluster;
+        const int64_t step_end = steps * (c + 1) / shape.cluster;
+        chunk.kv_begin = static_cast<int32_t>(
+            std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_begin * shape.kv_tile));
+        chunk.kv_end = static_cast<int32_t>(
+            std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
+        plan.items.push_back(chunk);
+      }
+    }
+    return plan;
+  }
+
   // Split-KV: a tile much heavier than an even share of the device would finish long after the
   // rest (decode-like batches: few tiles, long KV). Chunks are whole kernel steps, at least
   // min_split_keys long.
@@ -148,6 +172,22 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   plan.items.reserve(ordered.size());
   for (const Ordered& o : ordered) plan.items.push_back(o.item);
   return plan;
+}
+
+int cluster_split_size(int batch_size, int q_len, const PrefillTileShape& shape,
+                       int max_cluster) {
+  check_arg(batch_size >= 0 && q_len >= 0, "batch_size", "got batch_size ", batch_size,
+            " and q_len ", q_len, ", expected >= 0");
+  check_arg(shape.num_kv_heads > 0 && shape.num_q_heads > 0 &&
+                shape.num_q_heads % shape.num_kv_heads == 0 && shape.tile_rows > 0,
+            "num_q_heads", "got ", shape.num_q_heads, " q heads over ", shape.num_kv_heads,
+            " kv heads, tile_rows ", shape.tile_rows);
+  const int64_t rows = int64_t(q_len) * (shape.num_q_heads / shape.num_kv_heads);
+  const int64_t tiles = int64_t(batch_size) * shape.num_kv_heads * ceil_div(rows, shape.tile_rows);
+  if (tiles == 0 || shape.concurrent_ctas <= 0 || max_cluster < 2) return 0;
+  int cluster = 1;
+  while (cluster * 2 <= max_cluster && tiles * cluster * 2 <= shape.concurrent_ctas) cluster *= 2;
+  return cluster >= 2 ? cluster : 0;
 }
 
 namespace {
@@ -237,6 +277,7 @@ PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head
     t.num_partials = plan.num_partials;
     t.tile_rows = plan.tile_rows;
     t.group_size = plan.group_size;
+    t.cluster = plan.cluster;
     *view = t;
   }
   return layout;

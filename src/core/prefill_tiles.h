@@ -64,7 +64,25 @@ struct PrefillTileShape {
   /// when the tiles are too few or too uneven to fill this many CTAs.
   int concurrent_ctas = 0;
   int min_split_keys = 512;  ///< no chunk shorter than this (below it the merge costs more)
+  /// > 1: cluster split (the decode-shaped kernel): every tile is cut into exactly `cluster`
+  /// chunks (even in kv_tile steps, empty where the tile has fewer steps), consecutive items in
+  /// the plan, that one thread-block cluster runs and merges in distributed shared memory: no
+  /// merge items, no partials; concurrent_ctas and min_split_keys are then unused. The caller
+  /// picks it from the batch shape alone (cluster_split_size), so a CUDA graph's plan and every
+  /// replay's have the same cluster. 0 or 1: the split above.
+  int cluster = 0;
 };
+
+/// The cluster of a cluster-split plan (PrefillTileShape::cluster) for a batch of batch_size
+/// requests of at most q_len query tokens (the tiles T = batch_size x num_kv_heads x
+/// ceil(q_len x group / tile_rows)): the largest power of two <= max_cluster with T x cluster <=
+/// concurrent_ctas, or 0 (no cluster split) when that is below 2, when concurrent_ctas is 0
+/// (split-KV off) or max_cluster < 2. Depends on no KV length: a graph captured for the batch
+/// and the eager call of the same batch plan the same cluster.
+/// Worked example (H200 verify: 32 q / 8 kv heads, 8 tree tokens, tiles of 32 rows, 264
+/// concurrent CTAs, max_cluster 16): batch 1 -> T = 8, cluster 16 (128 CTAs, 256 keys each at
+/// prefix 4096); batch 16 -> T = 128, cluster 2; batch 64 -> T = 512, 0.
+int cluster_split_size(int batch_size, int q_len, const PrefillTileShape& shape, int max_cluster);
 
 /// The plan on the host: items already in launch order (heaviest first).
 struct PrefillTilePlan {
@@ -73,6 +91,7 @@ struct PrefillTilePlan {
   int num_partials = 0;
   int tile_rows = 0;
   int group_size = 0;
+  int cluster = 0;  ///< > 1: a cluster-split plan (PrefillTileShape::cluster)
 };
 
 /// Builds the work list from host lengths: qo_indptr [batch_size + 1] (query tokens) and
@@ -96,6 +115,9 @@ struct PrefillTiles {
   /// The attention kernel merges the split tiles itself (the decode-shaped kernel: the last
   /// chunk of a tile to finish, counted in PrefillMergeItem::arrived); else a merge grid does.
   int merge_in_kernel = 0;
+  /// > 1: a cluster-split plan: items [c * cluster, (c + 1) * cluster) are the chunks of one
+  /// tile, launched as one thread-block cluster that merges them (PrefillTileShape::cluster).
+  int cluster = 0;
 };
 
 /// Byte layout of the plan buffer: [items | merges] is metadata copied from the host; the

@@ -177,6 +177,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       setup.tc_decode_kv_tile = shape.kv_tile;
       setup.concurrent_tc_decode_ctas = dev.sm_count * shape.ctas_per_sm;
       setup.tc_decode_min_split = env_int("KVATTN_TC_DECODE_MIN_SPLIT", 256, 1);
+      setup.tc_decode_max_cluster = shape.max_cluster;
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }
@@ -427,7 +428,8 @@ void save_kv(const BackendConfig& config, const AttentionLayer& layer, const Ten
 }
 
 core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const BackendConfig& config,
-                                          core::MaskMode mask, int window_left, bool tc) {
+                                          core::MaskMode mask, int window_left, bool tc,
+                                          int batch_size, int q_len) {
   core::PrefillTileShape shape;
   shape.num_q_heads = config.num_q_heads;
   shape.num_kv_heads = config.num_kv_heads;
@@ -438,6 +440,9 @@ core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const Backen
   shape.concurrent_ctas = tc ? setup.concurrent_tc_decode_ctas : setup.concurrent_prefill_ctas;
   if (config.deterministic) shape.concurrent_ctas = 0;  // no split-KV: tiles are the request's
   if (tc) shape.min_split_keys = setup.tc_decode_min_split;
+  if (tc && batch_size > 0) {
+    shape.cluster = core::cluster_split_size(batch_size, q_len, shape, setup.tc_decode_max_cluster);
+  }
   return shape;
 }
 
@@ -827,8 +832,9 @@ class CudaBackend final : public AttentionBackend {
     return step_state_of(step_.graph_pool ? graph_calls_[0] : eager_calls_[0]);
   }
 
-  core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left, bool tc) const {
-    return prefill_tile_shape(setup_, config_, mask, window_left, tc);
+  core::PrefillTileShape prefill_shape(core::MaskMode mask, int window_left, bool tc,
+                                       int batch_size = 0, int q_len = 0) const {
+    return prefill_tile_shape(setup_, config_, mask, window_left, tc, batch_size, q_len);
   }
 
   // graph_q_len > 0 (the graph pool): a prefill plan is padded to the capacity of its batch
@@ -855,7 +861,8 @@ class CudaBackend final : public AttentionBackend {
     const int group = config_.num_q_heads / config_.num_kv_heads;
     call.tc_decode = setup_.tc_decode && int64_t(max_q_len) * group <= kTcDecodeMaxRows;
     const core::PrefillTileShape shape =
-        prefill_shape(call.layout.mask, call.layout.window_left, call.tc_decode);
+        prefill_shape(call.layout.mask, call.layout.window_left, call.tc_decode,
+                      call.layout.batch_size, max_q_len);
     call.prefill_plan =
         core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape);
     call.prefill_items = int(call.prefill_plan.items.size());

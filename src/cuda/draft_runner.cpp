@@ -260,8 +260,11 @@ class CudaDraftRunner final : public core::DraftRunner {
   }
 
  private:
-  core::PrefillTileShape shared_prefix_shape() const {
-    return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true);
+  // batch_size > 0: the plan's shape for that many requests (topk rows each; the cluster split
+  // where the batch is small); 0: the shape that sizes the buffers.
+  core::PrefillTileShape shared_prefix_shape(int batch_size = 0) const {
+    return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true,
+                              batch_size, topk_);
   }
 
   // The branch masks of every step, for up to max_reqs requests (a few hundred KB, written once):
@@ -293,7 +296,7 @@ class CudaDraftRunner final : public core::DraftRunner {
   void plan_shared_prefix(const core::HostLengths& lens, cudaStream_t stream) {
     shared_steps_ = true;
     const int bs = batch_size_;
-    const core::PrefillTileShape shape = shared_prefix_shape();
+    const core::PrefillTileShape shape = shared_prefix_shape(bs);
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/planner.h"
 #include "core/prefill_tiles.h"
 #include "kvattn/error.h"
 
@@ -277,6 +278,94 @@ TEST(PrefillTiles, BufferSizingAndFillingAgree) {
             filled.total_bytes);
 
   EXPECT_THROW(write_prefill_buffer(plan, 128, host.data(), 16, nullptr, nullptr), Error);
+}
+
+// The cluster split (the decode-shaped kernel's): the size from the batch shape alone, every tile
+// in exactly `cluster` consecutive chunks that tile its visible keys in kv_tile steps, no merges,
+// heaviest tiles first, and the fixed-size (graph) capacity and padding in whole clusters.
+TEST(PrefillTiles, ClusterSplitSizeAndPlan) {
+  PrefillTileShape s = make_shape(MaskMode::kCustom, -1, /*concurrent=*/264);
+  s.tile_rows = 32;
+  // Verify at 32 q / 8 kv heads, 8 tree tokens: one tile a kv head and request.
+  EXPECT_EQ(cluster_split_size(1, 8, s, 16), 16);
+  EXPECT_EQ(cluster_split_size(1, 8, s, 8), 8);
+  EXPECT_EQ(cluster_split_size(4, 8, s, 16), 8);
+  EXPECT_EQ(cluster_split_size(16, 8, s, 16), 2);
+  EXPECT_EQ(cluster_split_size(16, 16, s, 16), 0);  // 256 tiles: no room for two chunks each
+  EXPECT_EQ(cluster_split_size(64, 8, s, 16), 0);
+  EXPECT_EQ(cluster_split_size(0, 8, s, 16), 0);
+  EXPECT_EQ(cluster_split_size(1, 8, s, 1), 0);  // no clusters on the device
+  PrefillTileShape no_split = s;
+  no_split.concurrent_ctas = 0;  // deterministic mode: never split
+  EXPECT_EQ(cluster_split_size(1, 8, no_split, 16), 0);
+
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    Batch b;
+    const int batch = 1 + int(rng() % 5);
+    for (int r = 0; r < batch; ++r) {
+      const int q_len = 1 + int(rng() % 8);
+      b.add(q_len, q_len + int64_t(rng() % 3000) * (trial % 4 == 0 ? 0 : 1));
+    }
+    PrefillTileShape c = s;
+    c.mask = trial % 2 == 0 ? MaskMode::kCausal : MaskMode::kCustom;
+    c.window_left = trial % 3 == 0 ? 700 : -1;
+    c.cluster = cluster_split_size(batch, 8, c, 16);
+    ASSERT_GE(c.cluster, 2);
+    const PrefillTilePlan plan = plan_prefill_tiles(b.qo_indptr, b.kv_indptr, c);
+    EXPECT_EQ(plan.cluster, c.cluster);
+    EXPECT_TRUE(plan.merges.empty());
+    EXPECT_EQ(plan.num_partials, 0);
+    ASSERT_EQ(plan.items.size() % size_t(c.cluster), 0u);
+    int64_t tiles = 0;
+    for (int r = 0; r < batch; ++r) {
+      tiles += (int64_t(b.qo_indptr[r + 1] - b.qo_indptr[r]) * 4 + 31) / 32 * c.num_kv_heads;
+    }
+    ASSERT_EQ(int64_t(plan.items.size()), tiles * c.cluster);
+    int64_t previous_steps = INT64_MAX;
+    for (size_t first = 0; first < plan.items.size(); first += size_t(c.cluster)) {
+      const PrefillWorkItem& lead = plan.items[first];
+      const auto [lo, hi] = visible_range(b, c, lead.request, lead.q_row_begin);
+      const int64_t keys = plan.items[first + size_t(c.cluster) - 1].kv_end - lead.kv_begin;
+      const int64_t steps = (keys + c.kv_tile - 1) / c.kv_tile;
+      EXPECT_LE(steps, previous_steps) << "heaviest tiles first";
+      previous_steps = steps;
+      for (int k = 0; k < c.cluster; ++k) {
+        const PrefillWorkItem& it = plan.items[first + size_t(k)];
+        EXPECT_EQ(it.request, lead.request);
+        EXPECT_EQ(it.kv_head, lead.kv_head);
+        EXPECT_EQ(it.q_row_begin, lead.q_row_begin);
+        EXPECT_EQ(it.partial, -1);
+        EXPECT_EQ(it.merge, -1);
+        EXPECT_LE(it.kv_begin, it.kv_end);
+        if (k > 0) EXPECT_EQ(it.kv_begin, plan.items[first + size_t(k) - 1].kv_end);
+        if (it.kv_end < plan.items[first + size_t(c.cluster) - 1].kv_end) {
+          EXPECT_EQ((it.kv_end - lead.kv_begin) % c.kv_tile, 0) << "whole steps";
+        }
+      }
+      if (lo >= 0) {
+        EXPECT_EQ(lead.kv_begin, lo);
+        EXPECT_EQ(plan.items[first + size_t(c.cluster) - 1].kv_end, hi);
+      } else {
+        EXPECT_EQ(keys, 0);
+      }
+    }
+    // A graph's plan for this batch shape: padded in whole no-op clusters.
+    const PrefillPlanCapacity capacity = prefill_plan_capacity(batch, 8, c);
+    EXPECT_EQ(capacity.merges, 0);
+    EXPECT_EQ(capacity.partials, 0);
+    EXPECT_EQ(capacity.items % c.cluster, 0);
+    PrefillTilePlan padded = plan;
+    pad_prefill_plan(padded, capacity);
+    ASSERT_EQ(int64_t(padded.items.size()), capacity.items);
+    for (size_t i = plan.items.size(); i < padded.items.size(); ++i) {
+      EXPECT_EQ(padded.items[i].q_row_begin, kNoOpRow);
+    }
+    // The plain split's capacity (what the backend sizes its buffers with) holds it too.
+    PrefillTileShape plain = c;
+    plain.cluster = 0;
+    EXPECT_LE(capacity.items, prefill_plan_capacity(batch, 8, plain).items);
+  }
 }
 
 }  // namespace

@@ -78,6 +78,7 @@ struct Case {
   float input_range = 2.f;
   uint32_t seed = 1;
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
+  int cluster = 0;  // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
 };
 
 uint16_t to_16bit(float x, DType t) {
@@ -332,8 +333,14 @@ void run_case(const Case& c) {
   tile_shape.window_left = c.window;
   tile_shape.concurrent_ctas = c.concurrent_ctas;
   tile_shape.min_split_keys = 64;
+  if (c.tc_decode && c.cluster > 1) tile_shape.cluster = std::min(c.cluster, shape.max_cluster);
   const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, tile_shape);
-  if (c.concurrent_ctas > 0) EXPECT_GT(plan.num_partials, 0) << "the case meant to split";
+  if (tile_shape.cluster > 1) {
+    EXPECT_EQ(plan.num_partials, 0);
+    EXPECT_EQ(plan.cluster, tile_shape.cluster);
+  } else if (c.concurrent_ctas > 0) {
+    EXPECT_GT(plan.num_partials, 0) << "the case meant to split";
+  }
   const core::PrefillBufferLayout layout =
       core::write_prefill_buffer(plan, dv, nullptr, 0, nullptr, nullptr);
   std::vector<unsigned char> metadata(layout.metadata_bytes);
@@ -1058,6 +1065,73 @@ TEST_F(TcDecodeKernel, Fp8KvAndFp32Output) {
   c.out_fp32 = true;
   c.concurrent_ctas = 0;
   c.seed = 111;
+  run_case(c);
+}
+
+// The cluster split: a tile's chunks are one thread-block cluster that merges them in
+// distributed shared memory (no partials, no merge grid): verify masks, empty chunks (kv_len 0
+// and 1, tiles with fewer steps than chunks), causal window soft-cap, two row tiles a request,
+// fp8 KV, fp32 output, every cluster size.
+TEST_F(TcDecodeKernel, ClusterSplit) {
+  if (tc_decode_kernel_shape(128, 128).max_cluster < 2) {
+    GTEST_SKIP() << "no cluster split on this device (or KVATTN_TC_DECODE_MERGE=grid|kernel)";
+  }
+  Case c;
+  c.tc_decode = true;
+  c.name = "tc cluster 16 verify custom p1 hd128";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.q_lens = {8, 8, 3};
+  c.kv_lens = {2056, 777, 3};
+  c.mask = core::MaskMode::kCustom;
+  c.concurrent_ctas = 264;
+  c.cluster = 16;
+  c.seed = 121;
+  run_case(c);
+  c.name = "tc cluster 8 decode group 8 kv 0 and 1";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 2;
+  c.q_lens = {1, 1, 1, 1};
+  c.kv_lens = {3000, 1, 0, 65};
+  c.mask = core::MaskMode::kCausal;
+  c.cluster = 8;
+  c.seed = 122;
+  run_case(c);
+  c.name = "tc cluster 4 causal window softcap 64 rows hd64 page 16";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 64;
+  c.q_lens = {16, 5, 1};
+  c.kv_lens = {1040, 333, 70};
+  c.window = 100;
+  c.cap = 2.f;
+  c.input_range = 3.f;
+  c.page_size = 16;
+  c.cluster = 4;
+  c.seed = 123;
+  run_case(c);
+  c.name = "tc cluster 2 fp8 e4m3 custom hd128";
+  c.head_dim = 128;
+  c.window = -1;
+  c.cap = 0.f;
+  c.input_range = 2.f;
+  c.page_size = 1;
+  c.q_lens = {8, 4};
+  c.kv_lens = {1500, 90};
+  c.mask = core::MaskMode::kCustom;
+  c.kv = DType::kFloat8E4M3;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.cluster = 2;
+  c.seed = 124;
+  run_case(c);
+  c.name = "tc cluster 16 fp32 output ragged fp16";
+  c.kv = c.io = DType::kFloat16;
+  c.k_scale = c.v_scale = 1.f;
+  c.paged = false;
+  c.out_fp32 = true;
+  c.cluster = 16;
+  c.seed = 125;
   run_case(c);
 }
 

@@ -430,7 +430,7 @@ void run_decode_typed(const DecodeLaunch* launch, int device, cudaStream_t strea
   if (grid == 0) return;
   check_arg(grid < (int64_t(1) << 31), "grid", grid, " CTAs exceed the launch limit");
   launch_programmatic_dependent(kernel, dim3(uint32_t(grid)), dim3(kDecodeThreads), T::kSmemBytes,
-                                stream, "decode_paged_kernel", *launch);
+                                stream, "decode_paged_kernel", /*cluster=*/0, *launch);
 }
 
 /// All four KV dtypes of one head_dim; defined (explicitly instantiated) in decode_hd<N>.cu.

@@ -12,20 +12,29 @@
 
 namespace kvattn::cuda::detail {
 
+/// `cluster` > 1: the grid runs in thread-block clusters of that many CTAs along x (grid.x a
+/// multiple of it; above 8 the kernel must allow non-portable cluster sizes).
 template <typename... Params, typename... Args>
 void launch_programmatic_dependent(void (*kernel)(Params...), dim3 grid, dim3 block,
                                    size_t smem_bytes, cudaStream_t stream, const char* name,
-                                   Args&&... args) {
+                                   int cluster, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
+  cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch_enabled() ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
+  if (cluster > 1) {
+    attribute[1].id = cudaLaunchAttributeClusterDimension;
+    attribute[1].val.clusterDim.x = unsigned(cluster);
+    attribute[1].val.clusterDim.y = 1;
+    attribute[1].val.clusterDim.z = 1;
+    config.numAttrs = 2;
+  }
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
   check_launch(name);
 }

@@ -154,7 +154,7 @@ void launch_decode_merge(const DecodeLaunch& launch, cudaStream_t stream) {
   auto* kernel = p.v_head_dim <= 128 ? decode_merge_kernel<4> : decode_merge_kernel<8>;
   launch_programmatic_dependent(kernel, dim3(uint32_t(p.batch_size), uint32_t(p.num_q_heads)),
                                 dim3(kDecodeMergeThreads), 0, stream, "decode_merge_kernel",
-                                launch);
+                                /*cluster=*/0, launch);
 }
 
 }  // namespace detail

@@ -51,15 +51,15 @@ void launch_merge(const core::AttentionParams& p, const core::PrefillTiles& tile
   if (p.io_dtype == DType::kBFloat16) {
     if (programmatic) {
       detail::launch_programmatic_dependent(prefill_merge_kernel<__nv_bfloat16>, grid,
-                                            dim3(kMergeThreads), 0, stream, "prefill_merge", p,
-                                            tiles);
+                                            dim3(kMergeThreads), 0, stream, "prefill_merge",
+                                            /*cluster=*/0, p, tiles);
       return;
     }
     prefill_merge_kernel<__nv_bfloat16><<<grid, kMergeThreads, 0, stream>>>(p, tiles);
   } else {
     if (programmatic) {
       detail::launch_programmatic_dependent(prefill_merge_kernel<__half>, grid, dim3(kMergeThreads),
-                                            0, stream, "prefill_merge", p, tiles);
+                                            0, stream, "prefill_merge", /*cluster=*/0, p, tiles);
       return;
     }
     prefill_merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(p, tiles);
@@ -370,6 +370,23 @@ bool tc_decode_serves(int head_dim, int v_head_dim) {
   return v_head_dim == head_dim && (head_dim == 64 || head_dim == 128);
 }
 
+namespace {
+
+enum class TcDecodeMerge { kCluster, kGrid, kKernel };
+
+/// KVATTN_TC_DECODE_MERGE, read once: cluster (default), grid or kernel.
+TcDecodeMerge tc_decode_merge_mode() {
+  static const TcDecodeMerge mode = [] {
+    const char* v = std::getenv("KVATTN_TC_DECODE_MERGE");
+    if (v != nullptr && std::strcmp(v, "kernel") == 0) return TcDecodeMerge::kKernel;
+    if (v != nullptr && std::strcmp(v, "grid") == 0) return TcDecodeMerge::kGrid;
+    return TcDecodeMerge::kCluster;
+  }();
+  return mode;
+}
+
+}  // namespace
+
 PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int device) {
   if (!tc_decode_serves(head_dim, v_head_dim)) {
     throw_error(ErrorKind::kNotSupported, "head_dim",
@@ -388,8 +405,9 @@ PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int devi
   const bool switch_device =
       device >= 0 && cudaGetDevice(&previous) == cudaSuccess && previous != device;
   if (switch_device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  const PrefillKernelShape shape =
+  PrefillKernelShape shape =
       head_dim == 64 ? tc_decode::tc_decode_shape_hd64() : tc_decode::tc_decode_shape_hd128();
+  if (tc_decode_merge_mode() != TcDecodeMerge::kCluster) shape.max_cluster = 0;
   if (switch_device) check_cuda(cudaSetDevice(previous), "cudaSetDevice");
   if (device >= 0 && device < 64) known[device][slot] = shape;
   return shape;
@@ -401,24 +419,27 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
   if (device < 0) {
     throw_error(ErrorKind::kDeviceError, "tc_decode", "no CUDA device is available");
   }
-  validate(p, tiles, device, /*tc_decode=*/true);
+  const PrefillKernelShape shape = validate(p, tiles, device, /*tc_decode=*/true);
   if (tiles.num_items == 0) return;
-  // A merge grid after the attention grid (as the prefill families), or with
-  // KVATTN_TC_DECODE_MERGE=kernel the last chunk of a split tile merges it. The in-kernel merge
-  // measured slower (bench/NOTES.md, v4: verify b1 60 us against 22.5: one CTA folds the tile's
-  // 32 rows, 8 a warp one after another, where the grid spreads them over 8 CTAs).
-  static const bool in_kernel = [] {
-    const char* v = std::getenv("KVATTN_TC_DECODE_MERGE");
-    return v != nullptr && std::strcmp(v, "kernel") == 0;
-  }();
+  // A cluster-split plan (tiles.cluster > 1, the default where the batch is small: its clusters
+  // merge their chunks in distributed shared memory) has no merge items. Otherwise a merge grid
+  // after the attention grid (as the prefill families), or with KVATTN_TC_DECODE_MERGE=kernel
+  // the last chunk of a split tile merges it (measured slower, bench/NOTES.md v4: one CTA folds
+  // the tile's 32 rows, 8 a warp one after another, where the grid spreads them over 8 CTAs).
+  check_arg(tiles.cluster <= 1 || (tiles.num_items % tiles.cluster == 0 && tiles.num_merges == 0 &&
+                                   tiles.cluster <= shape.max_cluster),
+            "tiles.cluster", "got ", tiles.cluster, " with ", tiles.num_items, " items and ",
+            tiles.num_merges, " merges; a cluster-split plan has whole clusters of at most ",
+            shape.max_cluster, " CTAs and no merges");
+  const bool in_kernel = tc_decode_merge_mode() == TcDecodeMerge::kKernel;
   core::PrefillTiles run = tiles;
-  run.merge_in_kernel = in_kernel ? 1 : 0;
+  run.merge_in_kernel = in_kernel && tiles.cluster <= 1 ? 1 : 0;
   if (p.head_dim == 64) {
     tc_decode::launch_tc_decode_hd64(p, run, stream);
   } else {
     tc_decode::launch_tc_decode_hd128(p, run, stream);
   }
-  if (!in_kernel) launch_merge(p, run, stream, /*programmatic=*/true);
+  if (run.merge_in_kernel == 0) launch_merge(p, run, stream, /*programmatic=*/true);
 }
 
 }  // namespace kvattn::cuda

@@ -44,6 +44,10 @@ struct PrefillKernelShape {
   int kv_tile = 0;
   int ctas_per_sm = 0;
   PrefillKernelFamily family = PrefillKernelFamily::kMmaSync;
+  /// kTcDecode: the largest thread-block cluster (a power of two <= 16) a cluster-split plan
+  /// may use on the device (core::cluster_split_size), 0 where clusters do not run or
+  /// KVATTN_TC_DECODE_MERGE=grid|kernel asks for the split merge of the plan's merge items.
+  int max_cluster = 0;
 };
 
 /// Which family runs (head_dim, v_head_dim) on `device` (-1: the current device): the Hopper

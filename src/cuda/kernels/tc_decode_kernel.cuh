@@ -64,7 +64,11 @@ struct Traits {
   // The end of the CTA reuses the pipeline: per warp its rows' max and sum and its O in fp32.
   // O rows are padded by 4 floats so that a quad's float2 stores of 8 rows miss each other's banks.
   static constexpr int kOStride = kHeadDim + 4;
-  static constexpr int kMergeBytes = kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4;
+  // ... and after them, for a cluster-split plan, the CTA's merged O (fp32, [row][dim]) that the
+  // cluster's CTAs read through distributed shared memory.
+  static constexpr int kMergeBytes =
+      kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4 + kTileRows * kHeadDim * 4;
+  static constexpr int kMaxCluster = 16;  // the cluster-split fold reads at most this many CTAs
   static constexpr int smem_bytes(bool fp8) {
     const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
     return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
@@ -526,9 +530,30 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
   }
   __syncthreads();
 
-  // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a whole
-  // tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
+  // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a chunk of
+  // a cluster-split tile its merged O into shared memory (cl_out) for the cluster's fold below,
+  // a whole tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
   const int v_dim = p.v_head_dim;
+  const bool in_cluster = tiles.cluster > 1;
+  float* cl_out = o_part + Tr::kWarps * Tr::kTileRows * Tr::kOStride;  // [row][kHeadDim]
+  auto store_out = [&](int r, int d0, const float4& acc, float lse) {
+    const int packed = row0 + r;
+    const int token = packed / group;
+    const int head = kv_head * group + packed % group;
+    const int64_t out_row =
+        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head + d0;
+    if (p.out_fp32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row) = acc;
+    } else {
+      uint2 packed2;
+      packed2.x = pack2<T>(acc.x, acc.y);
+      packed2.y = pack2<T>(acc.z, acc.w);
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + out_row) = packed2;
+    }
+    if (d0 == 0 && p.lse != nullptr) {
+      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse;
+    }
+  };
   for (int index = tid; index < Tr::kTileRows * (kHeadDim / 4); index += Tr::kThreads) {
     const int r = index / (kHeadDim / 4);
     const int d0 = (index % (kHeadDim / 4)) * 4;
@@ -545,27 +570,65 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
       acc.z = fmaf(part.z, weight, acc.z);
       acc.w = fmaf(part.w, weight, acc.w);
     }
-    if (item.partial >= 0) {
+    if (in_cluster) {
+      *reinterpret_cast<float4*>(cl_out + r * kHeadDim + d0) = acc;
+    } else if (item.partial >= 0) {
       const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows + r;
       *reinterpret_cast<float4*>(tiles.partial_out + slot_row * v_dim + d0) = acc;
       if (d0 == 0) tiles.partial_lse[slot_row] = row_lse[r];
-      continue;
-    }
-    const int token = packed / group;
-    const int head = kv_head * group + packed % group;
-    const int64_t out_row =
-        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head + d0;
-    if (p.out_fp32) {
-      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row) = acc;
     } else {
-      uint2 packed2;
-      packed2.x = pack2<T>(acc.x, acc.y);
-      packed2.y = pack2<T>(acc.z, acc.w);
-      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + out_row) = packed2;
+      store_out(r, d0, acc, row_lse[r]);
     }
-    if (d0 == 0 && p.lse != nullptr) {
-      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = row_lse[r];
+  }
+
+  // ---- cluster split: the tile's chunks are this CTA's cluster; each folds a share of the rows
+  // from every chunk's cl_out / row_lse through distributed shared memory, then no CTA leaves
+  // before the others have read it.
+  if (in_cluster) {
+    ptx::cluster_sync();
+    const int n = tiles.cluster;
+    const int rank = static_cast<int>(ptx::cluster_rank());
+    const uint32_t lse_local = smem_address(row_lse);
+    const uint32_t out_local = smem_address(cl_out);
+    constexpr int kRowThreads = kHeadDim / 4;
+    constexpr int kRowsAPass = Tr::kThreads / kRowThreads;
+    const int my_rows = (Tr::kTileRows - rank + n - 1) / n;  // rows rank, rank + n, ...
+    for (int i0 = 0; i0 < my_rows; i0 += kRowsAPass) {
+      const int i = i0 + tid / kRowThreads;
+      const int r = rank + i * n;
+      const int d0 = (tid % kRowThreads) * 4;
+      if (i >= my_rows || row0 + r >= rows_total || d0 >= v_dim) continue;
+      float lse[Tr::kMaxCluster];
+      float top = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < Tr::kMaxCluster; ++c) {
+        lse[c] = c < n ? ptx::cluster_load_f32(ptx::cluster_map(lse_local + r * 4, c)) : -INFINITY;
+        top = fmaxf(top, lse[c]);
+      }
+      float total = 0.f;
+#pragma unroll
+      for (int c = 0; c < Tr::kMaxCluster; ++c) {
+        lse[c] = top == -INFINITY ? 0.f : __expf(lse[c] - top);  // exp(-inf) = 0: empty chunks
+        total += lse[c];
+      }
+      const bool empty = !(total > 0.f);
+      const float inv_total = empty ? 0.f : 1.f / total;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int c = 0; c < Tr::kMaxCluster; ++c) {
+        if (c >= n) break;
+        const float w = lse[c] * inv_total;
+        const float4 part =
+            ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * kHeadDim + d0) * 4, c));
+        acc.x = fmaf(part.x, w, acc.x);
+        acc.y = fmaf(part.y, w, acc.y);
+        acc.z = fmaf(part.z, w, acc.z);
+        acc.w = fmaf(part.w, w, acc.w);
+      }
+      store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
     }
+    ptx::cluster_sync();
+    return;
   }
 
   // ---- a split tile's last chunk to finish merges the tile (tiles.merge_in_kernel) ----------
@@ -610,6 +673,28 @@ PrefillKernelShape shape_of() {
                                                            Tr::smem_bytes(false)),
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor(tc_decode_kernel)");
   shape.ctas_per_sm = ctas > 0 ? ctas : 1;
+  // The largest cluster that fits the device at this occupancy (sizes above 8 are non-portable:
+  // Hopper runs 16).
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+             "cudaFuncSetAttribute(tc_decode_kernel, non-portable clusters)");
+  for (int cluster = Tr::kMaxCluster; cluster >= 2 && shape.max_cluster == 0; cluster /= 2) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(cluster));
+    config.blockDim = dim3(Tr::kThreads);
+    config.dynamicSmemBytes = size_t(Tr::smem_bytes(false));
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = unsigned(cluster);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
+      shape.max_cluster = cluster;
+    }
+    (void)cudaGetLastError();  // a refused size is an answer, not an error to report later
+  }
   return shape;
 }
 
@@ -626,12 +711,14 @@ void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tile
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Tr::max_smem_bytes()),
                "cudaFuncSetAttribute(tc_decode_kernel)");
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+               "cudaFuncSetAttribute(tc_decode_kernel, non-portable clusters)");
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3 || p.kv_dtype == DType::kFloat8E5M2;
   detail::launch_programmatic_dependent(kernel, dim3(uint32_t(tiles.num_items)), dim3(Tr::kThreads),
-                                        size_t(Tr::smem_bytes(fp8)), stream, "tc_decode_kernel", p,
-                                        tiles);
+                                        size_t(Tr::smem_bytes(fp8)), stream, "tc_decode_kernel",
+                                        tiles.cluster, p, tiles);
 }
 
 /// The launcher of one instance file (kNotSupported when the head_dim was not compiled).
