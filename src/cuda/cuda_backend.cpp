@@ -177,7 +177,8 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       setup.tc_decode_kv_tile = shape.kv_tile;
       setup.concurrent_tc_decode_ctas = dev.sm_count * shape.ctas_per_sm;
       setup.tc_decode_min_split = env_int("KVATTN_TC_DECODE_MIN_SPLIT", 256, 1);
-      setup.tc_decode_max_cluster = shape.max_cluster;
+      setup.tc_decode_max_cluster =
+          std::min(shape.max_cluster, env_int("KVATTN_TC_DECODE_MAX_CLUSTER", 16, 0));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }

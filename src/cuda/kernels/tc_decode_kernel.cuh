@@ -23,9 +23,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
@@ -73,9 +75,11 @@ struct Traits {
     const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
     return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
   }
-  /// The opt-in the kernel needs for either KV width.
+  static constexpr int kSpreadSmemBytes = 120 * 1024;  // > half an SM's 228 KB: one CTA an SM
+  /// The opt-in the kernel needs for either KV width (and the spread experiment).
   static constexpr int max_smem_bytes() {
-    return smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
+    const int widest = smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
+    return widest > kSpreadSmemBytes ? widest : kSpreadSmemBytes;
   }
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(32 % kChunks == 0 || kChunks % 32 == 0, "whole rows a copy step");
@@ -716,9 +720,16 @@ void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tile
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3 || p.kv_dtype == DType::kFloat8E5M2;
+  // KVATTN_TC_DECODE_SPREAD=1 (an experiment): a cluster-split launch asks for enough shared
+  // memory that one CTA fits an SM, so that a cluster spreads over as many SMs as it has CTAs.
+  static const bool spread = [] {
+    const char* v = std::getenv("KVATTN_TC_DECODE_SPREAD");
+    return v != nullptr && v[0] == '1';
+  }();
+  size_t smem = size_t(Tr::smem_bytes(fp8));
+  if (spread && tiles.cluster > 1) smem = std::max<size_t>(smem, Tr::kSpreadSmemBytes);
   detail::launch_programmatic_dependent(kernel, dim3(uint32_t(tiles.num_items)), dim3(Tr::kThreads),
-                                        size_t(Tr::smem_bytes(fp8)), stream, "tc_decode_kernel",
-                                        tiles.cluster, p, tiles);
+                                        smem, stream, "tc_decode_kernel", tiles.cluster, p, tiles);
 }
 
 /// The launcher of one instance file (kNotSupported when the head_dim was not compiled).
