@@ -57,6 +57,9 @@ const std::vector<OptionSpec>& bench_options() {
        "instead of the grid: a 32-layer decode step, eager vs CUDA-graph replay vs its kernels' "
        "GPU time, and the host planning per step (CUDA)"},
       {"--planner", "", "instead of the grid: the host planning per decode step (no GPU needed)"},
+      {"--deterministic", "",
+       "run every row in deterministic (batch-invariant) mode (BackendConfig::deterministic); "
+       "the variants get a -deterministic suffix"},
   };
   return specs;
 }
@@ -77,6 +80,7 @@ struct GridRow {
   int page_size = 1;
   int head_dim = 128;
   std::string variant;  ///< "page1-shuffled", "page16-shuffled", "causal", "cascade", ...
+  bool deterministic = false;  ///< BackendConfig::deterministic (--deterministic)
   bool in_quick = false;
   /// > 0: a shared-prefix decode row (--workload cascade): every request's first shared_prefix
   /// positions hold the same slots (one system prompt), then kv_len - shared_prefix own ones.
@@ -361,6 +365,7 @@ class BenchWorld {
     config.head_dim = row.head_dim;
     config.q_dtype = kDType;
     config.cuda_stream = cuda_stream;
+    config.deterministic = row.deterministic;
     if (row.is_multistep()) {
       // As an engine's draft worker in CUDA-graph mode (and bench/peers): the draft backend's
       // graph buffers for this batch, the host plan of every step (out_graph; in_capture: it
@@ -850,6 +855,10 @@ int run_bench(const std::vector<std::string>& args) {
     if (quick && !row.in_quick) continue;
     if (!selected_by(row, workload)) continue;
     grid.push_back(row);
+    if (parsed.has("--deterministic")) {
+      grid.back().deterministic = true;
+      grid.back().variant += "-deterministic";
+    }
   }
 
   std::fprintf(stderr, "kvattn bench on %s: measuring ceilings...\n", device_name.c_str());

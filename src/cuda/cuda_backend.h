@@ -66,6 +66,9 @@ struct DecodeSetup {
   int concurrent_tc_decode_ctas = 0;
   int tc_decode_min_split = 0;  ///< keys (KVATTN_TC_DECODE_MIN_SPLIT; default 256)
   int tc_decode_max_cluster = 0;  ///< largest cluster of a cluster-split plan (0: none)
+  /// The narrow (16-row) instance's tile, for calls of at most that many packed rows a request
+  /// (0: none; KVATTN_TC_DECODE_NARROW=0 turns it off).
+  int tc_decode_narrow_rows = 0;
 };
 /// cudaMalloc'd bases are 256-byte aligned; the regions a buffer is cut into (the prefill
 /// region of a call's metadata, the io copies, the cascade scratch) start on such a boundary too.
@@ -182,7 +185,8 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
 /// The tile shape a prefill plan (core::plan_prefill_tiles) is made for: the decode-shaped
 /// kernel's (tc, setup.tc_decode) or the prefill family's; deterministic mode never splits KV.
 /// With batch_size > 0, a decode-shaped plan of that many requests of at most q_len query tokens
-/// gets the cluster split where the batch is small (core::cluster_split_size: from the batch
+/// gets the narrow instance's 16-row tiles where q_len x group fits them, and the cluster split
+/// where the batch is small (core::cluster_split_size: from the batch
 /// shape alone, so a graph's plan and the eager one agree); without it, the shape sizes buffers
 /// (a cluster plan never needs more than the plain split's capacity).
 core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const BackendConfig& config,

@@ -79,6 +79,7 @@ struct Case {
   uint32_t seed = 1;
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
   int cluster = 0;  // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
+  bool narrow = false;  // tc_decode: the narrow instance's 16-row tiles
 };
 
 uint16_t to_16bit(float x, DType t) {
@@ -334,6 +335,10 @@ void run_case(const Case& c) {
   tile_shape.concurrent_ctas = c.concurrent_ctas;
   tile_shape.min_split_keys = 64;
   if (c.tc_decode && c.cluster > 1) tile_shape.cluster = std::min(c.cluster, shape.max_cluster);
+  if (c.tc_decode && c.narrow) {
+    ASSERT_EQ(shape.narrow_tile_rows, 16);
+    tile_shape.tile_rows = shape.narrow_tile_rows;
+  }
   const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, tile_shape);
   if (tile_shape.cluster > 1) {
     EXPECT_EQ(plan.num_partials, 0);
@@ -1135,6 +1140,75 @@ TEST_F(TcDecodeKernel, ClusterSplit) {
   run_case(c);
 }
 
+// The narrow instance (16-row tiles, Q in registers): draft extend (4 tokens x 4 heads), the
+// multi-step draft's branch rows under a custom mask, decode of a group of 8, requests of more
+// rows than a tile (two and three tiles), kv_len 0 and 1, window + soft-cap, fp8, fp32 output,
+// ragged, head_dim 64, split and whole, with and without the cluster split.
+TEST_F(TcDecodeKernel, NarrowTiles) {
+  Case c;
+  c.tc_decode = true;
+  c.narrow = true;
+  c.name = "tc narrow draft extend causal hd128 split";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.q_lens = {4, 4, 4, 1};
+  c.kv_lens = {2052, 700, 4, 1};
+  c.concurrent_ctas = 264;
+  c.seed = 131;
+  run_case(c);
+  c.name = "tc narrow custom mask 4 and 9 tokens (3 tiles) fp8 e4m3 cluster";
+  c.q_lens = {4, 9};
+  c.kv_lens = {1500, 90};
+  c.mask = core::MaskMode::kCustom;
+  c.kv = DType::kFloat8E4M3;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.cluster = 4;
+  c.seed = 132;
+  run_case(c);
+  c.name = "tc narrow decode group 8 kv 0 1 window softcap hd64 fp16 page 16";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.k_scale = c.v_scale = 1.f;
+  c.mask = core::MaskMode::kCausal;
+  c.window = 300;
+  c.cap = 2.f;
+  c.input_range = 3.f;
+  c.page_size = 16;
+  c.q_lens = {1, 1, 1, 2};
+  c.kv_lens = {3000, 1, 0, 65};
+  c.cluster = 0;
+  c.seed = 133;
+  run_case(c);
+  c.name = "tc narrow fp32 output ragged bf16 whole";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.io = c.kv = DType::kBFloat16;
+  c.window = -1;
+  c.cap = 0.f;
+  c.input_range = 2.f;
+  c.paged = false;
+  c.out_fp32 = true;
+  c.q_lens = {4, 3};
+  c.kv_lens = {1000, 30};
+  c.concurrent_ctas = 0;
+  c.seed = 134;
+  run_case(c);
+  c.name = "tc narrow cluster 16 ragged fp16 large logits";
+  c.io = c.kv = DType::kFloat16;
+  c.out_fp32 = false;
+  c.input_range = 6.f;
+  c.q_lens = {4};
+  c.kv_lens = {4100};
+  c.concurrent_ctas = 264;
+  c.cluster = 16;
+  c.seed = 135;
+  run_case(c);
+}
+
 TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
   if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   EXPECT_TRUE(tc_decode_serves(128, 128));
@@ -1144,6 +1218,7 @@ TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
   const PrefillKernelShape shape = tc_decode_kernel_shape(128, 128);
   EXPECT_EQ(shape.family, PrefillKernelFamily::kTcDecode);
   EXPECT_EQ(shape.tile_rows, 32);
+  EXPECT_EQ(shape.narrow_tile_rows, 16);
   EXPECT_EQ(shape.kv_tile, 64);
   EXPECT_GE(shape.ctas_per_sm, 1);
   EXPECT_THROW(tc_decode_kernel_shape(256, 256), Error);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <mutex>
 
 #include "core/softmax_state.h"
@@ -92,8 +93,12 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
   const int group = p.num_q_heads / p.num_kv_heads;
   check_arg(tiles.group_size == group, "tiles.group_size", "got ", tiles.group_size,
             ", the call's GQA group is ", group);
-  check_arg(tiles.tile_rows == shape.tile_rows, "tiles.tile_rows", "got ", tiles.tile_rows,
-            ", the head_dim ", p.head_dim, " kernel needs ", shape.tile_rows);
+  check_arg(tiles.tile_rows == shape.tile_rows ||
+                (shape.narrow_tile_rows > 0 && tiles.tile_rows == shape.narrow_tile_rows),
+            "tiles.tile_rows", "got ", tiles.tile_rows, ", the head_dim ", p.head_dim,
+            " kernel needs ", shape.tile_rows,
+            shape.narrow_tile_rows > 0 ? " (or its narrow instance's " : "",
+            shape.narrow_tile_rows > 0 ? std::to_string(shape.narrow_tile_rows) + ")" : "");
   check_arg(
       tiles.num_partials == 0 || (tiles.partial_out != nullptr && tiles.partial_lse != nullptr),
       "tiles.partial_out", "split tiles need partial buffers");

@@ -48,6 +48,9 @@ struct PrefillKernelShape {
   /// may use on the device (core::cluster_split_size), 0 where clusters do not run or
   /// KVATTN_TC_DECODE_MERGE=grid|kernel asks for the split merge of the plan's merge items.
   int max_cluster = 0;
+  /// kTcDecode: the narrow instance's tile (16 rows; 0 none): a plan of calls with at most that
+  /// many packed rows a request may use it (same kv_tile, occupancy and clusters).
+  int narrow_tile_rows = 0;
 };
 
 /// Which family runs (head_dim, v_head_dim) on `device` (-1: the current device): the Hopper

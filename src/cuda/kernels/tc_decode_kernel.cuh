@@ -43,12 +43,16 @@
 
 namespace kvattn::cuda::tc_decode {
 
-template <int kHeadDim>
+// kMAtoms m16 atoms of rows a tile: 2 (32 rows: 8 tree tokens x 4 q heads) or 1 (16 rows: the
+// narrow instance for calls of <= 16 packed rows a request: draft extend, the multi-step draft's
+// branches, decode; about 40% fewer instructions a key step, and Q stays in registers).
+template <int kHeadDim, int kMAtomsOfTile = 2>
 struct Traits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMAtoms = 2;  // 32 rows: O is kMAtoms * head_dim / 2 fp32 a thread
+  static constexpr int kMAtoms = kMAtomsOfTile;  // O is kMAtoms * head_dim / 2 fp32 a thread
   static constexpr int kTileRows = 16 * kMAtoms;
+  static constexpr bool kQInRegisters = kMAtoms == 1;  // head_dim / 4 registers a thread
   static constexpr int kWarpKeys = 16;                  // one k16 step of P V a warp and stage
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys a CTA step (the planner's kv_tile)
   static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks in a 16-bit row
@@ -75,13 +79,12 @@ struct Traits {
     const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
     return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
   }
-  static constexpr int kSpreadSmemBytes = 120 * 1024;  // > half an SM's 228 KB: one CTA an SM
-  /// The opt-in the kernel needs for either KV width (and the spread experiment).
+  /// The opt-in the kernel needs for either KV width.
   static constexpr int max_smem_bytes() {
-    const int widest = smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
-    return widest > kSpreadSmemBytes ? widest : kSpreadSmemBytes;
+    return smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
   }
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+  static_assert(kMAtoms == 1 || kMAtoms == 2, "16 or 32 rows a tile");
   static_assert(32 % kChunks == 0 || kChunks % 32 == 0, "whole rows a copy step");
 };
 
@@ -95,10 +98,10 @@ using ptx::mma_16816;
 using ptx::pack2;
 using ptx::smem_address;
 
-template <int kHeadDim, typename T>
-__global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
+template <int kHeadDim, int kMAtomsOfTile, typename T>
+__global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
-  using Tr = Traits<kHeadDim>;
+  using Tr = Traits<kHeadDim, kMAtomsOfTile>;
   constexpr int kChunks = Tr::kChunks;
   constexpr int kMAtoms = Tr::kMAtoms;
   constexpr int kDimTiles = kHeadDim / 8;
@@ -292,6 +295,14 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
       ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + (((lane >> 3) & 1) ^ (lane & 7)) * 16;
   const uint32_t v_lane =
       ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  // The narrow instance keeps its 16 rows of Q in registers (A fragments of every k16 slice).
+  uint32_t q_frag[Tr::kQInRegisters ? kHeadDim / 16 : 1][4];
+  if constexpr (Tr::kQInRegisters) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ldmatrix_x4(q_frag[kk], (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128);
+    }
+  }
   // kCustom: the request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns
   // are the last keys. Keys before mask_from are visible to every row and their mask bytes are
   // never read: those before the row's first column (row_len < kv_len: the multi-step draft's
@@ -403,12 +414,17 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
       ldmatrix_x4(kb, ((k_stage + k_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
-        uint32_t qa[4];
-        ldmatrix_x4(qa, (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128 + a * 16 * kRowBytes);
         float(&s0)[4] = *reinterpret_cast<float(*)[4]>(&s[a][0]);
         float(&s1)[4] = *reinterpret_cast<float(*)[4]>(&s[a][4]);
-        mma_16816<T>(s0, qa, kb[0], kb[1]);
-        mma_16816<T>(s1, qa, kb[2], kb[3]);
+        if constexpr (Tr::kQInRegisters) {
+          mma_16816<T>(s0, q_frag[kk], kb[0], kb[1]);
+          mma_16816<T>(s1, q_frag[kk], kb[2], kb[3]);
+        } else {
+          uint32_t qa[4];
+          ldmatrix_x4(qa, (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128 + a * 16 * kRowBytes);
+          mma_16816<T>(s0, qa, kb[0], kb[1]);
+          mma_16816<T>(s1, qa, kb[2], kb[3]);
+        }
       }
     }
     if (soft_cap) {
@@ -660,16 +676,22 @@ __global__ void __launch_bounds__(Traits<kHeadDim>::kThreads)
 
 // ---- host side of an instance ----------------------------------------------------------------
 
-/// The plan shape and occupancy on the current device (tc_decode_kernel_shape selects it).
+/// The plan shape and occupancy on the current device (tc_decode_kernel_shape selects it): the
+/// 32-row instance's, with the narrow (16-row) instance's tile in narrow_tile_rows (the same
+/// kv_tile, CTAs an SM and clusters: shared memory bounds both the same way).
 template <int kHeadDim>
 PrefillKernelShape shape_of() {
   using Tr = Traits<kHeadDim>;
   PrefillKernelShape shape;
   shape.tile_rows = Tr::kTileRows;
+  shape.narrow_tile_rows = Traits<kHeadDim, 1>::kTileRows;
   shape.kv_tile = Tr::kTileKeys;
   shape.family = PrefillKernelFamily::kTcDecode;
+  static_assert(Traits<kHeadDim, 1>::kTileKeys == Tr::kTileKeys &&
+                    Traits<kHeadDim, 1>::max_smem_bytes() <= Tr::max_smem_bytes(),
+                "the narrow instance plans and fits like the wide one");
   int ctas = 0;
-  auto kernel = tc_decode_kernel<kHeadDim, __nv_bfloat16>;
+  auto kernel = tc_decode_kernel<kHeadDim, 2, __nv_bfloat16>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   Tr::max_smem_bytes()),
              "cudaFuncSetAttribute(tc_decode_kernel)");
@@ -702,11 +724,11 @@ PrefillKernelShape shape_of() {
   return shape;
 }
 
-template <int kHeadDim, typename T>
+template <int kHeadDim, int kMAtoms, typename T>
 void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                   cudaStream_t stream) {
-  using Tr = Traits<kHeadDim>;
-  auto kernel = tc_decode_kernel<kHeadDim, T>;
+  using Tr = Traits<kHeadDim, kMAtoms>;
+  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T>;
   static std::atomic<uint64_t> devices_ready{0};
   int device = 0;
   const cudaError_t got = cudaGetDevice(&device);
@@ -720,16 +742,9 @@ void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tile
     devices_ready.fetch_or(bit, std::memory_order_release);
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3 || p.kv_dtype == DType::kFloat8E5M2;
-  // KVATTN_TC_DECODE_SPREAD=1 (an experiment): a cluster-split launch asks for enough shared
-  // memory that one CTA fits an SM, so that a cluster spreads over as many SMs as it has CTAs.
-  static const bool spread = [] {
-    const char* v = std::getenv("KVATTN_TC_DECODE_SPREAD");
-    return v != nullptr && v[0] == '1';
-  }();
-  size_t smem = size_t(Tr::smem_bytes(fp8));
-  if (spread && tiles.cluster > 1) smem = std::max<size_t>(smem, Tr::kSpreadSmemBytes);
   detail::launch_programmatic_dependent(kernel, dim3(uint32_t(tiles.num_items)), dim3(Tr::kThreads),
-                                        smem, stream, "tc_decode_kernel", tiles.cluster, p, tiles);
+                                        size_t(Tr::smem_bytes(fp8)), stream, "tc_decode_kernel",
+                                        tiles.cluster, p, tiles);
 }
 
 /// The launcher of one instance file (kNotSupported when the head_dim was not compiled).
@@ -737,10 +752,18 @@ template <int kHeadDim>
 void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                         cudaStream_t stream) {
   if constexpr (head_dim_compiled(kHeadDim)) {
+    // The plan's tile picks the instance (validated against the shape by launch_tc_decode).
+    const bool narrow = tiles.tile_rows == Traits<kHeadDim, 1>::kTileRows;
     if (p.io_dtype == DType::kBFloat16) {
-      launch_typed<kHeadDim, __nv_bfloat16>(p, tiles, stream);
+      if (narrow) {
+        launch_typed<kHeadDim, 1, __nv_bfloat16>(p, tiles, stream);
+      } else {
+        launch_typed<kHeadDim, 2, __nv_bfloat16>(p, tiles, stream);
+      }
+    } else if (narrow) {
+      launch_typed<kHeadDim, 1, __half>(p, tiles, stream);
     } else {
-      launch_typed<kHeadDim, __half>(p, tiles, stream);
+      launch_typed<kHeadDim, 2, __half>(p, tiles, stream);
     }
   } else {
     throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
