@@ -144,6 +144,23 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const int tile_first_token = row0 / group;
   const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
 
+  // kCustom (read before any copy is issued: the first step's mask load waits on these): the
+  // request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns are the last
+  // keys. Keys before mask_from are visible to every row and their mask bytes are
+  // never read: those before the row's first column (row_len < kv_len: the multi-step draft's
+  // branch masks) and those below p.mask_dense[request] (TARGET_VERIFY: the all-ones prefix
+  // columns). Mask element (token, key j >= mask_from) is custom_mask[mask_offset + token *
+  // row_len + j].
+  int64_t mask_offset = 0;
+  int64_t mask_row_len = 0;
+  int mask_from = 0;
+  if (custom) {
+    const int64_t begin = p.mask_indptr[request];
+    mask_row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
+    mask_offset = begin + (mask_row_len - kv_len);
+    mask_from = static_cast<int>(max(int64_t(0), int64_t(kv_len) - mask_row_len));
+    if (p.mask_dense != nullptr) mask_from = max(mask_from, min(kv_len, p.mask_dense[request]));
+  }
   // ---- shared memory: Q, then per warp its stages (and, fp8, its converted stage) -------------
   const uint32_t s_q = smem_address(smem);
   const uint32_t s_pipe = s_q + Tr::kQBytes;
@@ -302,22 +319,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       ldmatrix_x4(q_frag[kk], (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128);
     }
-  }
-  // kCustom: the request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns
-  // are the last keys. Keys before mask_from are visible to every row and their mask bytes are
-  // never read: those before the row's first column (row_len < kv_len: the multi-step draft's
-  // branch masks) and those below p.mask_dense[request] (TARGET_VERIFY: the all-ones prefix
-  // columns). Mask element (token, key j >= mask_from) is custom_mask[mask_offset + token *
-  // row_len + j].
-  int64_t mask_offset = 0;
-  int64_t mask_row_len = 0;
-  int mask_from = 0;
-  if (custom) {
-    const int64_t begin = p.mask_indptr[request];
-    mask_row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
-    mask_offset = begin + (mask_row_len - kv_len);
-    mask_from = static_cast<int>(max(int64_t(0), int64_t(kv_len) - mask_row_len));
-    if (p.mask_dense != nullptr) mask_from = max(mask_from, min(kv_len, p.mask_dense[request]));
   }
   // Whether step u's keys reach the masked columns (warp-uniform).
   auto step_masked = [&](int u) { return custom && step_key(u) + Tr::kWarpKeys > mask_from; };
