@@ -118,6 +118,9 @@ struct PrefillTiles {
   /// > 1: a cluster-split plan: items [c * cluster, (c + 1) * cluster) are the chunks of one
   /// tile, launched as one thread-block cluster that merges them (PrefillTileShape::cluster).
   int cluster = 0;
+  /// Time attribution only (KVATTN_TC_DECODE_DIAG, garbage output): the decode-shaped kernel
+  /// 1 issues no K/V copies, 2 returns after its prologue, 3 runs no key step, 4 returns at entry.
+  int diag = 0;
 };
 
 /// Byte layout of the plan buffer: [items | merges] is metadata copied from the host; the

@@ -439,6 +439,12 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
   const bool in_kernel = tc_decode_merge_mode() == TcDecodeMerge::kKernel;
   core::PrefillTiles run = tiles;
   run.merge_in_kernel = in_kernel && tiles.cluster <= 1 ? 1 : 0;
+  // KVATTN_TC_DECODE_DIAG=1..4: leave out a phase to time it (core::PrefillTiles::diag).
+  static const int diag = [] {
+    const char* v = std::getenv("KVATTN_TC_DECODE_DIAG");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  run.diag = diag;
   if (p.head_dim == 64) {
     tc_decode::launch_tc_decode_hd64(p, run, stream);
   } else {

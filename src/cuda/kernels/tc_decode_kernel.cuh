@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // Launched as a programmatic dependent: nothing global is read before the kernels before it
   // completed (they wrote the pool, the plan and the step's error word).
   ptx::grid_dependency_wait();
+  if (tiles.diag == 4) return;
   if (detail::step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
   const core::PrefillWorkItem item = tiles.items[blockIdx.x];
   const int request = item.request;
@@ -161,6 +162,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     mask_from = static_cast<int>(max(int64_t(0), int64_t(kv_len) - mask_row_len));
     if (p.mask_dense != nullptr) mask_from = max(mask_from, min(kv_len, p.mask_dense[request]));
   }
+  // DIAG 2: return once the step's facts have arrived (the condition waits for every load).
+  if (tiles.diag == 2 && (mask_offset ^ mask_from ^ kv_base ^ q_begin ^ kv_begin) != INT64_MIN) {
+    return;
+  }
   // ---- shared memory: Q, then per warp its stages (and, fp8, its converted stage) -------------
   const uint32_t s_q = smem_address(smem);
   const uint32_t s_pipe = s_q + Tr::kQBytes;
@@ -192,8 +197,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 
   // ---- this warp's keys: steps u = 0.. of [kv_begin + 64 u + 16 warp, + 16) --------------------
   const int warp_first = kv_begin + warp * Tr::kWarpKeys;
-  const int warp_steps =
-      warp_first < kv_end ? (kv_end - warp_first + Tr::kTileKeys - 1) / Tr::kTileKeys : 0;
+  const int warp_steps = warp_first < kv_end && tiles.diag != 3
+                             ? (kv_end - warp_first + Tr::kTileKeys - 1) / Tr::kTileKeys
+                             : 0;
   auto step_key = [&](int u) { return warp_first + u * Tr::kTileKeys; };
 
   // Paged: lane l < 16 holds the slot of key l of a step (loaded one issue ahead).
@@ -207,8 +213,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   auto issue = [&](int u, int32_t slot) {
     const int stage = u % kStages;
     const int first = step_key(u);
-    if (u >= warp_steps) {  // past the warp's keys: an empty group keeps the wait counts
-      cp_async_commit();
+    if (u >= warp_steps || tiles.diag == 1) {  // past the warp's keys (or DIAG 1: no copies):
+      cp_async_commit();                         // an empty group keeps the wait counts
       return;
     }
     if (fp8) {
