@@ -32,7 +32,7 @@
 
 #include "core/batch_layout.h"
 #include "core/planner.h"
-#include "core/validate.h"
+#include "core/step.h"
 #include "kvattn/kvattn.h"
 #include "step_batch.h"
 #include "tool_support.h"
@@ -116,7 +116,7 @@ BackendConfig model_config(KvCache& cache, const ReqToTokenPool& pool, void* cud
   return config;
 }
 
-/// Median host time of the planning a CUDA decode step's out_graph does (validate_batch, the
+/// Median host time of the planning a CUDA decode step's out_graph does (derive_step, the
 /// host lengths, the paged layout, plan_decode, write_call_metadata into staging), for `batch`
 /// requests of kv_len / 2 .. kv_len tokens that grow by one each step. The decode setup is the
 /// H200's (planner.h): 8 kv heads x 1 head pass a work item, 132 SMs x 4 CTAs, 32-token tiles.
@@ -168,10 +168,9 @@ double host_planning_us(int batch, int kv_len, uint64_t seed) {
   for (int step = 0; step < kPlanningSteps; ++step) {
     for (int r = 0; r < batch; ++r) seq[size_t(r)] = base[size_t(r)] + step;
     const auto start = std::chrono::steady_clock::now();
-    core::validate_batch(b, config, Device::cpu());
-    const core::HostLengths lens = core::read_host_lengths(b, false);
+    const core::StepFacts facts = core::derive_step(b, config, Device::cpu());
     const core::PagedLayout layout =
-        core::make_paged_layout(b.mode, core::IndexSet::kFull, -1, lens, 0);
+        core::make_paged_layout(b.mode, core::IndexSet::kFull, -1, facts.lens, 0);
     const core::DecodePlan plan =
         core::plan_decode(layout.kv_len, plan_config, capacity.decode_items);
     core::write_call_metadata(capacity, &layout, &plan, staging.data(), staging.size());

@@ -18,6 +18,7 @@
 #include "cli_args.h"
 #include "commands.h"
 #include "core/batch_layout.h"
+#include "core/step.h"
 #include "kvattn/kvattn.h"
 #include "oracle.h"
 #include "reference/scenario.h"
@@ -124,15 +125,14 @@ class ServingSession {
       fill_bytes(cache_.v_buffer(layer).data(), device.device, 0xFF,
                  size_t(cache_.v_buffer(layer).nbytes()));
     }
-    BackendConfig config;
-    config.kv_cache = &cache_;
-    config.req_to_token_pool = &pool_;
-    config.num_q_heads = kQHeads;
-    config.num_kv_heads = kKvHeads;
-    config.head_dim = kHeadDim;
-    config.q_dtype = kDType;
-    config.ragged_extend_threshold = kRaggedThreshold;
-    backend_ = make_backend(device.kind, config);
+    config_.kv_cache = &cache_;
+    config_.req_to_token_pool = &pool_;
+    config_.num_q_heads = kQHeads;
+    config_.num_kv_heads = kKvHeads;
+    config_.head_dim = kHeadDim;
+    config_.q_dtype = kDType;
+    config_.ragged_extend_threshold = kRaggedThreshold;
+    backend_ = make_backend(device.kind, config_);
     for (int row = num_requests - 1; row >= 0; --row) free_rows_.push_back(row);
   }
 
@@ -417,10 +417,9 @@ class ServingSession {
       stats.kv_tokens += r.kv_extent;
     }
     const int64_t tokens = stats.query_tokens;
-    stats.ragged = core::use_ragged_extend(spec.mode, tokens, kRaggedThreshold,
-                                           /*has_window=*/false, /*is_encoder_decoder=*/false,
-                                           /*deterministic=*/false);
     StepBatch batch(spec, device_.device, &cache_, &pool_);
+    // The backend's own derivation of the step (core::derive_step): ragged or paged EXTEND.
+    stats.ragged = core::derive_step(batch.batch(), config_, device_.device).ragged;
     std::vector<LayerInputs> layers;
     for (int l = 0; l < kNumLayers; ++l) {
       LayerInputs d;
@@ -597,6 +596,7 @@ class ServingSession {
   ReqToTokenPool pool_;
   SlotAllocator allocator_;
   RandomSource random_;
+  BackendConfig config_;
   std::unique_ptr<AttentionBackend> backend_;
   std::vector<int32_t> shared_slots_;
   std::vector<int> free_rows_;

@@ -121,13 +121,17 @@ void validate_layer(const AttentionLayer& layer, const BackendConfig& c) {
 }
 
 void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device) {
+  (void)validate_batch_lengths(b, c, device);
+}
+
+HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c, Device device) {
   check_arg(b.batch_size >= 0, "batch_size", "got ", b.batch_size, ", expected >= 0");
   check_arg(b.kv_cache == nullptr || b.kv_cache == c.kv_cache, "kv_cache",
             "the batch names a different KV pool than the backend was made for");
   check_arg(b.req_to_token_pool == nullptr || b.req_to_token_pool == c.req_to_token_pool,
             "req_to_token_pool",
             "the batch names a different req_to_token pool than the backend was made for");
-  if (b.mode == ForwardMode::kIdle) return;
+  if (b.mode == ForwardMode::kIdle) return {};
   const int bs = b.batch_size;
   check_index_tensor(b.req_pool_indices, "req_pool_indices", bs, device);
   check_index_tensor(b.seq_lens, "seq_lens", bs, device);
@@ -142,7 +146,7 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
       }
     }
   }
-  const HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);
+  HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);
   const bool verify = b.mode == ForwardMode::kTargetVerify;
   if (verify) {
     check_arg(b.spec.draft_token_num >= 1, "spec.draft_token_num", "got ",
@@ -184,6 +188,7 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
     check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ",
               device);
   }
+  return lens;
 }
 
 void validate_step_slots(const ForwardBatch& b, int64_t num_slots, Device device) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/batch_layout.h"
 #include "kvattn/backend.h"
 
 namespace kvattn::core {
@@ -17,6 +18,11 @@ void validate_layer(const AttentionLayer& layer, const BackendConfig& config);
 /// The per-step batch against the pools: tensor shapes and dtypes, device, req_pool_indices in
 /// range, seq_len + offsets within max_context_len, spec inputs. Host lengths must be readable.
 void validate_batch(const ForwardBatch& batch, const BackendConfig& config, Device device);
+
+/// validate_batch, returning the host lengths it read and checked (read_host_lengths) so the
+/// caller does not read them again (core::derive_step); empty for IDLE.
+HostLengths validate_batch_lengths(const ForwardBatch& batch, const BackendConfig& config,
+                                   Device device);
 
 /// q/k/v/out of one forward call: shapes, dtypes, device, contiguous last dimension, and the
 /// out_cache_loc slots within the pool (host-readable loc only; device kernels clamp).

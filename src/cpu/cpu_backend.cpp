@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/params_fill.h"
+#include "core/step.h"
 #include "core/validate.h"
 #include "cpu/amx.h"
 #include "cpu/bf16_avx512.h"
@@ -114,9 +115,9 @@ void CpuBackend::build_index_set(CpuIndexSet& target, const ForwardBatch& batch)
 void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool) {
   ++step_id_;
   plan_.ready = false;
-  core::validate_batch(batch, config_, Device::cpu());
+  const core::StepFacts facts = core::derive_step(batch, config_, Device::cpu());
   core::validate_step_slots(batch, config_.kv_cache->num_slots(), Device::cpu());
-  const core::HostLengths lens = core::read_host_lengths(batch, config_.is_encoder_decoder);
+  const core::HostLengths& lens = facts.lens;
   StepPlan plan;
   plan.mode = batch.mode;
   plan.batch_size = batch.batch_size;
@@ -134,13 +135,10 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
     build_index_set(built, batch);
     plan.sets.push_back(std::move(built));
   }
-  plan.num_tokens = plan.sets.front().layout.total_q();
+  plan.num_tokens = facts.num_tokens;
 
   if (is_extend_like(batch.mode)) {
-    plan.use_ragged = core::use_ragged_extend(batch.mode, plan.num_tokens,
-                                              config_.ragged_extend_threshold,
-                                              config_.sliding_window_size >= 0,
-                                              config_.is_encoder_decoder, config_.deterministic);
+    plan.use_ragged = facts.ragged;
     if (plan.use_ragged) {
       plan.ragged = core::make_ragged_layout(lens);
       plan.prefix.set = core::IndexSet::kFull;
@@ -539,8 +537,8 @@ void CpuDraftRunner::init_forward_metadata(const ForwardBatch& batch) {
   ready_ = false;
   check_arg(batch.mode == ForwardMode::kDecode, "mode", "got ", forward_mode_name(batch.mode),
             ", the multi-step draft backend runs DECODE batches");
-  core::validate_batch(batch, config_, Device::cpu());
-  const core::HostLengths lens = core::read_host_lengths(batch, false);
+  const core::StepFacts facts = core::derive_step(batch, config_, Device::cpu());
+  const core::HostLengths& lens = facts.lens;
   const ReqToTokenPool& pool = *config_.req_to_token_pool;
   const int bs = batch.batch_size;
   const int64_t draft_positions = int64_t(num_steps_) * topk_;

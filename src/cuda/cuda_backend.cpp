@@ -10,6 +10,7 @@
 #include "core/backend_factory.h"
 #include "core/params_fill.h"
 #include "core/size_check.h"
+#include "core/step.h"
 #include "core/validate.h"
 #include "cuda/cascade.h"
 #include "cuda/kernels/index.h"
@@ -506,9 +507,9 @@ class CudaBackend final : public AttentionBackend {
     set_device();
     step_ = Step();
     step_.id = guard_.begin_step(batch.mode, batch.batch_size);
-    core::validate_batch(batch, config_, device_);
+    const core::StepFacts facts = core::derive_step(batch, config_, device_);
     core::validate_step_slots(batch, config_.kv_cache->num_slots(), device_);
-    const core::HostLengths lens = core::read_host_lengths(batch, config_.is_encoder_decoder);
+    const core::HostLengths& lens = facts.lens;
     step_.mode = batch.mode;
     step_.batch_size = batch.batch_size;
     if (batch.mode == ForwardMode::kIdle) {
@@ -523,15 +524,8 @@ class CudaBackend final : public AttentionBackend {
                   "v_head_dim == head_dim and a compiled head_dim; got head_dim ", config_.head_dim,
                   ", v_head_dim ", config_.v_head_dim);
     }
-    int64_t new_tokens = 0;
-    for (int32_t e : lens.extend_lens) new_tokens += e;
-    step_.ragged =
-        core::use_ragged_extend(batch.mode, new_tokens, config_.ragged_extend_threshold,
-                                config_.sliding_window_size >= 0, config_.is_encoder_decoder,
-                                config_.deterministic);
-    step_.num_tokens = decode   ? batch.batch_size
-                       : verify ? int64_t(batch.batch_size) * batch.spec.draft_token_num
-                                : new_tokens;
+    step_.ragged = facts.ragged;
+    step_.num_tokens = facts.num_tokens;
 
     // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size and token
     // count; a larger verify tree runs eagerly, and capturing it is refused.

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/size_check.h"
+#include "core/step.h"
 #include "core/validate.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels/index.h"
@@ -63,8 +64,8 @@ class CudaDraftRunner final : public core::DraftRunner {
     ready_ = false;
     indices_built_ = false;
     shared_steps_ = false;
-    core::validate_batch(batch, config_, device_);
-    const core::HostLengths lens = core::read_host_lengths(batch, false);
+    const core::StepFacts facts = core::derive_step(batch, config_, device_);
+    const core::HostLengths& lens = facts.lens;
     const int bs = batch.batch_size;
     const int entries = bs * topk_;
     const ReqToTokenPool& pool = *config_.req_to_token_pool;

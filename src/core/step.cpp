@@ -1,0 +1,30 @@
+#include "core/step.h"
+
+#include "core/validate.h"
+
+namespace kvattn::core {
+
+StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device) {
+  StepFacts facts;
+  facts.mode = batch.mode;
+  facts.batch_size = batch.batch_size;
+  facts.lens = validate_batch_lengths(batch, config, device);
+  switch (batch.mode) {
+    case ForwardMode::kIdle: return facts;
+    case ForwardMode::kDecode: facts.num_tokens = batch.batch_size; break;
+    case ForwardMode::kTargetVerify:
+      facts.draft_token_num = batch.spec.draft_token_num;
+      facts.num_tokens = int64_t(batch.batch_size) * batch.spec.draft_token_num;
+      break;
+    default:
+      for (int32_t e : facts.lens.extend_lens) facts.new_tokens += e;
+      facts.num_tokens = facts.new_tokens;
+      break;
+  }
+  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, config.ragged_extend_threshold,
+                                   config.sliding_window_size >= 0, config.is_encoder_decoder,
+                                   config.deterministic);
+  return facts;
+}
+
+}  // namespace kvattn::core

@@ -1,0 +1,94 @@
+// core::derive_step: one step's facts from the batch, read once, against what the scenario world
+// expects of the same batch (its own query rows and ragged choice) and against read_host_lengths.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/batch_layout.h"
+#include "core/step.h"
+#include "kvattn/error.h"
+#include "reference/scenario.h"
+#include "reference/world.h"
+
+namespace kvattn::testing {
+namespace {
+
+ScenarioSpec step_spec(ForwardMode mode, uint32_t seed) {
+  ScenarioSpec spec;
+  spec.variant = "step facts";
+  spec.mode = mode;
+  spec.batch_size = 4;
+  spec.max_kv_len = 80;
+  spec.max_q_len = 9;
+  spec.num_q_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 64;
+  spec.seed = seed;
+  if (mode == ForwardMode::kTargetVerify) spec.draft_token_num = 3;
+  return spec;
+}
+
+void expect_facts_of(const ScenarioWorld& w) {
+  SCOPED_TRACE(std::string(forward_mode_name(w.spec.mode)) + (w.spec.force_ragged ? " ragged" : "") +
+               (w.spec.sliding_window >= 0 ? " window" : "") +
+               (w.spec.deterministic ? " deterministic" : ""));
+  const core::StepFacts facts = core::derive_step(w.batch, w.config, w.device);
+  EXPECT_EQ(facts.mode, w.spec.mode);
+  EXPECT_EQ(facts.batch_size, w.batch.batch_size);
+  ASSERT_FALSE(w.calls.empty());
+  EXPECT_EQ(facts.num_tokens, w.calls.front().num_tokens);
+  EXPECT_EQ(facts.ragged, w.ragged);
+  const core::HostLengths lens = core::read_host_lengths(w.batch, w.config.is_encoder_decoder);
+  EXPECT_EQ(facts.lens.seq_lens, lens.seq_lens);
+  EXPECT_EQ(facts.lens.prefix_lens, lens.prefix_lens);
+  EXPECT_EQ(facts.lens.extend_lens, lens.extend_lens);
+  int64_t new_tokens = 0;
+  for (int32_t e : lens.extend_lens) new_tokens += e;
+  EXPECT_EQ(facts.new_tokens, new_tokens);
+  EXPECT_EQ(facts.draft_token_num,
+            w.spec.mode == ForwardMode::kTargetVerify ? w.spec.draft_token_num : 0);
+}
+
+TEST(StepFacts, EveryModeAgreesWithTheWorld) {
+  uint32_t seed = 40;
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kExtend, ForwardMode::kMixed,
+                           ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
+    expect_facts_of(*ScenarioWorld::build(step_spec(mode, ++seed), BackendKind::kCpu));
+  }
+  // The ragged choice: forced on (threshold 0), then off with a window or deterministic mode.
+  for (ForwardMode mode : {ForwardMode::kExtend, ForwardMode::kMixed}) {
+    ScenarioSpec spec = step_spec(mode, ++seed);
+    spec.force_ragged = true;
+    auto ragged = ScenarioWorld::build(spec, BackendKind::kCpu);
+    EXPECT_TRUE(core::derive_step(ragged->batch, ragged->config, ragged->device).ragged);
+    expect_facts_of(*ragged);
+    spec.sliding_window = 16;
+    expect_facts_of(*ScenarioWorld::build(spec, BackendKind::kCpu));
+    spec.sliding_window = -1;
+    spec.deterministic = true;
+    auto deterministic = ScenarioWorld::build(spec, BackendKind::kCpu);
+    EXPECT_FALSE(
+        core::derive_step(deterministic->batch, deterministic->config, deterministic->device)
+            .ragged);
+  }
+}
+
+TEST(StepFacts, IdleAndBadBatches) {
+  auto w = ScenarioWorld::build(step_spec(ForwardMode::kDecode, 7), BackendKind::kCpu);
+  ForwardBatch idle = w->batch;
+  idle.mode = ForwardMode::kIdle;
+  const core::StepFacts facts = core::derive_step(idle, w->config, w->device);
+  EXPECT_EQ(facts.num_tokens, 0);
+  EXPECT_TRUE(facts.lens.seq_lens.empty());
+  ForwardBatch bad = w->batch;
+  bad.batch_size = -1;
+  try {
+    (void)core::derive_step(bad, w->config, w->device);
+    ADD_FAILURE() << "a negative batch_size was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "batch_size");
+  }
+}
+
+}  // namespace
+}  // namespace kvattn::testing
