@@ -12,7 +12,7 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
+# STEPS=a,b,... picks steps (diag (tc_decode DIAG matrix, decode split A/B), prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
 # TC_FILTER / SAN_FILTER override the tc / memcheck test filters; peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, PEERS_IMPLS a comma list, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
@@ -63,6 +63,20 @@ if want prof; then
       "$CARRY/kvattn" bench --device cuda --workload "$w"
   done
 fi
+# time attribution of the decode-shaped kernel (KVATTN_TC_DECODE_DIAG, garbage output: the rows
+# report FAIL on their check, the time is what counts) under both split merges, and the plain
+# decode of a shared prompt with and without its split (L2 reuse; bench/NOTES.md v6)
+if want diag; then
+  for m in cluster grid; do
+    for d in 0 1 2 3 4; do
+      KVATTN_TC_DECODE_MERGE=$m KVATTN_TC_DECODE_DIAG=$d step "diag-$m-$d" 40 "$CARRY/kvattn" \
+        bench --device cuda --workload verify
+    done
+  done
+  step nosplit-default 60 "$CARRY/kvattn" bench --device cuda --workload cascade
+  KVATTN_DECODE_MIN_CHUNK=16384 step nosplit-16384 60 "$CARRY/kvattn" bench --device cuda \
+    --workload cascade
+fi
 want all && step all 200 "$T" --gtest_brief=1 --gtest_filter="${ALL_FILTER:-*}"
 want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 200 \
   bash tests/cuda/run_device_checks.sh "$T"
@@ -111,6 +125,11 @@ fi
   echo "== kvattn bench (verify, draft, cascade)"
   grep -hE "^(verify|draft|decode)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" \
     "$LOGS/bench-cascade.log" 2>/dev/null
+  echo "== DIAG (verify rows: batch/kv: us)"
+  for f in "$LOGS"/diag-*.log; do [ -f "$f" ] && printf '%-22s %s\n' "$(basename "$f" .log)" \
+    "$(grep -E '^verify' "$f" | awk '{printf "b%s/kv%s:%s ", $2, $3, $9}')"; done
+  for f in "$LOGS"/nosplit-*.log; do [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; \
+    grep -E '^decode' "$f"; }; done
   echo "== per-kernel GPU time (ncu)"
   for f in "$LOGS"/prof-*.log; do [ -f "$f" ] && { echo "-- $f"; grep -E "^  [^ ].*\\(|gpu__time_duration" "$f" | cut -c1-160 | head -40; }; done
   echo "== all CUDA tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  " "$LOGS/all.log" 2>/dev/null | head -30
