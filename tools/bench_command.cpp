@@ -59,7 +59,8 @@ const std::vector<OptionSpec>& bench_options() {
       {"--planner", "", "instead of the grid: the host planning per decode step (no GPU needed)"},
       {"--deterministic", "",
        "run every row in deterministic (batch-invariant) mode (BackendConfig::deterministic); "
-       "the variants get a -deterministic suffix"},
+       "the variants get a -deterministic suffix; on CUDA decode rows then run on the backend's "
+       "CUDA-graph buffers, as an engine's graph mode does"},
   };
   return specs;
 }
@@ -385,8 +386,9 @@ class BenchWorld {
     }
     backend_ = make_backend(device.kind, config);
     if (graph_step()) {
-      // TARGET_VERIFY as an engine runs it on CUDA: a captured bucket of the backend's graph
-      // buffers (sized for this batch and tree), whose padded plan the timed calls replay. The
+      // TARGET_VERIFY (and deterministic DECODE) as an engine runs it on CUDA: a captured bucket
+      // of the backend's graph buffers (sized for this batch and tree), whose padded plan the
+      // timed calls replay. The
       // timing captures forward (time_on_stream); without these buffers the backend refuses to
       // capture the tensor-core path. in_graph runs once here: it is per step, not per layer.
       backend_->init_cuda_graph_state(row.batch, row.tokens());
@@ -397,9 +399,13 @@ class BenchWorld {
     }
   }
 
-  /// Whether the row runs on the backend's CUDA-graph buffers and must be timed captured.
+  /// Whether the row runs on the backend's CUDA-graph buffers and must be timed captured: verify
+  /// and the multi-step draft, and decode in deterministic mode (it runs on the tensor-core path,
+  /// which only the graph buffers' padded plans capture, as in an engine's graph mode).
   bool graph_step() const {
-    return (row_.is_verify() || row_.is_multistep()) && device_.kind == BackendKind::kCuda;
+    const bool deterministic_decode = row_.is_decode() && row_.deterministic;
+    return (row_.is_verify() || row_.is_multistep() || deterministic_decode) &&
+           device_.kind == BackendKind::kCuda;
   }
 
   /// Bytes the world holds on the device: the pool of all layers plus every input set.
