@@ -174,8 +174,7 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   return plan;
 }
 
-int cluster_split_size(int batch_size, int q_len, const PrefillTileShape& shape,
-                       int max_cluster) {
+int cluster_split_size(int batch_size, int q_len, const PrefillTileShape& shape, int max_cluster) {
   check_arg(batch_size >= 0 && q_len >= 0, "batch_size", "got batch_size ", batch_size,
             " and q_len ", q_len, ", expected >= 0");
   check_arg(shape.num_kv_heads > 0 && shape.num_q_heads > 0 &&

@@ -10,8 +10,11 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
   facts.batch_size = batch.batch_size;
   facts.lens = validate_batch_lengths(batch, config, device);
   switch (batch.mode) {
-    case ForwardMode::kIdle: return facts;
-    case ForwardMode::kDecode: facts.num_tokens = batch.batch_size; break;
+    case ForwardMode::kIdle:
+      return facts;
+    case ForwardMode::kDecode:
+      facts.num_tokens = batch.batch_size;
+      break;
     case ForwardMode::kTargetVerify:
       facts.draft_token_num = batch.spec.draft_token_num;
       facts.num_tokens = int64_t(batch.batch_size) * batch.spec.draft_token_num;

@@ -264,8 +264,8 @@ class CudaDraftRunner final : public core::DraftRunner {
   // batch_size > 0: the plan's shape for that many requests (topk rows each; the cluster split
   // where the batch is small); 0: the shape that sizes the buffers.
   core::PrefillTileShape shared_prefix_shape(int batch_size = 0) const {
-    return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true,
-                              batch_size, topk_);
+    return prefill_tile_shape(setup_, config_, core::MaskMode::kCustom, -1, /*tc=*/true, batch_size,
+                              topk_);
   }
 
   // The branch masks of every step, for up to max_reqs requests (a few hundred KB, written once):

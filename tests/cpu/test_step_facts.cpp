@@ -29,7 +29,8 @@ ScenarioSpec step_spec(ForwardMode mode, uint32_t seed) {
 }
 
 void expect_facts_of(const ScenarioWorld& w) {
-  SCOPED_TRACE(std::string(forward_mode_name(w.spec.mode)) + (w.spec.force_ragged ? " ragged" : "") +
+  SCOPED_TRACE(std::string(forward_mode_name(w.spec.mode)) +
+               (w.spec.force_ragged ? " ragged" : "") +
                (w.spec.sliding_window >= 0 ? " window" : "") +
                (w.spec.deterministic ? " deterministic" : ""));
   const core::StepFacts facts = core::derive_step(w.batch, w.config, w.device);

@@ -78,7 +78,7 @@ struct Case {
   float input_range = 2.f;
   uint32_t seed = 1;
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
-  int cluster = 0;  // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
+  int cluster = 0;      // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
   bool narrow = false;  // tc_decode: the narrow instance's 16-row tiles
 };
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <mutex>
+#include <string>
 
 #include "core/softmax_state.h"
 #include "cuda/cuda_util.h"

@@ -35,8 +35,8 @@
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/launch.cuh"
 #include "cuda/kernels/prefill.h"
-#include "cuda/kernels/step_check.cuh"
 #include "cuda/kernels/split_merge.cuh"
+#include "cuda/kernels/step_check.cuh"
 #include "cuda/kernels/toolkit/compiled_head_dims.h"
 #include "cuda/kernels/toolkit/online_softmax.cuh"
 #include "cuda/kernels/toolkit/ptx.cuh"
@@ -53,7 +53,7 @@ struct Traits {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMAtoms = kMAtomsOfTile;  // O is kMAtoms * head_dim / 2 fp32 a thread
   static constexpr int kTileRows = 16 * kMAtoms;
-  static constexpr bool kQInRegisters = kMAtoms == 1;  // head_dim / 4 registers a thread
+  static constexpr bool kQInRegisters = kMAtoms == 1;   // head_dim / 4 registers a thread
   static constexpr int kWarpKeys = 16;                  // one k16 step of P V a warp and stage
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys a CTA step (the planner's kv_tile)
   static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks in a 16-bit row
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     const int stage = u % kStages;
     const int first = step_key(u);
     if (u >= warp_steps || tiles.diag == 1) {  // past the warp's keys (or DIAG 1: no copies):
-      cp_async_commit();                         // an empty group keeps the wait counts
+      cp_async_commit();                       // an empty group keeps the wait counts
       return;
     }
     if (fp8) {
