@@ -245,6 +245,56 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
   return plan;
 }
 
+DecodePlan plan_decode_rule(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
+                            int item_capacity) {
+  check_config(config);
+  const int32_t max_len = check_lengths(kv_len);
+  const int batch_size = int(kv_len.size());
+  check_arg(item_capacity >= batch_size, "item_capacity", "got ", item_capacity,
+            ", expected >= batch_size ", batch_size);
+  int64_t chunk = std::max<int32_t>(max_len, 1);
+  if (config.concurrent_ctas > 0 && max_len > config.min_chunk) {
+    int64_t total = 0;
+    for (int32_t len : kv_len) total += int64_t(len) + config.cta_overhead_tokens;
+    const int64_t share = ceil_div(total * config.ctas_per_item, config.concurrent_ctas);
+    const int64_t even = round_up(std::max<int64_t>(share, config.min_chunk), config.chunk_align);
+    // (plan_decode's bar: a split must promise at least 3% on the longest request.)
+    if (double(even) < kRequiredGain * double(max_len)) {
+      chunk = even;
+      while (chunk < max_len && items_for_chunk(kv_len, chunk) > item_capacity) chunk *= 2;
+      chunk = std::min<int64_t>(chunk, std::max<int32_t>(max_len, 1));
+    }
+  }
+  DecodePlan plan;
+  plan.chunk = int(chunk);
+  plan.merge_indptr.assign(size_t(batch_size) + 1, 0);
+  std::vector<DecodeWorkItem> emitted;
+  for (int r = 0; r < batch_size; ++r) {
+    const int64_t len = kv_len[r];
+    const int64_t pieces = std::max<int64_t>(1, ceil_div(len, chunk));
+    plan.merge_indptr[r + 1] = plan.merge_indptr[r] + (pieces > 1 ? int32_t(pieces) : 0);
+    for (int64_t p = 0; p < pieces; ++p) {
+      DecodeWorkItem item;
+      item.request = r;
+      item.kv_begin = int32_t(p * chunk);
+      item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * chunk));
+      item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
+      emitted.push_back(item);
+    }
+  }
+  plan.num_partials = plan.merge_indptr.back();
+  // Heaviest first, ties in emission order: one sort of unique 64-bit keys (on the device a
+  // bitonic sort in one CTA's shared memory). Request order instead measured 1.14x the searched
+  // plan's makespan (geomean, 600 batches; worst 1.65): the order matters more than the chunk.
+  std::vector<uint64_t> keys(emitted.size());
+  for (size_t i = 0; i < emitted.size(); ++i)
+    keys[i] = heaviest_first_key(int64_t(emitted[i].kv_end) - emitted[i].kv_begin, i);
+  std::sort(keys.begin(), keys.end());
+  plan.items.resize(emitted.size());
+  for (size_t i = 0; i < keys.size(); ++i) plan.items[i] = emitted[key_index(keys[i])];
+  return plan;
+}
+
 // ---- the metadata buffer -------------------------------------------------------------------
 
 namespace {

@@ -82,6 +82,18 @@ struct DecodePlan {
 DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
                        int item_capacity);
 
+/// The closed-form rule a device planner can compute from device lengths (issue 15: one CTA,
+/// block reductions, one scan and one sort; no search): chunk = the even share of the step's
+/// cost per CTA slot, total x ctas_per_item / concurrent_ctas (with cta_overhead_tokens a
+/// request), rounded up to chunk_align, at least min_chunk; no split unless that is below 0.97
+/// of the longest request; doubled until the items fit `item_capacity`. A request's chunks at
+/// multiples of the chunk, partial rows as plan_decode numbers them, items heaviest first (the
+/// same keys as plan_decode). The host runs it as the reference the device plan must equal;
+/// tests/core/test_planner.cpp compares its in-order makespan with plan_decode's (bench/NOTES.md,
+/// "device-plan rule").
+DecodePlan plan_decode_rule(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
+                            int item_capacity);
+
 /// Estimated makespan (token-equivalents) of running `chunk`-sized items on
 /// config.concurrent_ctas slots with LPT assignment; exposed for tests. Runs once per candidate
 /// chunk at every step, so it is cheap: when the slots split into groups of ctas_per_item it
