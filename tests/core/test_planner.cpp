@@ -502,11 +502,12 @@ TEST(DecodePlanRule, CoversEveryRequestWithinCapacity) {
   }
   // The worked examples of planner.h: 64 x 4096 stays whole; 1 x 32768 splits into chunks of
   // 32768 x 8 / 528 (+ overhead) -> 512 tokens.
-  EXPECT_EQ(plan_decode_rule(std::vector<int32_t>(64, 4096), config, decode_item_capacity(64, config))
-                .items.size(),
-            64u);
-  const DecodePlan one = plan_decode_rule(std::vector<int32_t>{32768}, config,
-                                          decode_item_capacity(1, config));
+  EXPECT_EQ(
+      plan_decode_rule(std::vector<int32_t>(64, 4096), config, decode_item_capacity(64, config))
+          .items.size(),
+      64u);
+  const DecodePlan one =
+      plan_decode_rule(std::vector<int32_t>{32768}, config, decode_item_capacity(1, config));
   EXPECT_EQ(one.chunk, 512);
   EXPECT_EQ(one.items.size(), 64u);
   // No device size: no split.
@@ -533,11 +534,11 @@ TEST(DecodePlanRule, LoadBalanceAgainstTheSearch) {
     std::vector<int32_t> kv_len(static_cast<size_t>(bs));
     const int shape = (trial / 9) % 3;
     for (int32_t& len : kv_len) {
-      if (shape == 0) len = int32_t(1024 + rng() % 31744);         // ragged 1K..32K
-      if (shape == 1) len = int32_t(4096 + rng() % 64);             // near-uniform 4K
-      if (shape == 2) len = int32_t(256 + rng() % 1792);            // short 256..2K
+      if (shape == 0) len = int32_t(1024 + rng() % 31744);  // ragged 1K..32K
+      if (shape == 1) len = int32_t(4096 + rng() % 64);     // near-uniform 4K
+      if (shape == 2) len = int32_t(256 + rng() % 1792);    // short 256..2K
     }
-    if (shape == 2) kv_len[0] = int32_t(32768 + rng() % 32768);   // ... and one long request
+    if (shape == 2) kv_len[0] = int32_t(32768 + rng() % 32768);  // ... and one long request
     const int capacity = decode_item_capacity(bs, config);
     const double searched = in_order_makespan(plan_decode(kv_len, config, capacity), config);
     const double rule = in_order_makespan(plan_decode_rule(kv_len, config, capacity), config);
@@ -549,9 +550,10 @@ TEST(DecodePlanRule, LoadBalanceAgainstTheSearch) {
     ++count;
   }
   const double geomean = std::exp(log_sum / count);
-  std::printf("rule / searched makespan over %d batches: geomean %.3f, best %.3f, worst %.3f, "
-              "%d worse by > 10%%\n",
-              count, geomean, best, worst, worse_by_10);
+  std::printf(
+      "rule / searched makespan over %d batches: geomean %.3f, best %.3f, worst %.3f, "
+      "%d worse by > 10%%\n",
+      count, geomean, best, worst, worse_by_10);
   EXPECT_LE(geomean, 1.0);
   EXPECT_LE(worst, 1.15);
 }
