@@ -96,6 +96,9 @@ if want python; then
     python/tests/test_gpu_torch.py -k "bad_index or huge"
   PYTHONPATH=/tmp/site step pytorch 200 python3 -m pytest -q -p no:cacheprovider \
     python/tests/test_gpu_torch.py
+  # host syncs and device-to-host copies of a step, counted by CUPTI (issue 15)
+  PYTHONPATH=/tmp/site step pysync 120 python3 -m pytest -q -s -p no:cacheprovider \
+    python/tests/test_gpu_sync_counts.py
 fi
 if want llama; then
   PYTHONPATH=/tmp/site step llama 150 python3 python/examples/hf_llama_paged.py --device cuda
@@ -139,6 +142,7 @@ fi
   echo "== check"; grep -E "FAIL|passed|not supported" "$LOGS/check.log" 2>/dev/null | tail -5
   grep -E "ERROR SUMMARY" "$LOGS/checkmem.log" 2>/dev/null
   echo "== python"; tail -3 "$LOGS/pybad.log" 2>/dev/null; tail -3 "$LOGS/pytorch.log" 2>/dev/null
+  grep -hE "kvattn-gpu-test|passed|failed" "$LOGS/pysync.log" 2>/dev/null | tail -6
   echo "== llama example"; tail -8 "$LOGS/llama.log" 2>/dev/null
   echo "== peers"; tail -30 "$OUT"/peers-*.md 2>/dev/null
   echo "== steps"; printf '%s\n' "${summary[@]}"
