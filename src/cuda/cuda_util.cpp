@@ -119,7 +119,12 @@ void CopyFence::record(cudaStream_t stream) {
 }
 
 void CopyFence::wait() {
-  if (recorded_) check_cuda(cudaEventSynchronize(event_), "cudaEventSynchronize");
+  if (!recorded_) return;
+  const cudaError_t state = cudaEventQuery(event_);
+  if (state == cudaSuccess) return;
+  if (state != cudaErrorNotReady) check_cuda(state, "cudaEventQuery");
+  (void)cudaGetLastError();  // "not ready" is an answer, not an error for the next check
+  check_cuda(cudaEventSynchronize(event_), "cudaEventSynchronize");
 }
 
 }  // namespace kvattn::cuda
