@@ -187,6 +187,20 @@ void fuzz_planners(Reader& r) {
     const core::CallMetadataLayout sized = core::write_call_metadata(cap, nullptr, nullptr, nullptr, 0);
     std::vector<uint8_t> host(sized.metadata_bytes);
     core::write_call_metadata(cap, &layout, &plan, host.data(), host.size());
+    // The device planner's rule on the same lengths: within capacity, every key once.
+    const core::DecodePlan rule = core::plan_decode_rule(kv_len, dc, capacity);
+    if (int64_t(rule.items.size()) > capacity) fail("plan_decode_rule exceeded its item capacity");
+    std::vector<int64_t> covered(size_t(batch), 0);
+    for (const core::DecodeWorkItem& item : rule.items) {
+      if (item.request < 0 || item.request >= batch || item.kv_begin > item.kv_end) {
+        fail("plan_decode_rule made a bad item");
+      }
+      covered[size_t(item.request)] += int64_t(item.kv_end) - item.kv_begin;
+    }
+    for (int i = 0; i < batch; ++i) {
+      if (covered[size_t(i)] != kv_len[size_t(i)]) fail("plan_decode_rule lost or repeated keys");
+    }
+    core::write_call_metadata(cap, &layout, &rule, host.data(), host.size());
   });
   core::PrefillTileShape shape;
   shape.num_kv_heads = int(r.value(4));
@@ -196,6 +210,7 @@ void fuzz_planners(Reader& r) {
   shape.mask = core::MaskMode(r.u8() % 3);
   shape.window_left = int(std::max<int64_t>(std::clamp<int64_t>(r.value(64), INT32_MIN, INT32_MAX) - 1, INT32_MIN));
   shape.concurrent_ctas = int(r.value(300));
+  shape.cluster = r.flag() ? int(r.value(20)) : 0;  // the decode-shaped kernel's cluster split
   // The work is proportional to the tiles; the backend's are bounded by the tokens it holds in
   // memory (and its tile_rows is the kernel's 64 or 128): keep this call's to what a step has.
   double tiles = 0;  // an estimate, in double: the fuzzed values may be anything
