@@ -125,6 +125,35 @@ double lpt_makespan(const std::vector<int64_t>& costs, const DecodePlanConfig& c
   return double(makespan);
 }
 
+// Every request cut into `chunk`-token items (one item when it fits), partial rows numbered in
+// request order into plan.merge_indptr (sized batch_size + 1, zeroed), the items heaviest first,
+// ties in emission order (one sort of unique 64-bit keys): plan_decode's and the device rule's
+// emission.
+void emit_chunks_heaviest_first(std::span<const int32_t> kv_len, int64_t chunk, DecodePlan& plan) {
+  std::vector<DecodeWorkItem> emitted;
+  emitted.reserve(size_t(items_for_chunk(kv_len, chunk)));
+  for (size_t r = 0; r < kv_len.size(); ++r) {
+    const int64_t len = kv_len[r];
+    const int64_t pieces = std::max<int64_t>(1, ceil_div(len, chunk));
+    plan.merge_indptr[r + 1] = plan.merge_indptr[r] + (pieces > 1 ? int32_t(pieces) : 0);
+    for (int64_t p = 0; p < pieces; ++p) {
+      DecodeWorkItem item;
+      item.request = int32_t(r);
+      item.kv_begin = int32_t(p * chunk);
+      item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * chunk));
+      item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
+      emitted.push_back(item);
+    }
+  }
+  plan.num_partials = plan.merge_indptr.back();
+  std::vector<uint64_t> keys(emitted.size());
+  for (size_t i = 0; i < emitted.size(); ++i)
+    keys[i] = heaviest_first_key(int64_t(emitted[i].kv_end) - emitted[i].kv_begin, i);
+  std::sort(keys.begin(), keys.end());
+  plan.items.resize(emitted.size());
+  for (size_t i = 0; i < keys.size(); ++i) plan.items[i] = emitted[key_index(keys[i])];
+}
+
 }  // namespace
 
 double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
@@ -220,28 +249,7 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
     }
     return plan;
   }
-  std::vector<DecodeWorkItem> emitted;
-  emitted.reserve(size_t(items_for_chunk(kv_len, best_chunk)));
-  for (int r = 0; r < batch_size; ++r) {
-    const int64_t len = kv_len[r];
-    const int64_t pieces = std::max<int64_t>(1, ceil_div(len, best_chunk));
-    plan.merge_indptr[r + 1] = plan.merge_indptr[r] + (pieces > 1 ? int32_t(pieces) : 0);
-    for (int64_t p = 0; p < pieces; ++p) {
-      DecodeWorkItem item;
-      item.request = r;
-      item.kv_begin = int32_t(p * best_chunk);
-      item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * best_chunk));
-      item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
-      emitted.push_back(item);
-    }
-  }
-  plan.num_partials = plan.merge_indptr.back();
-  std::vector<uint64_t> keys(emitted.size());
-  for (size_t i = 0; i < emitted.size(); ++i)
-    keys[i] = heaviest_first_key(int64_t(emitted[i].kv_end) - emitted[i].kv_begin, i);
-  std::sort(keys.begin(), keys.end());
-  plan.items.resize(emitted.size());
-  for (size_t i = 0; i < keys.size(); ++i) plan.items[i] = emitted[key_index(keys[i])];
+  emit_chunks_heaviest_first(kv_len, best_chunk, plan);
   return plan;
 }
 
@@ -268,30 +276,10 @@ DecodePlan plan_decode_rule(std::span<const int32_t> kv_len, const DecodePlanCon
   DecodePlan plan;
   plan.chunk = int(chunk);
   plan.merge_indptr.assign(size_t(batch_size) + 1, 0);
-  std::vector<DecodeWorkItem> emitted;
-  for (int r = 0; r < batch_size; ++r) {
-    const int64_t len = kv_len[r];
-    const int64_t pieces = std::max<int64_t>(1, ceil_div(len, chunk));
-    plan.merge_indptr[r + 1] = plan.merge_indptr[r] + (pieces > 1 ? int32_t(pieces) : 0);
-    for (int64_t p = 0; p < pieces; ++p) {
-      DecodeWorkItem item;
-      item.request = r;
-      item.kv_begin = int32_t(p * chunk);
-      item.kv_end = int32_t(std::min<int64_t>(len, (p + 1) * chunk));
-      item.partial = pieces > 1 ? plan.merge_indptr[r] + int32_t(p) : -1;
-      emitted.push_back(item);
-    }
-  }
-  plan.num_partials = plan.merge_indptr.back();
-  // Heaviest first, ties in emission order: one sort of unique 64-bit keys (on the device a
-  // bitonic sort in one CTA's shared memory). Request order instead measured 1.14x the searched
-  // plan's makespan (geomean, 600 batches; worst 1.65): the order matters more than the chunk.
-  std::vector<uint64_t> keys(emitted.size());
-  for (size_t i = 0; i < emitted.size(); ++i)
-    keys[i] = heaviest_first_key(int64_t(emitted[i].kv_end) - emitted[i].kv_begin, i);
-  std::sort(keys.begin(), keys.end());
-  plan.items.resize(emitted.size());
-  for (size_t i = 0; i < keys.size(); ++i) plan.items[i] = emitted[key_index(keys[i])];
+  // Heaviest first (on the device a bitonic sort in one CTA's shared memory). Request order
+  // instead measured 1.14x the searched plan's makespan (geomean, 600 batches; worst 1.65): the
+  // order matters more than the chunk.
+  emit_chunks_heaviest_first(kv_len, chunk, plan);
   return plan;
 }
 

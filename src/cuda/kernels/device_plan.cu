@@ -79,6 +79,20 @@ __device__ __forceinline__ uint64_t heaviest_first_key(int64_t weight, uint32_t 
   return (uint64_t(INT32_MAX - weight) << 32) | uint64_t(index);
 }
 
+// The request of emission index i: the last r with starts[r] <= i (starts strictly increasing:
+// every request has at least one item).
+__device__ __forceinline__ int request_of_item(const int32_t* starts, int batch_size, int i) {
+  int lo = 0, hi = batch_size - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const DevicePlanDecode p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int bs = p.batch_size;
@@ -144,18 +158,10 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   for (int i = threadIdx.x; i < padded; i += kThreads) {
     uint64_t key = ~uint64_t(0);  // padding sorts last
     if (i < num_items) {
-      // The item's request: the last r with starts[r] <= i (binary search).
-      int lo = 0, hi = bs - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (starts[mid] <= i)
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
-      const int64_t piece = i - starts[lo];
+      const int r = request_of_item(starts, bs, i);
+      const int64_t piece = i - starts[r];
       const int64_t begin = piece * chunk;
-      const int64_t end = min(int64_t(lens[lo]), begin + chunk);
+      const int64_t end = min(int64_t(lens[r]), begin + chunk);
       key = heaviest_first_key(end - begin, uint32_t(i));
     }
     keys[i] = key;
@@ -182,14 +188,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   // ---- the plan ----------------------------------------------------------------------------
   for (int j = threadIdx.x; j < num_items; j += kThreads) {
     const int i = int(keys[j] & 0xffffffffu);
-    int lo = 0, hi = bs - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (starts[mid] <= i)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
+    const int lo = request_of_item(starts, bs, i);
     const int64_t piece = i - starts[lo];
     core::DecodeWorkItem item;
     item.request = lo;
