@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <string>
 
@@ -21,6 +23,18 @@
   } while (0)
 
 namespace kvattn::testing {
+
+/// Device memory a test owns (at least 16 bytes; ptr stays null when cudaMalloc fails, so the
+/// first copy into it fails the test).
+struct DeviceBytes {
+  void* ptr = nullptr;
+  explicit DeviceBytes(size_t bytes) {
+    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 16)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBytes() { cudaFree(ptr); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+};
 
 /// Forces the decode kernel choice for backends made while it lives (the backend reads
 /// KVATTN_DECODE_TENSOR_CORES at construction); nullptr = the automatic choice.

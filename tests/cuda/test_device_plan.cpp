@@ -20,26 +20,16 @@
 namespace kvattn::testing {
 namespace {
 
-struct DeviceArray {
-  explicit DeviceArray(size_t bytes) {
-    EXPECT_EQ(cudaMalloc(&ptr, bytes > 0 ? bytes : 1), cudaSuccess);
-  }
-  ~DeviceArray() { cudaFree(ptr); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  void* ptr = nullptr;
-};
-
 void expect_device_plan_equals_rule(const std::vector<int32_t>& kv_len,
                                     const core::DecodePlanConfig& config, int capacity) {
   const int bs = int(kv_len.size());
   const core::DecodePlan host = core::plan_decode_rule(kv_len, config, capacity);
 
-  DeviceArray lens(kv_len.size() * sizeof(int32_t));
-  DeviceArray indptr((kv_len.size() + 1) * sizeof(int64_t));
-  DeviceArray items(size_t(capacity) * sizeof(core::DecodeWorkItem));
-  DeviceArray merge((kv_len.size() + 1) * sizeof(int32_t));
-  DeviceArray counts(2 * sizeof(int32_t));
+  DeviceBytes lens(kv_len.size() * sizeof(int32_t));
+  DeviceBytes indptr((kv_len.size() + 1) * sizeof(int64_t));
+  DeviceBytes items(size_t(capacity) * sizeof(core::DecodeWorkItem));
+  DeviceBytes merge((kv_len.size() + 1) * sizeof(int32_t));
+  DeviceBytes counts(2 * sizeof(int32_t));
   CUDA_OK(
       cudaMemcpy(lens.ptr, kv_len.data(), kv_len.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(indptr.ptr, 0xA5, (kv_len.size() + 1) * sizeof(int64_t)));

@@ -20,6 +20,7 @@
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
 #include "cuda/kernels/prefill.h"
+#include "cuda_test_support.h"
 #include "kvattn/dtype.h"
 #include "kvattn/error.h"
 #include "kvattn/memory.h"
@@ -27,22 +28,8 @@
 namespace kvattn::cuda {
 namespace {
 
-#define PREFILL_CUDA_OK(call)                                                        \
-  do {                                                                               \
-    const cudaError_t status_ = (call);                                              \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
-  } while (0)
-
 /// Owned device bytes for the test.
-struct DeviceBytes {
-  void* ptr = nullptr;
-  explicit DeviceBytes(size_t bytes) {
-    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 16)) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBytes() { cudaFree(ptr); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-};
+using ::kvattn::testing::DeviceBytes;
 
 template <typename V>
 void* upload(std::vector<std::unique_ptr<DeviceBytes>>& keep, const std::vector<V>& host) {
@@ -353,20 +340,18 @@ void run_case(const Case& c) {
   core::PrefillTiles tiles;
   core::write_prefill_buffer(plan, dv, metadata.data(), metadata.size(), keep.back()->ptr, &tiles);
   // Poison the partial scratch too: the merge must read only what the kernel wrote.
-  PREFILL_CUDA_OK(cudaMemset(keep.back()->ptr, 0xff, layout.total_bytes));
-  PREFILL_CUDA_OK(
-      cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(keep.back()->ptr, 0xff, layout.total_bytes));
+  CUDA_OK(cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(), cudaMemcpyHostToDevice));
 
   if (c.tc_decode) {
     launch_tc_decode(p, tiles, nullptr);
   } else {
     launch_batch_prefill(p, tiles, nullptr);
   }
-  PREFILL_CUDA_OK(cudaDeviceSynchronize());
-  PREFILL_CUDA_OK(cudaMemcpy(out_host.data(), p.out, out_host.size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(out_host.data(), p.out, out_host.size() * 2, cudaMemcpyDeviceToHost));
   if (c.lse) {
-    PREFILL_CUDA_OK(
-        cudaMemcpy(lse_host.data(), p.lse, lse_host.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(lse_host.data(), p.lse, lse_host.size() * 4, cudaMemcpyDeviceToHost));
   }
 
   // ---- compare ------------------------------------------------------------------------------

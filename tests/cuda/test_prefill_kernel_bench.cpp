@@ -23,27 +23,14 @@
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
 #include "cuda/kernels/prefill.h"
+#include "cuda_test_support.h"
 #include "kvattn/dtype.h"
 #include "kvattn/memory.h"
 
 namespace kvattn::cuda {
 namespace {
 
-#define BENCH_CUDA_OK(call)                                                          \
-  do {                                                                               \
-    const cudaError_t status_ = (call);                                              \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
-  } while (0)
-
-struct DeviceBytes {
-  void* ptr = nullptr;
-  explicit DeviceBytes(size_t bytes) {
-    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 16)) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBytes() { cudaFree(ptr); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-};
+using ::kvattn::testing::DeviceBytes;
 
 // Random bf16 in [-1, 1) from a cheap generator (hundreds of MB are filled).
 void fill_random_bf16(void* device, size_t count, uint64_t seed) {
