@@ -82,9 +82,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   // Launched as a programmatic dependent (launch_decode): the CTA may start while the previous
   // kernel of the stream drains, so nothing global is read before that kernel has completed.
   ptx::grid_dependency_wait();
-  if (step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
-  // The item count and the item load together (item_index < grid_items <= the buffer's
-  // capacity, so the read is in bounds even for a graph's padding CTAs).
+  // The error word, the item count and the item load together (item_index < grid_items <= the
+  // buffer's capacity, so the read is in bounds even for a graph's padding CTAs). A refused step
+  // writes nothing (step_check.h): it is checked before the first write, not here, so that its
+  // load is not a round trip of its own before the others (until then the kernel reads only
+  // clamped slots and host-made plan values); every CTA sees the same word.
+  const bool refused = step_refused(p.step_error);
   const int num_items = *launch.num_items;
   const core::DecodeWorkItem item = launch.items[item_index];
   if (item_index >= num_items) return;  // graph grids cover the capacity
@@ -369,6 +372,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     head_lse[h] = empty ? -INFINITY : (total_max + log2f(total_sum)) * kLn2;
   }
   __syncthreads();
+  if (refused) return;  // before the first write (every CTA of the grid returns here)
   for (int index = tid; index < kH * kHeadDim; index += kDecodeThreads) {
     const int h = index / kHeadDim;
     const int dim = index % kHeadDim;

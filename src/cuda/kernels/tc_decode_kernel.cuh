@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "core/attention_params.h"
+#include "core/planner.h"
 #include "core/prefill_tiles.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/launch.cuh"
@@ -111,17 +112,51 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // completed (they wrote the pool, the plan and the step's error word).
   ptx::grid_dependency_wait();
   if (tiles.diag == 4) return;
-  if (detail::step_refused(p.step_error)) return;  // a refused step writes nothing (step_check.h)
-  const core::PrefillWorkItem item = tiles.items[blockIdx.x];
+  // The step's facts in as few dependent memory round trips as their dependencies allow: the
+  // error word with the work item, then every fact of the request at once (one after another
+  // they were ~8 dependent loads before the first K/V byte: most of a small batch's latency). A
+  // refused step is checked before the first write (it reads only clamped slots and host-made
+  // plan values until then) and writes nothing (step_check.h); every CTA sees the same word.
+  const bool refused = detail::step_refused(p.step_error);
+  // The item as two 16-byte loads (its fields arrive together; field by field, the compiler
+  // waits for q_row_begin alone before it reads the rest).
+  core::PrefillWorkItem item;
+  {
+    static_assert(sizeof(core::PrefillWorkItem) == 32, "two 16-byte halves");
+    const int4* halves = reinterpret_cast<const int4*>(tiles.items + blockIdx.x);
+    const int4 lo = halves[0];
+    const int4 hi = halves[1];
+    item.request = lo.x;
+    item.kv_head = lo.y;
+    item.q_row_begin = lo.z;
+    item.kv_begin = lo.w;
+    item.kv_end = hi.x;
+    item.partial = hi.y;
+    item.merge = hi.z;
+  }
+  // A graph's padding item (core::pad_prefill_plan; a cluster-split plan pads whole clusters):
+  // the CTA returns on the item alone. Any other item past its request's rows (the no-op of
+  // prefill_tiles.h) runs as empty work: no keys, no row to write.
+  if (item.q_row_begin >= core::kNoOpRow) return;
   const int request = item.request;
+  const bool custom = p.mask == core::MaskMode::kCustom;
+  // (No branch around the mask facts: a call without them reads the indptrs a second time
+  // instead, so the compiler issues every load before it waits for any.)
+  const int64_t* mask_indptr = custom ? p.mask_indptr : p.kv_indptr;
+  const bool dense = custom && p.mask_dense != nullptr;
+  const int32_t* dense_of = dense ? p.mask_dense : p.qo_indptr;
+  const int64_t mask_begin = mask_indptr[request];
+  const int64_t mask_end = mask_indptr[request + 1];
+  const int dense_from = dense_of[request];
+  const int q_begin = p.qo_indptr[request];
+  const int q_end = p.qo_indptr[request + 1];
+  const int64_t kv_base = p.kv_indptr[request];
+  const int64_t kv_next = p.kv_indptr[request + 1];
   const int group = tiles.group_size;
   const int row0 = item.q_row_begin;
-  const int q_begin = p.qo_indptr[request];
-  const int q_len = p.qo_indptr[request + 1] - q_begin;
+  const int q_len = q_end - q_begin;
   const int rows_total = q_len * group;
-  if (row0 >= rows_total) return;  // a graph's padding item (the whole CTA returns)
-  const int64_t kv_base = p.kv_indptr[request];
-  const int kv_len = static_cast<int>(p.kv_indptr[request + 1] - kv_base);
+  const int kv_len = static_cast<int>(kv_next - kv_base);
   const int kv_head = item.kv_head;
   const int kv_begin = item.kv_begin;
   const int kv_end = item.kv_end;
@@ -133,7 +168,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const bool e5m2 = p.kv_dtype == DType::kFloat8E5M2;
   const bool paged = p.kv_indices != nullptr;
   const bool causal = p.mask == core::MaskMode::kCausal;
-  const bool custom = p.mask == core::MaskMode::kCustom;
   const int window = p.mask == core::MaskMode::kNone ? -1 : p.window_left;
   const bool soft_cap = p.logit_cap > 0.f;
   const float qk_scale = p.sm_scale * p.k_scale;
@@ -143,9 +177,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const int tile_first_token = row0 / group;
   const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
 
-  // kCustom (read before any copy is issued: the first step's mask load waits on these): the
-  // request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns are the last
-  // keys. Keys before mask_from are visible to every row and their mask bytes are
+  // kCustom: the request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns
+  // are the last keys. Keys before mask_from are visible to every row and their mask bytes are
   // never read: those before the row's first column (row_len < kv_len: the multi-step draft's
   // branch masks) and those below p.mask_dense[request] (TARGET_VERIFY: the all-ones prefix
   // columns). Mask element (token, key j >= mask_from) is custom_mask[mask_offset + token *
@@ -154,14 +187,14 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   int64_t mask_row_len = 0;
   int mask_from = 0;
   if (custom) {
-    const int64_t begin = p.mask_indptr[request];
-    mask_row_len = q_len > 0 ? (p.mask_indptr[request + 1] - begin) / q_len : 0;
-    mask_offset = begin + (mask_row_len - kv_len);
+    mask_row_len = q_len > 0 ? (mask_end - mask_begin) / q_len : 0;
+    mask_offset = mask_begin + (mask_row_len - kv_len);
     mask_from = static_cast<int>(max(int64_t(0), int64_t(kv_len) - mask_row_len));
-    if (p.mask_dense != nullptr) mask_from = max(mask_from, min(kv_len, p.mask_dense[request]));
+    if (dense) mask_from = max(mask_from, min(kv_len, dense_from));
   }
   // DIAG 2: return once the step's facts have arrived (the condition waits for every load).
-  if (tiles.diag == 2 && (mask_offset ^ mask_from ^ kv_base ^ q_begin ^ kv_begin) != INT64_MIN) {
+  if (tiles.diag == 2 &&
+      (mask_offset ^ mask_from ^ kv_base ^ q_begin ^ kv_begin ^ int64_t(refused)) != INT64_MIN) {
     return;
   }
   // ---- shared memory: Q, then per warp its stages (and, fp8, its converted stage) -------------
@@ -554,6 +587,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     row_lse[r] = empty ? -INFINITY : (top * scale_log2 + __log2f(total)) * ptx::kLn2;
   }
   __syncthreads();
+
+  if (refused) return;  // before the first write (every CTA of the grid returns here)
 
   // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a chunk of
   // a cluster-split tile its merged O into shared memory (cl_out) for the cluster's fold below,
