@@ -67,8 +67,8 @@ fi
 # report FAIL on their check, the time is what counts) under both split merges, and the plain
 # decode of a shared prompt with and without its split (L2 reuse; bench/NOTES.md v6)
 if want diag; then
-  for m in cluster grid; do
-    for d in 0 1 2 3 4; do
+  for m in ${DIAG_MERGES:-cluster grid}; do
+    for d in ${DIAG_LEVELS:-0 1 2 3 4}; do
       KVATTN_TC_DECODE_MERGE=$m KVATTN_TC_DECODE_DIAG=$d step "diag-$m-$d" 40 "$CARRY/kvattn" \
         bench --device cuda --workload verify
     done
@@ -87,7 +87,7 @@ if want sanitize; then  # the decode-shaped kernel under memcheck and racecheck 
     --gtest_filter='TcDecodeKernel.DecodeGroupsAndShortKv'
 fi
 want check && step check 60 "$CARRY/kvattn" check --device cuda
-want check && step checkmem 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+want check && [ "${CHECKMEM:-1}" = 1 ] && step checkmem 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$CARRY/kvattn" check --device cuda
 if want python; then
   step pyinstall 60 python3 -m pip install -q --no-index --no-deps --target /tmp/site \
