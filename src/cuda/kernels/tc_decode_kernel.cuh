@@ -153,6 +153,17 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const int64_t kv_base = p.kv_indptr[request];
   const int64_t kv_next = p.kv_indptr[request + 1];
   const int group = tiles.group_size;
+  // Packed row -> token by a multiply: one real division a thread instead of one per use (each
+  // is ~30 dependent instructions, and at a small batch the kernel's time is the latency of the
+  // code it runs once). magic = ceil(2^32 / group) (2^32 for a group of 1), no branch on the
+  // group (the compiler would version the code on it); exact for |n| < 2^32 / group, C's
+  // truncation for n < 0.
+  const uint64_t group_magic = uint64_t{0xFFFFFFFFu / static_cast<uint32_t>(group)} + 1u;
+  auto div_group = [&](int n) -> int {
+    const uint64_t m = static_cast<uint32_t>(n < 0 ? -n : n);
+    const int q = static_cast<int>((m * group_magic) >> 32);
+    return n < 0 ? -q : q;
+  };
   const int row0 = item.q_row_begin;
   const int q_len = q_end - q_begin;
   const int rows_total = q_len * group;
@@ -174,8 +185,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const float scale_log2 = soft_cap ? kLog2e : qk_scale * kLog2e;
   const float cap_inner = soft_cap ? qk_scale / p.logit_cap : 0.f;
   const int diagonal = kv_len - q_len;  // token i sees keys <= diagonal + i (causal)
-  const int tile_first_token = row0 / group;
-  const int tile_last_token = (min(rows_total, row0 + Tr::kTileRows) - 1) / group;
+  const int tile_first_token = div_group(row0);
+  const int tile_last_token = div_group(min(rows_total, row0 + Tr::kTileRows) - 1);
 
   // kCustom: the request's mask is [q_len, row_len]; a row's last min(row_len, kv_len) columns
   // are the last keys. Keys before mask_from are visible to every row and their mask bytes are
@@ -216,8 +227,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       const bool valid = packed < rows_total;
       const T* src = q;
       if (valid) {
-        const int token = packed / group;
-        const int head = kv_head * group + packed % group;
+        const int token = div_group(packed);
+        const int head = kv_head * group + (packed - token * group);
         src = q + (int64_t(q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head +
               c * 8;
       }
@@ -233,15 +244,18 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
                              : 0;
   auto step_key = [&](int u) { return warp_first + u * Tr::kTileKeys; };
 
-  // Paged: lane l < 16 holds the slot of key l of a step (loaded one issue ahead).
+  // Paged: the slots of two steps in a register: lane l holds key l % 16 of step u + l / 16.
   const uint32_t slot_limit = static_cast<uint32_t>(min(p.num_slots, int64_t(INT32_MAX)));
-  auto load_slot = [&](int u) -> int32_t {
-    const int key = step_key(u) + (lane & 15);
-    if (!paged || u >= warp_steps || key >= kv_end) return -1;
+  auto load_slots = [&](int u) -> int32_t {
+    const int step = u + (lane >> 4);
+    const int key = step_key(step) + (lane & 15);
+    if (!paged || step >= warp_steps || key >= kv_end) return -1;
     return __ldg(p.kv_indices + kv_base + key);
   };
-  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later).
-  auto issue = [&](int u, int32_t slot) {
+  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later),
+  // the slot of its key r from lane r + half of `slot` (half: 0, or 16 for the odd step of a
+  // load_slots pair).
+  auto issue = [&](int u, int32_t slot, int half) {
     const int stage = u % kStages;
     const int first = step_key(u);
     if (u >= warp_steps || tiles.diag == 1) {  // past the warp's keys (or DIAG 1: no copies):
@@ -262,7 +276,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
       for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
         const int r = r0 + i * kRowStep;
-        const int32_t s = __shfl_sync(0xffffffffu, slot, r);
+        const int32_t s = __shfl_sync(0xffffffffu, slot, r + half);
         const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
         const int64_t row = paged ? int64_t(s) : kv_base + first + r;
         const uint32_t offset = (r * kRawChunks + c) * 16;
@@ -282,7 +296,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
       for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
         const int r = r0 + i * kRowStep;
-        const int32_t s = __shfl_sync(0xffffffffu, slot, r);
+        const int32_t s = __shfl_sync(0xffffffffu, slot, r + half);
         const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
         const int64_t row = paged ? int64_t(s) : kv_base + first + r;
         const uint32_t offset = r * kRowBytes + ((c ^ (r & 7)) * 16);
@@ -318,18 +332,19 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     }
   };
 
-  // Prologue: kStages - 1 steps in flight. The slots of a step load two steps before its copies
-  // are issued (slots_even / slots_odd by the parity of the step that issues them), so the
-  // index load's latency hides behind two steps' work, not one.
-  int32_t slots_even, slots_odd;
+  // Prologue: kStages - 1 steps in flight, their slots loaded at once (two steps a register)
+  // with those of the first step the main loop issues (slot_ahead), and their copies issued
+  // from one copy of the issue code (a rolled loop: code that runs once is fetched cold, and at
+  // a small batch that fetch is most of the kernel's time). In the main loop a step's slots load
+  // one step before its copies are issued, so a step's work hides the index load's latency.
+  int32_t slot_ahead;
   {
-    int32_t first_slots[kStages - 1];
-#pragma unroll
-    for (int u = 0; u < kStages - 1; ++u) first_slots[u] = load_slot(u);
-#pragma unroll
-    for (int u = 0; u < kStages - 1; ++u) issue(u, first_slots[u]);
-    slots_even = load_slot(kStages - 1);
-    slots_odd = load_slot(kStages);
+    constexpr int kFirst = kStages - 1;  // 2 (head_dim 128) or 3 (64)
+    const int32_t first01 = load_slots(0);
+    const int32_t first23 = kFirst > 2 ? load_slots(2) : -1;
+    slot_ahead = load_slots(kFirst);
+#pragma unroll 1
+    for (int u = 0; u < kFirst; ++u) issue(u, u < 2 ? first01 : first23, (u & 1) * 16);
   }
   ptx::cp_async_wait<kStages - 1>();  // this thread's Q chunks landed
   __syncthreads();                    // ... and everyone's
@@ -360,15 +375,16 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // Whether step u's keys reach the masked columns (warp-uniform).
   auto step_masked = [&](int u) { return custom && step_key(u) + Tr::kWarpKeys > mask_from; };
 
-  // kCustom: each lane's 16 mask bytes of a step (rows a * 16 + lane / 4 + 8 h, keys n * 8 +
-  // 2 (lane % 4) + e), loaded one step ahead into registers that nothing reads until the next
-  // step: a mask byte read in the step that needs it would stall the warp on a memory round trip
-  // every 16 keys (measured: verify b64 x 4096 took 470 us against 257 us without a mask).
+  // kCustom: each lane's kMaskBytes mask bytes of a step (rows a * 16 + lane / 4 + 8 h, keys
+  // n * 8 + 2 (lane % 4) + e) are loaded one step ahead and packed into bits after that step's
+  // work (when they have landed): a mask byte read in the step that needs it would stall the
+  // warp on a memory round trip every 16 keys (measured: verify b64 x 4096 took 470 us against
+  // 257 us without a mask), and bits move between steps without waiting for anything.
   constexpr int kMaskBytes = kMAtoms * 8;
   // The tree token of this lane's accumulator row h (0: lane / 4, 1: + 8) of m16 atom a (rows
   // past the tile's last one read as its last token: they are never stored).
   auto lane_token = [&](int a, int h) {
-    return min(row0 + a * 16 + (lane >> 2) + 8 * h, rows_total - 1) / group;
+    return div_group(min(row0 + a * 16 + (lane >> 2) + 8 * h, rows_total - 1));
   };
   auto load_mask = [&](int u, uint8_t(&into)[kMaskBytes]) {
     if (u >= warp_steps || !step_masked(u)) return;  // the step reads no mask byte
@@ -391,15 +407,26 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     }
   };
 
-  // One step of the warp: mask_now holds this step's mask bytes (kCustom), mask_next receives
-  // the next step's.
-  auto run_step = [&](int u, const uint8_t(&mask_now)[kMaskBytes], uint8_t(&mask_next)[kMaskBytes],
-                      int32_t& slots) {
+  // Bit i of a step's mask bits: byte i of load_mask is 0 (the element is hidden).
+  auto pack_mask = [&](int u, const uint8_t(&bytes)[kMaskBytes]) -> uint32_t {
+    if (u >= warp_steps || !step_masked(u)) return 0u;
+    uint32_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < kMaskBytes; ++i) bits |= bytes[i] == 0 ? 1u << i : 0u;
+    return bits;
+  };
+
+  // One step of the warp. `slot_ahead` holds the slots of the step it issues and receives the
+  // next one's; `mask_bits` holds this step's custom-mask bits (kCustom) and receives the next
+  // step's. One copy of this code in a rolled loop: a second copy (two steps an iteration) was
+  // ~1800 more instructions to fetch, cold, at a small batch.
+  auto run_step = [&](int u, int32_t& slot_ahead, uint32_t& mask_bits) {
     const int first = step_key(u);
     // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
     __syncwarp();
-    issue(u + kStages - 1, slots);
-    slots = load_slot(u + kStages + 1);
+    issue(u + kStages - 1, slot_ahead, 0);
+    slot_ahead = load_slots(u + kStages);
+    uint8_t mask_next[kMaskBytes];
     if (custom) load_mask(u + 1, mask_next);
     uint32_t hidden = 0;  // bit (a * 8 + h * 4 + n * 2 + e): element s[a][4n + 2h + e] masked
     const bool masked = step_masked(u);
@@ -419,13 +446,13 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int j = first + n * 8 + (lane & 3) * 2 + e;
-              bool visible = j < kv_end && j <= last_visible && j >= first_visible;
-              if (masked) visible = visible && mask_now[a * 8 + h * 4 + n * 2 + e] != 0;
+              const bool visible = j < kv_end && j <= last_visible && j >= first_visible;
               if (!visible) hidden |= 1u << (a * 8 + h * 4 + n * 2 + e);
             }
           }
         }
       }
+      if (masked) hidden |= mask_bits;
     }
     ptx::cp_async_wait<kStages - 1>();  // step u's copies (this lane's) landed
     __syncwarp();                       // ... and every lane's
@@ -524,15 +551,16 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
         mma_16816<T>(o[a][2 * dp + 1], pa[a], vb[2], vb[3]);
       }
     }
+    if (custom) mask_bits = pack_mask(u + 1, mask_next);  // landed during this step's work
   };
-  // Two steps an iteration, so that the two mask buffers swap roles without a register copy
-  // (a copy would wait for the loads it moves).
-  uint8_t mask_a[kMaskBytes], mask_b[kMaskBytes];
-  if (custom) load_mask(0, mask_a);
-  for (int u = 0; u < warp_steps; u += 2) {
-    run_step(u, mask_a, mask_b, slots_even);
-    if (u + 1 < warp_steps) run_step(u + 1, mask_b, mask_a, slots_odd);
+  uint32_t mask_bits = 0;
+  if (custom) {
+    uint8_t first_mask[kMaskBytes];
+    load_mask(0, first_mask);
+    mask_bits = pack_mask(0, first_mask);
   }
+#pragma unroll 1
+  for (int u = 0; u < warp_steps; ++u) run_step(u, slot_ahead, mask_bits);
   ptx::cp_async_wait<0>();
   // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
   ptx::grid_launch_dependents();
@@ -598,8 +626,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   float* cl_out = o_part + Tr::kWarps * Tr::kTileRows * Tr::kOStride;  // [row][kHeadDim]
   auto store_out = [&](int r, int d0, const float4& acc, float lse) {
     const int packed = row0 + r;
-    const int token = packed / group;
-    const int head = kv_head * group + packed % group;
+    const int token = div_group(packed);
+    const int head = kv_head * group + (packed - token * group);
     const int64_t out_row =
         (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head + d0;
     if (p.out_fp32) {
@@ -646,48 +674,65 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // before the others have read it.
   if (in_cluster) {
     ptx::cluster_sync();
-    const int n = tiles.cluster;
+    const int n = tiles.cluster;  // a power of two, 2..Tr::kMaxCluster
     const int rank = static_cast<int>(ptx::cluster_rank());
     const uint32_t lse_local = smem_address(row_lse);
     const uint32_t out_local = smem_address(cl_out);
+    // A row's kRowThreads threads (lanes of one warp) fold it, 4 dims each: thread t < n reads
+    // chunk t's LSE, the row's max and sum go round by shuffles, and chunk c's weight comes from
+    // thread c. Rolled loops, four chunks' O in flight at a time (code that runs once a CTA is
+    // fetched cold: see run_step's prologue).
     constexpr int kRowThreads = kHeadDim / 4;
     constexpr int kRowsAPass = Tr::kThreads / kRowThreads;
-    const int my_rows = (Tr::kTileRows - rank + n - 1) / n;  // rows rank, rank + n, ...
-    for (int i0 = 0; i0 < my_rows; i0 += kRowsAPass) {
-      const int i = i0 + tid / kRowThreads;
-      const int r = rank + i * n;
-      const int d0 = (tid % kRowThreads) * 4;
-      if (i >= my_rows || row0 + r >= rows_total || d0 >= v_dim) continue;
-      float lse[Tr::kMaxCluster];
-      float top = -INFINITY;
+    static_assert(Tr::kMaxCluster <= kRowThreads && 32 % kRowThreads == 0, "a row in one warp");
+    const int t = tid % kRowThreads;
+    const int d0 = t * 4;
+#pragma unroll 1
+    for (int i0 = 0; rank + i0 * n < Tr::kTileRows; i0 += kRowsAPass) {  // rows rank, rank + n..
+      const int r = rank + (i0 + tid / kRowThreads) * n;
+      const bool row_ok = r < Tr::kTileRows && row0 + r < rows_total;  // the same for a row
+      float lse_t = -INFINITY;
+      if (row_ok && t < n) lse_t = ptx::cluster_load_f32(ptx::cluster_map(lse_local + r * 4, t));
+      float top = lse_t;
 #pragma unroll
-      for (int c = 0; c < Tr::kMaxCluster; ++c) {
-        lse[c] = c < n ? ptx::cluster_load_f32(ptx::cluster_map(lse_local + r * 4, c)) : -INFINITY;
-        top = fmaxf(top, lse[c]);
+      for (int o = kRowThreads / 2; o > 0; o /= 2) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o, kRowThreads));
       }
-      float total = 0.f;
+      const float e = top == -INFINITY ? 0.f : __expf(lse_t - top);  // exp(-inf) = 0: empty
+      float total = e;
 #pragma unroll
-      for (int c = 0; c < Tr::kMaxCluster; ++c) {
-        lse[c] = top == -INFINITY ? 0.f : __expf(lse[c] - top);  // exp(-inf) = 0: empty chunks
-        total += lse[c];
+      for (int o = kRowThreads / 2; o > 0; o /= 2) {
+        total += __shfl_xor_sync(0xffffffffu, total, o, kRowThreads);
       }
       const bool empty = !(total > 0.f);
-      const float inv_total = empty ? 0.f : 1.f / total;
+      const float w_t = empty ? 0.f : e / total;
+      const bool reads = row_ok && d0 < v_dim;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+      for (int c0 = 0; c0 < n; c0 += 4) {
+        float w[4];
+        float4 part[4];
 #pragma unroll
-      for (int c = 0; c < Tr::kMaxCluster; ++c) {
-        if (c >= n) break;
-        const float w = lse[c] * inv_total;
-        const float4 part =
-            ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * kHeadDim + d0) * 4, c));
-        acc.x = fmaf(part.x, w, acc.x);
-        acc.y = fmaf(part.y, w, acc.y);
-        acc.z = fmaf(part.z, w, acc.z);
-        acc.w = fmaf(part.w, w, acc.w);
+        for (int j = 0; j < 4; ++j) {
+          w[j] = __shfl_sync(0xffffffffu, w_t, c0 + j, kRowThreads);
+          part[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (reads && c0 + j < n) {
+            part[j] = ptx::cluster_load_f32x4(
+                ptx::cluster_map(out_local + (r * kHeadDim + d0) * 4, c0 + j));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc.x = fmaf(part[j].x, w[j], acc.x);
+          acc.y = fmaf(part[j].y, w[j], acc.y);
+          acc.z = fmaf(part[j].z, w[j], acc.z);
+          acc.w = fmaf(part[j].w, w[j], acc.w);
+        }
       }
-      store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
+      if (reads) store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
     }
-    ptx::cluster_sync();
+    // No CTA leaves before the others have read it (relaxed: nothing to publish).
+    ptx::cluster_sync_relaxed();
     return;
   }
 

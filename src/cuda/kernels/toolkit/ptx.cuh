@@ -155,6 +155,16 @@ __device__ __forceinline__ void cluster_sync() {
           : "memory");
 }
 
+/// The exit guard of a cluster that read each other's shared memory: this CTA's reads are done
+/// (their values were used) and it publishes nothing, so the arrive is relaxed: no memory fence,
+/// which on sm_90 would wait for every global store issued before it (MEMBAR.ALL.GPU).
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile(
+      "barrier.cluster.arrive.relaxed.aligned;\n"
+      "barrier.cluster.wait.aligned;\n" ::
+          : "memory");
+}
+
 /// The address of this CTA's shared-memory `address` in the CTA of cluster rank `rank`.
 __device__ __forceinline__ uint32_t cluster_map(uint32_t address, uint32_t rank) {
   uint32_t mapped;
