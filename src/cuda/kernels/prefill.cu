@@ -425,6 +425,13 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
     throw_error(ErrorKind::kDeviceError, "tc_decode", "no CUDA device is available");
   }
   const PrefillKernelShape shape = validate(p, tiles, device, /*tc_decode=*/true);
+  // The kernel addresses a K/V row as a 32-bit row times a 32-bit pitch in bytes.
+  const int64_t kv_bytes = dtype_size(p.kv_dtype);
+  check_arg(p.k_stride_token >= 0 && p.v_stride_token >= 0 &&
+                p.k_stride_token * kv_bytes <= int64_t{UINT32_MAX} &&
+                p.v_stride_token * kv_bytes <= int64_t{UINT32_MAX},
+            "k_stride_token", "got k/v token strides ", p.k_stride_token, "/", p.v_stride_token,
+            " elements of ", kv_bytes, " bytes, expected a row pitch below 4 GiB");
   if (tiles.num_items == 0) return;
   // A cluster-split plan (tiles.cluster > 1, the default where the batch is small: its clusters
   // merge their chunks in distributed shared memory) has no merge items. Otherwise a merge grid

@@ -61,6 +61,9 @@ struct Traits {
   // 16-bit KV: 3 stages at head_dim 128 (104 KB, two CTAs an SM: 2 x 4 x 2 stages x 8 KB = 128 KB
   // in flight an SM, several times what Little's law asks for), 4 at head_dim 64.
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
+  // Steps an iteration of the main loop: 1 for the 32-row tile (its small batches are bound by
+  // the latency of code fetched cold: one copy), UNROLL_NARROW for the 16-row one.
+  static constexpr int kStepUnroll = kMAtoms == 1 ? 2 : 1;
   static constexpr int kQBytes = kTileRows * kRowBytes;
   // fp8 KV: raw stages of half the size plus one converted stage a warp.
   static constexpr int kRawStageBytes = kStageBytes / 2;
@@ -252,8 +255,11 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     if (!paged || step >= warp_steps || key >= kv_end) return -1;
     return __ldg(p.kv_indices + kv_base + key);
   };
-  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later),
-  // the slot of its key r from lane r + half of `slot` (half: 0, or 16 for the odd step of a
+  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later). A
+  // row's address is this lane's chunk of the request's row 0 (64-bit, the same every step) plus
+  // a 32-bit row (the slot, or the key) times the row pitch in bytes (< 2^32: launch_tc_decode
+  // checks): one wide multiply-add a copy; an invalid row copies nothing (zero fill) from row 0.
+  // The slot of key r comes from lane r + half of `slot` (half: 0, or 16 for the odd step of a
   // load_slots pair).
   auto issue = [&](int u, int32_t slot, int half) {
     const int stage = u % kStages;
@@ -269,21 +275,21 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       const int c = lane % kRawChunks;
       const uint32_t k_dst = s_warp + stage * Tr::kRawStageBytes;
       const uint32_t v_dst = k_dst + Tr::kRawStageBytes / 2;
-      const uint8_t* k_src0 =
-          static_cast<const uint8_t*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * 16;
-      const uint8_t* v_src0 =
-          static_cast<const uint8_t*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * 16;
+      const char* k_base = static_cast<const char*>(p.k) + int64_t(kv_head) * p.k_stride_head +
+                           c * 16 + (paged ? 0 : kv_base * p.k_stride_token);
+      const char* v_base = static_cast<const char*>(p.v) + int64_t(kv_head) * p.v_stride_head +
+                           c * 16 + (paged ? 0 : kv_base * p.v_stride_token);
+      const uint32_t k_pitch = static_cast<uint32_t>(p.k_stride_token);
+      const uint32_t v_pitch = static_cast<uint32_t>(p.v_stride_token);
 #pragma unroll
       for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
         const int r = r0 + i * kRowStep;
         const int32_t s = __shfl_sync(0xffffffffu, slot, r + half);
         const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
-        const int64_t row = paged ? int64_t(s) : kv_base + first + r;
+        const uint32_t row = valid ? (paged ? uint32_t(s) : uint32_t(first + r)) : 0u;
         const uint32_t offset = (r * kRawChunks + c) * 16;
-        ptx::cp_async_zfill<16>(k_dst + offset, valid ? k_src0 + row * p.k_stride_token : k_src0,
-                                valid);
-        ptx::cp_async_zfill<16>(v_dst + offset, valid ? v_src0 + row * p.v_stride_token : v_src0,
-                                valid);
+        ptx::cp_async_zfill<16>(k_dst + offset, k_base + uint64_t(row) * k_pitch, valid);
+        ptx::cp_async_zfill<16>(v_dst + offset, v_base + uint64_t(row) * v_pitch, valid);
       }
     } else {
       constexpr int kRowStep = 32 / kChunks;
@@ -291,18 +297,24 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       const int c = lane % kChunks;
       const uint32_t k_dst = s_warp + stage * Tr::kStageBytes;
       const uint32_t v_dst = k_dst + Tr::kSubBytes;
-      const T* k_src0 = static_cast<const T*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * 8;
-      const T* v_src0 = static_cast<const T*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * 8;
+      const T* k_base = static_cast<const T*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * 8 +
+                        (paged ? 0 : kv_base * p.k_stride_token);
+      const T* v_base = static_cast<const T*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * 8 +
+                        (paged ? 0 : kv_base * p.v_stride_token);
+      const uint32_t k_pitch = static_cast<uint32_t>(p.k_stride_token) * sizeof(T);
+      const uint32_t v_pitch = static_cast<uint32_t>(p.v_stride_token) * sizeof(T);
 #pragma unroll
       for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
         const int r = r0 + i * kRowStep;
         const int32_t s = __shfl_sync(0xffffffffu, slot, r + half);
         const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
-        const int64_t row = paged ? int64_t(s) : kv_base + first + r;
+        const uint32_t row = valid ? (paged ? uint32_t(s) : uint32_t(first + r)) : 0u;
         const uint32_t offset = r * kRowBytes + ((c ^ (r & 7)) * 16);
-        ptx::cp_async_zfill<16>(k_dst + offset, valid ? k_src0 + row * p.k_stride_token : k_src0,
+        ptx::cp_async_zfill<16>(k_dst + offset,
+                                reinterpret_cast<const char*>(k_base) + uint64_t(row) * k_pitch,
                                 valid);
-        ptx::cp_async_zfill<16>(v_dst + offset, valid ? v_src0 + row * p.v_stride_token : v_src0,
+        ptx::cp_async_zfill<16>(v_dst + offset,
+                                reinterpret_cast<const char*>(v_base) + uint64_t(row) * v_pitch,
                                 valid);
       }
     }
@@ -559,7 +571,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     load_mask(0, first_mask);
     mask_bits = pack_mask(0, first_mask);
   }
-#pragma unroll 1
+#pragma unroll(Tr::kStepUnroll)
   for (int u = 0; u < warp_steps; ++u) run_step(u, slot_ahead, mask_bits);
   ptx::cp_async_wait<0>();
   // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
