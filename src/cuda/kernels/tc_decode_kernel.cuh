@@ -310,12 +310,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
         const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
         const uint32_t row = valid ? (paged ? uint32_t(s) : uint32_t(first + r)) : 0u;
         const uint32_t offset = r * kRowBytes + ((c ^ (r & 7)) * 16);
-        ptx::cp_async_zfill<16>(k_dst + offset,
-                                reinterpret_cast<const char*>(k_base) + uint64_t(row) * k_pitch,
-                                valid);
-        ptx::cp_async_zfill<16>(v_dst + offset,
-                                reinterpret_cast<const char*>(v_base) + uint64_t(row) * v_pitch,
-                                valid);
+        ptx::cp_async_zfill<16>(
+            k_dst + offset, reinterpret_cast<const char*>(k_base) + uint64_t(row) * k_pitch, valid);
+        ptx::cp_async_zfill<16>(
+            v_dst + offset, reinterpret_cast<const char*>(v_base) + uint64_t(row) * v_pitch, valid);
       }
     }
     cp_async_commit();
