@@ -13,7 +13,11 @@
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
 # STEPS=a,b,... picks steps (diag (tc_decode DIAG matrix, decode split A/B), prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
-# TC_FILTER / SAN_FILTER override the tc / memcheck test filters; peers: FlashInfer
+# TC_FILTER / SAN_FILTER override the tc / memcheck test filters; DIAG_MERGES (cluster grid) and
+# DIAG_LEVELS (0 1 2 3 4) pick the diag matrix; CHECKMEM=0 skips memcheck over `kvattn check`
+# (150 s). The whole CUDA test binary (`all`) takes over 200 s on the H200 (CudaDecode's
+# targeted cases alone ~70 s: their float64 references); give it ALL_FILTER or its own call.
+# Binaries over the 64 MiB carry: strip them and carry an xz tarball (bench/NOTES.md). peers: FlashInfer
 # side by side on PEERS_ROWS, default ^verify, PEERS_IMPLS a comma list, carry .whl/peers too); logs go to $OUT/logs.tgz and a
 # summary is printed last (also $OUT/summary.txt).
 set -u
