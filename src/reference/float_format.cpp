@@ -93,6 +93,33 @@ double format_decode(const FloatFormat& format, uint32_t bits) {
 }
 
 uint32_t format_encode(const FloatFormat& format, double x) {
+  // A normal double whose rounded value is a normal of the format below its top binade: the
+  // same round-to-nearest-even on the double's bits (worlds encode tens of millions of K/V
+  // elements; the scaling path below costs a frexp, two ldexp and a nearbyint each). A value
+  // just below the smallest normal that rounds up to it rounds up at the subnormal quantum
+  // too (it is within half the finer quantum of it), so both paths agree there; everything
+  // else (zero, subnormal results, the top binade, overflow, inf, NaN, double subnormals)
+  // takes the scaling path. Both are compared on millions of values in test_dtype.cpp.
+  uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint64_t magnitude = bits & ~(uint64_t{1} << 63);
+  const int double_exponent = int(magnitude >> 52);
+  if (double_exponent != 0 && double_exponent != 0x7FF) {
+    const int m = format.mantissa_bits;
+    const int shift = 52 - m;
+    const uint64_t lsb = (magnitude >> shift) & 1u;
+    const uint64_t rounded = (magnitude + ((uint64_t{1} << (shift - 1)) - 1) + lsb) >> shift;
+    const int exponent_field = int(rounded >> m) - 1023 + format.bias();
+    if (exponent_field >= 1 && exponent_field < (1 << format.exponent_bits) - 1) {
+      const uint32_t sign = (bits >> 63) != 0 ? 1u << (format.exponent_bits + m) : 0u;
+      return sign | (uint32_t(exponent_field) << m) |
+             uint32_t(rounded & ((uint64_t{1} << m) - 1));
+    }
+  }
+  return format_encode_by_scaling(format, x);
+}
+
+uint32_t format_encode_by_scaling(const FloatFormat& format, double x) {
   if (std::isnan(x)) return format.nan_bits();
   const uint32_t sign = std::signbit(x) ? 1u << (format.exponent_bits + format.mantissa_bits) : 0u;
   const double magnitude = std::fabs(x);

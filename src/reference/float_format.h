@@ -37,6 +37,9 @@ double format_decode(const FloatFormat& format, uint32_t bits);
 /// Value -> bits: round to nearest, ties to even; saturation or overflow to inf per the format;
 /// NaN -> nan_bits() with the sign dropped; the sign of zero is kept.
 uint32_t format_encode(const FloatFormat& format, double x);
+/// format_encode by scaling (frexp / ldexp / nearbyint), the definition format_encode's bit
+/// arithmetic fast path is tested against.
+uint32_t format_encode_by_scaling(const FloatFormat& format, double x);
 /// format_decode(format_encode(x)).
 double format_round(const FloatFormat& format, double x);
 

@@ -27,57 +27,69 @@ std::string describe_spec(const ScenarioSpec& spec) {
 
 // The tested layer after the run, dequantized: the reference reads new tokens' K/V from what the
 // backend actually stored (the pool check judges the rounding, to one fp8 ulp; judging it twice
-// would turn a legitimate float-vs-double rounding tie into a large output error).
+// would turn a legitimate float-vs-double rounding tie into a large output error). Only the saved
+// slots differ from the world's ref_pool: they are kept as (element, value) pairs, which
+// judge_world writes into ref_pool for the reference and puts back after (a copy of the pool
+// would be GBs of doubles for a long request).
 struct PoolCheck {
   bool ok = true;
   std::string detail;
-  RefKvPool stored;  // the tested layer as the reference should read it after the saves
+  std::vector<std::pair<size_t, double>> stored_k;  // [element of ref_pool.k] = stored value
+  std::vector<std::pair<size_t, double>> stored_v;
 };
 
 PoolCheck check_pool(ScenarioWorld& w) {
   PoolCheck check;
-  check.stored = w.ref_pool;
   const DType kv_dtype = w.kv_cache->config().dtype;
   const int elem = dtype_size(kv_dtype);
   const int num_kv_heads = w.ref_pool.num_kv_heads;
+  // Where this step's saves go: slot -> (call, token) whose K/V it should hold (the last save
+  // of a slot wins, as in the pool).
+  std::vector<std::pair<int, int>> saved_by(size_t(w.ref_pool.num_slots), {-1, -1});
+  if (w.spec.save_kv_cache) {
+    for (size_t c = 0; c < w.calls.size(); ++c) {
+      const RefNewKv& nk = w.calls[c].new_kv;
+      for (size_t n = 0; n < nk.slots.size(); ++n) saved_by[size_t(nk.slots[n])] = {int(c), int(n)};
+    }
+  }
   for (int layer = 0; layer < w.kv_cache->num_layers(); ++layer) {
+    const bool tested = layer == ScenarioWorld::kTestedLayer;
     for (int which = 0; which < 2; ++which) {
       const std::vector<uint8_t> now = w.pool_bytes(layer, which);
-      std::vector<uint8_t> expected = w.pool_bytes_before[layer][which];
+      const std::vector<uint8_t>& before = w.pool_bytes_before[layer][which];
       const int dim = which == 0 ? w.ref_pool.head_dim : w.ref_pool.v_head_dim;
       const float scale = which == 0 ? w.k_scale : w.v_scale;
-      // Where this step's saves go: slot -> the K/V they should hold (modelled rounding).
-      std::vector<int64_t> saved_slots;
-      if (layer == ScenarioWorld::kTestedLayer && w.spec.save_kv_cache) {
-        for (const ScenarioCall& call : w.calls) {
-          const RefNewKv& nk = call.new_kv;
-          for (size_t n = 0; n < nk.slots.size(); ++n) {
-            const int64_t slot = nk.slots[n];
-            saved_slots.push_back(slot);
-            const std::vector<double>& src = which == 0 ? nk.k : nk.v;
-            for (int h = 0; h < num_kv_heads; ++h) {
-              for (int d = 0; d < dim; ++d) {
-                const double x = src[(n * num_kv_heads + h) * dim + d];
-                const int64_t index = (slot * num_kv_heads + h) * dim + d;
-                encode_element(expected.data(), kv_dtype, index,
-                               is_fp8_dtype(kv_dtype) ? x / double(scale) : x);
-              }
-            }
-          }
-        }
-      }
-      std::vector<uint8_t> is_saved(size_t(w.ref_pool.num_slots), 0);
-      for (int64_t slot : saved_slots) is_saved[size_t(slot)] = 1;
       const int64_t elems_per_slot = int64_t(num_kv_heads) * dim;
+      const size_t slot_bytes = size_t(elems_per_slot) * size_t(elem);
+      std::vector<uint8_t> slot_expected(slot_bytes);
       for (int64_t slot = 0; slot < w.ref_pool.num_slots; ++slot) {
+        const size_t slot_offset = size_t(slot) * slot_bytes;
+        const bool saved = tested && saved_by[size_t(slot)].first >= 0;
+        // A slot no save targets and whose bytes are all as before has nothing to report (the
+        // element loop below would find every element the same): one compare, not one an element.
+        if (!saved && std::memcmp(now.data() + slot_offset, before.data() + slot_offset,
+                                  slot_bytes) == 0) {
+          continue;
+        }
+        const uint8_t* expected = before.data() + slot_offset;
+        if (saved) {  // the saved token's K/V, encoded as the pool stores them (modelled rounding)
+          const auto [c, n] = saved_by[size_t(slot)];
+          const std::vector<double>& src = which == 0 ? w.calls[size_t(c)].new_kv.k
+                                                      : w.calls[size_t(c)].new_kv.v;
+          for (int64_t e = 0; e < elems_per_slot; ++e) {
+            const double x = src[size_t(n) * size_t(elems_per_slot) + size_t(e)];
+            encode_element(slot_expected.data(), kv_dtype, e,
+                           is_fp8_dtype(kv_dtype) ? x / double(scale) : x);
+          }
+          expected = slot_expected.data();
+        }
+        const uint8_t* got = now.data() + slot_offset;
         for (int64_t e = 0; e < elems_per_slot; ++e) {
           const int64_t index = slot * elems_per_slot + e;
-          const bool same = std::memcmp(now.data() + index * elem, expected.data() + index * elem,
-                                        size_t(elem)) == 0;
-          double stored_value = 0;
-          if (is_saved[size_t(slot)]) {
-            stored_value = decode_element(now.data(), kv_dtype, index);
-            const double want = decode_element(expected.data(), kv_dtype, index);
+          const bool same = std::memcmp(got + e * elem, expected + e * elem, size_t(elem)) == 0;
+          if (saved) {
+            double stored_value = decode_element(got, kv_dtype, e);
+            const double want = decode_element(expected, kv_dtype, e);
             const bool within_ulp = is_fp8_dtype(kv_dtype) && std::isfinite(stored_value) &&
                                     std::fabs(stored_value - want) <=
                                         ulp_of(std::max(std::fabs(stored_value), std::fabs(want)),
@@ -90,17 +102,14 @@ PoolCheck check_pool(ScenarioWorld& w) {
               check.ok = false;
               check.detail = os.str();
             }
-            if (layer == ScenarioWorld::kTestedLayer) {
-              if (is_fp8_dtype(kv_dtype)) stored_value *= double(scale);
-              std::vector<double>& dst = which == 0 ? check.stored.k : check.stored.v;
-              dst[size_t(index)] = stored_value;
-            }
+            if (is_fp8_dtype(kv_dtype)) stored_value *= double(scale);
+            (which == 0 ? check.stored_k : check.stored_v).emplace_back(size_t(index), stored_value);
           } else if (!same && check.ok) {
             std::ostringstream os;
             os << "KV pool layer " << layer << (which == 0 ? " K" : " V") << " slot " << slot
                << " element " << e << " changed, but no token of this step is saved there"
-               << " (was " << decode_element(expected.data(), kv_dtype, index) << ", now "
-               << decode_element(now.data(), kv_dtype, index) << ")";
+               << " (was " << decode_element(expected, kv_dtype, e) << ", now "
+               << decode_element(got, kv_dtype, e) << ")";
             check.ok = false;
             check.detail = os.str();
           }
@@ -271,13 +280,34 @@ ScenarioResult judge_world(ScenarioWorld& w) {
   PoolCheck pool = check_pool(w);
   result.kv_pool_ok = pool.ok;
 
+  // The reference reads the tested layer as stored after the run: the saved tokens' values go
+  // into ref_pool for the comparison and the old ones come back after it. (When the step does
+  // not save, the caller wrote the K/V beforehand: they are in ref_pool already.)
+  struct StoredValues {
+    RefKvPool& pool;
+    std::vector<std::pair<size_t, double>> k, v;  // what each element held before
+    StoredValues(RefKvPool& p, const PoolCheck& check) : pool(p) {
+      for (const auto& [index, value] : check.stored_k) {
+        k.emplace_back(index, pool.k[index]);
+        pool.k[index] = value;
+      }
+      for (const auto& [index, value] : check.stored_v) {
+        v.emplace_back(index, pool.v[index]);
+        pool.v[index] = value;
+      }
+    }
+    ~StoredValues() {  // in reverse, so an element saved twice gets its first value back
+      for (auto it = k.rbegin(); it != k.rend(); ++it) pool.k[it->first] = it->second;
+      for (auto it = v.rbegin(); it != v.rend(); ++it) pool.v[it->first] = it->second;
+    }
+  } stored(w.ref_pool, pool);
+  const RefKvPool& ref_pool = w.ref_pool;
+
   Comparison cmp;
   for (size_t i = 0; i < w.calls.size() && cmp.ok; ++i) {
     RefBatch ref_batch = w.ref_batch;
     ref_batch.draft_step = int(i);
     const ScenarioCall& c = w.calls[i];
-    // When the step does not save, the caller wrote the K/V beforehand: they are in ref_pool.
-    const RefKvPool& ref_pool = spec.save_kv_cache ? pool.stored : w.ref_pool;
     RefOutput ref;
     try {
       ref = reference_attention(w.layer, ref_batch, ref_pool, c.q_values,

@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -149,6 +150,47 @@ TEST(DType, EncodeRandomFloatsOfEveryMagnitude) {
       const float g = float(std::ldexp(std::uniform_real_distribution<double>(-2, 2)(rng),
                                        std::uniform_int_distribution<int>(-26, 17)(rng)));
       expect_encode_matches(n, g);
+    }
+  }
+}
+
+// format_encode's bit-arithmetic fast path against its definition (format_encode_by_scaling) on
+// doubles: random bit patterns, values of every magnitude around each format's range (its
+// subnormals, the smallest normal, the top binade, overflow), exact ties and their neighbours.
+TEST(DType, EncodeFastPathMatchesScaling) {
+  std::mt19937_64 rng(2026);
+  auto expect_same = [](const FloatFormat& format, DType dtype, double x) {
+    const uint32_t got = format_encode(format, x);
+    const uint32_t want = format_encode_by_scaling(format, x);
+    ASSERT_EQ(got, want) << dtype_name(dtype) << ": encode(" << std::hexfloat << x << ") = 0x"
+                         << std::hex << got << ", by scaling 0x" << want;
+  };
+  for (const Narrow& n : kNarrow) {
+    const FloatFormat format = float_format_of(n.dtype);
+    const int min_exp = 1 - format.bias() - format.mantissa_bits - 3;
+    const int max_exp = format.bias() + 3;
+    for (int i = 0; i < 300000; ++i) {
+      double x = 0;
+      const uint64_t b = rng();
+      std::memcpy(&x, &b, sizeof x);
+      expect_same(format, n.dtype, x);
+      const double mantissa = std::uniform_real_distribution<double>(-2, 2)(rng);
+      const int exponent = std::uniform_int_distribution<int>(min_exp, max_exp)(rng);
+      expect_same(format, n.dtype, std::ldexp(mantissa, exponent));
+    }
+    // Every tie between neighbours of the format (as doubles: exact), and one double ulp to
+    // each side, both signs.
+    const uint32_t sign_bit = 1u << (n.bits - 1);
+    for (uint32_t bits = 0; bits + 1 < sign_bit; ++bits) {
+      const double a = format_decode(format, bits);
+      const double b = format_decode(format, bits + 1);
+      if (!std::isfinite(a) || !std::isfinite(b)) continue;
+      const double mid = (a + b) / 2;
+      for (double s : {1.0, -1.0}) {
+        for (double x : {mid, std::nextafter(mid, 0.0), std::nextafter(mid, INFINITY), a}) {
+          expect_same(format, n.dtype, s * x);
+        }
+      }
     }
   }
 }

@@ -4,6 +4,8 @@
 // hold what the brief promises (NaN in unowned slots, shuffled slots).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <limits>
 #include <set>
@@ -104,6 +106,28 @@ TEST(ScenarioHarness, StrayPoolWritesFail) {
     const ScenarioResult r = judge_world(*w);
     EXPECT_FALSE(r.kv_pool_ok) << r.detail;
     EXPECT_FALSE(r.passed);
+  }
+}
+
+// judge_world reads the saved tokens as stored by writing them into the world's ref_pool for
+// the comparison; it must put the old values back (a world can be judged again).
+TEST(ScenarioHarness, JudgingLeavesTheReferencePoolAsItWas) {
+  for (const ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kExtend}) {
+    std::unique_ptr<ScenarioWorld> w = ran_world(small_spec(mode));
+    ASSERT_TRUE(w->spec.save_kv_cache);
+    const std::vector<double> k = w->ref_pool.k;
+    const std::vector<double> v = w->ref_pool.v;
+    const ScenarioResult first = judge_world(*w);
+    EXPECT_TRUE(first.passed) << first.detail;
+    // The saved slots held NaN before the run (scenario_world.cpp), so a value left behind
+    // would show as a difference here.
+    EXPECT_TRUE(std::equal(k.begin(), k.end(), w->ref_pool.k.begin(), w->ref_pool.k.end(),
+                           [](double a, double b) { return a == b || (a != a && b != b); }));
+    EXPECT_TRUE(std::equal(v.begin(), v.end(), w->ref_pool.v.begin(), w->ref_pool.v.end(),
+                           [](double a, double b) { return a == b || (a != a && b != b); }));
+    const ScenarioResult second = judge_world(*w);
+    EXPECT_EQ(second.passed, first.passed);
+    EXPECT_EQ(second.max_rel_err, first.max_rel_err);
   }
 }
 
