@@ -112,8 +112,7 @@ uint32_t format_encode(const FloatFormat& format, double x) {
     const int exponent_field = int(rounded >> m) - 1023 + format.bias();
     if (exponent_field >= 1 && exponent_field < (1 << format.exponent_bits) - 1) {
       const uint32_t sign = (bits >> 63) != 0 ? 1u << (format.exponent_bits + m) : 0u;
-      return sign | (uint32_t(exponent_field) << m) |
-             uint32_t(rounded & ((uint64_t{1} << m) - 1));
+      return sign | (uint32_t(exponent_field) << m) | uint32_t(rounded & ((uint64_t{1} << m) - 1));
     }
   }
   return format_encode_by_scaling(format, x);

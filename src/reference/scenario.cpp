@@ -67,15 +67,15 @@ PoolCheck check_pool(ScenarioWorld& w) {
         const bool saved = tested && saved_by[size_t(slot)].first >= 0;
         // A slot no save targets and whose bytes are all as before has nothing to report (the
         // element loop below would find every element the same): one compare, not one an element.
-        if (!saved && std::memcmp(now.data() + slot_offset, before.data() + slot_offset,
-                                  slot_bytes) == 0) {
+        if (!saved &&
+            std::memcmp(now.data() + slot_offset, before.data() + slot_offset, slot_bytes) == 0) {
           continue;
         }
         const uint8_t* expected = before.data() + slot_offset;
         if (saved) {  // the saved token's K/V, encoded as the pool stores them (modelled rounding)
           const auto [c, n] = saved_by[size_t(slot)];
-          const std::vector<double>& src = which == 0 ? w.calls[size_t(c)].new_kv.k
-                                                      : w.calls[size_t(c)].new_kv.v;
+          const std::vector<double>& src =
+              which == 0 ? w.calls[size_t(c)].new_kv.k : w.calls[size_t(c)].new_kv.v;
           for (int64_t e = 0; e < elems_per_slot; ++e) {
             const double x = src[size_t(n) * size_t(elems_per_slot) + size_t(e)];
             encode_element(slot_expected.data(), kv_dtype, e,
@@ -103,7 +103,8 @@ PoolCheck check_pool(ScenarioWorld& w) {
               check.detail = os.str();
             }
             if (is_fp8_dtype(kv_dtype)) stored_value *= double(scale);
-            (which == 0 ? check.stored_k : check.stored_v).emplace_back(size_t(index), stored_value);
+            (which == 0 ? check.stored_k : check.stored_v)
+                .emplace_back(size_t(index), stored_value);
           } else if (!same && check.ok) {
             std::ostringstream os;
             os << "KV pool layer " << layer << (which == 0 ? " K" : " V") << " slot " << slot
