@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "reference/float_format.h"
 
@@ -205,17 +207,23 @@ RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch
   result.lse.assign(size_t(result.num_tokens) * num_q_heads,
                     -std::numeric_limits<double>::infinity());
 
-  std::vector<double> logits;
-  for (int64_t t = 0; t < result.num_tokens; ++t) {
-    const std::vector<RefKey> keys =
-        reference_visible_keys(layer, batch, t, ragged_new_kv != nullptr);
-    if (keys.empty()) {
-      if (sinks != nullptr) {
-        for (int h = 0; h < num_q_heads; ++h) result.lse[t * num_q_heads + h] = (*sinks)[h];
+  // One (token, q head) row at a time; rows are independent, so large calls spread them over
+  // threads (each row is computed the same way whichever thread runs it: the same bits).
+  auto run_rows = [&](int64_t row_begin, int64_t row_end) {
+    std::vector<double> logits;
+    std::vector<RefKey> keys;
+    int64_t keys_of = -1;  // the token `keys` belongs to
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      const int64_t t = row / num_q_heads;
+      const int h = int(row % num_q_heads);
+      if (keys_of != t) {
+        keys = reference_visible_keys(layer, batch, t, ragged_new_kv != nullptr);
+        keys_of = t;
       }
-      continue;
-    }
-    for (int h = 0; h < num_q_heads; ++h) {
+      if (keys.empty()) {
+        if (sinks != nullptr) result.lse[t * num_q_heads + h] = (*sinks)[h];
+        continue;
+      }
       const int kv_head = h / group;
       const double* q_row = q.data() + (t * num_q_heads + h) * head_dim;
       auto k_of = [&](const RefKey& key) {
@@ -254,6 +262,33 @@ RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch
       for (int d = 0; d < v_head_dim; ++d) out_row[d] /= denominator;
       result.lse[t * num_q_heads + h] = max_logit + std::log(denominator);
     }
+  };
+  const int64_t rows = result.num_tokens * num_q_heads;
+  // Threads only where the work is large (a long request's decode, a big extend): ~2M
+  // multiply-adds a thread at least.
+  const int64_t work = rows * (int64_t(batch.max_context_len) + 1) * (head_dim + v_head_dim);
+  const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t threads = std::clamp<int64_t>(work / (int64_t{1} << 21), 1, std::min<int64_t>(hardware, 16));
+  if (threads <= 1 || rows < 2) {
+    run_rows(0, rows);
+    return result;
+  }
+  std::vector<std::thread> pool_threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
+  for (int64_t i = 0; i < threads; ++i) {
+    const int64_t begin = rows * i / threads;
+    const int64_t end = rows * (i + 1) / threads;
+    pool_threads.emplace_back([&, i, begin, end] {
+      try {
+        run_rows(begin, end);
+      } catch (...) {
+        errors[size_t(i)] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& th : pool_threads) th.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
   }
   return result;
 }
