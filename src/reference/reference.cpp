@@ -268,7 +268,8 @@ RefOutput reference_attention(const AttentionLayer& layer, const RefBatch& batch
   // multiply-adds a thread at least.
   const int64_t work = rows * (int64_t(batch.max_context_len) + 1) * (head_dim + v_head_dim);
   const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t threads = std::clamp<int64_t>(work / (int64_t{1} << 21), 1, std::min<int64_t>(hardware, 16));
+  const int64_t threads =
+      std::clamp<int64_t>(work / (int64_t{1} << 21), 1, std::min<int64_t>(hardware, 16));
   if (threads <= 1 || rows < 2) {
     run_rows(0, rows);
     return result;
