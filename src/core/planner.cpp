@@ -57,6 +57,18 @@ int32_t check_lengths(std::span<const int32_t> kv_len) {
   return max_len;
 }
 
+// The inputs of a plan (plan_decode, plan_decode_rule): config, lengths and an item capacity of
+// at least one item a request. Returns the longest length.
+int32_t check_plan_inputs(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
+                          int item_capacity) {
+  check_config(config);
+  const int32_t max_len = check_lengths(kv_len);
+  const int batch_size = int(kv_len.size());
+  check_arg(item_capacity >= batch_size, "item_capacity", "got ", item_capacity,
+            ", expected >= batch_size ", batch_size);
+  return max_len;
+}
+
 int64_t items_for_chunk(std::span<const int32_t> kv_len, int64_t chunk) {
   int64_t n = 0;
   for (int32_t len : kv_len) n += std::max<int64_t>(1, ceil_div(len, chunk));
@@ -179,11 +191,8 @@ double estimate_decode_makespan(std::span<const int32_t> kv_len, const DecodePla
 
 DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
                        int item_capacity) {
-  check_config(config);
-  const int32_t max_len = check_lengths(kv_len);
+  const int32_t max_len = check_plan_inputs(kv_len, config, item_capacity);
   const int batch_size = int(kv_len.size());
-  check_arg(item_capacity >= batch_size, "item_capacity", "got ", item_capacity,
-            ", expected >= batch_size ", batch_size);
 
   // Requests heaviest first, sorted once: the unsplit plan's launch order and the input of its
   // cost estimate (this runs at every step, so the common unsplit case sorts nothing else).
@@ -255,11 +264,8 @@ DecodePlan plan_decode(std::span<const int32_t> kv_len, const DecodePlanConfig& 
 
 DecodePlan plan_decode_rule(std::span<const int32_t> kv_len, const DecodePlanConfig& config,
                             int item_capacity) {
-  check_config(config);
-  const int32_t max_len = check_lengths(kv_len);
+  const int32_t max_len = check_plan_inputs(kv_len, config, item_capacity);
   const int batch_size = int(kv_len.size());
-  check_arg(item_capacity >= batch_size, "item_capacity", "got ", item_capacity,
-            ", expected >= batch_size ", batch_size);
   int64_t chunk = std::max<int32_t>(max_len, 1);
   if (config.concurrent_ctas > 0 && max_len > config.min_chunk) {
     int64_t total = 0;
