@@ -12,7 +12,7 @@
 #   mkdir -p .carry && cp build/kvattn build/kvattn_cuda_tests .carry/ && git rev-parse HEAD >
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
-# STEPS=a,b,... picks steps (diag (tc_decode DIAG matrix, decode split A/B), prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
+# STEPS=a,b,... picks steps (decodeab (decode rows: auto vs KVATTN_DECODE_TENSOR_CORES=1), diag (tc_decode DIAG matrix, decode split A/B), prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
 # TC_FILTER / SAN_FILTER override the tc / memcheck test filters; DIAG_MERGES (cluster grid) and
 # DIAG_LEVELS (0 1 2 3 4) pick the diag matrix; CHECKMEM=0 skips memcheck over `kvattn check`
 # (150 s). The whole CUDA test binary (`all`) takes over 200 s on the H200 (CudaDecode's
@@ -109,11 +109,12 @@ if want llama; then
 fi
 if want peers; then  # last: FlashInfer side by side on PEERS_ROWS, in the time left
   left=$((DEADLINE - SECONDS - 40))
+  [ -n "${PEERS_BUDGET:-}" ] && [ "$PEERS_BUDGET" -lt "$left" ] && left=$PEERS_BUDGET
   if [ "$left" -gt 120 ]; then
     step peersinstall 60 python3 -m pip install -q --no-index --no-deps --no-compile \
       --no-cache-dir --upgrade --target /tmp/site .whl/peers/*.whl \
       .whl/py312/kvattn-0.1.0-cp312-cp312-linux_x86_64.whl
-    left=$((DEADLINE - SECONDS - 40))
+    left=$((left - ${PEERS_INSTALL_S:-20}))
     PYTHONPATH=/tmp/site PATH="$(dirname "$(command -v python3)"):/usr/local/cuda/bin:$PATH" \
       CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws \
       FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_CACHE_DIR=/tmp/tvm-ffi PYTHONUNBUFFERED=1 \
@@ -122,6 +123,17 @@ if want peers; then  # last: FlashInfer side by side on PEERS_ROWS, in the time 
   else
     summary+=("peers      skipped: $left s left")
   fi
+fi
+# decode rows on the automatic kernel choice and with every decode on the decode-shaped kernel
+# (KVATTN_DECODE_TENSOR_CORES=1; issue 14), after the peers step (give that PEERS_BUDGET)
+if want decodeab; then
+  export KVATTN_GIT_COMMIT=${KVATTN_GIT_COMMIT:-$(cat "$CARRY/COMMIT" 2>/dev/null || echo unknown)}
+  for w in ${DECODEAB_WORKLOADS:-decode cascade}; do
+    step "dec-auto-$w" 150 "$CARRY/kvattn" bench --device cuda --workload "$w" \
+      --json "$OUT/h200-$w-$(date +%Y%m%d).json"
+    KVATTN_DECODE_TENSOR_CORES=1 step "dec-tc-$w" 150 "$CARRY/kvattn" bench --device cuda \
+      --workload "$w" --json "$OUT/h200-$w-tc-$(date +%Y%m%d).json"
+  done
 fi
 
 {
@@ -132,6 +144,8 @@ fi
   echo "== kvattn bench (verify, draft, cascade)"
   grep -hE "^(verify|draft|decode)|ceiling" "$LOGS/bench-verify.log" "$LOGS/bench-draft.log" \
     "$LOGS/bench-cascade.log" 2>/dev/null
+  for f in "$LOGS"/dec-*.log; do [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; \
+    grep -E '^decode' "$f" | awk '{printf "b%s/kv%s/%s:%s ", $2, $3, $8, $9} END {print ""}'; }; done
   echo "== DIAG (verify rows: batch/kv: us)"
   for f in "$LOGS"/diag-*.log; do [ -f "$f" ] && printf '%-22s %s\n' "$(basename "$f" .log)" \
     "$(grep -E '^verify' "$f" | awk '{printf "b%s/kv%s:%s ", $2, $3, $9}')"; done
