@@ -10,6 +10,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -49,6 +50,10 @@ const std::vector<OptionSpec>& bench_options() {
       {"--workload", "all|decode|prefill|extend|verify|draft|cascade",
        "only rows of this workload (default all; draft: the draft_extend rows and the "
        "draft_multistep row; cascade: the shared-prefix decode rows)"},
+      {"--rows", "REGEX",
+       "only rows whose label matches (ECMAScript, searched), e.g. 'decode b1 kv(1024|4096) '; "
+       "labels as in the results file: '<workload> b<batch> kv<kv_len> [tree|q<n>] d<head_dim> "
+       "<variant>'"},
       {"--max-row-seconds", "S",
        "CPU: skip rows whose one call is estimated above S s (default 15; --quick 1)"},
       {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
@@ -386,11 +391,11 @@ class BenchWorld {
     }
     backend_ = make_backend(device.kind, config);
     if (graph_step()) {
-      // TARGET_VERIFY (and deterministic DECODE) as an engine runs it on CUDA: a captured bucket
-      // of the backend's graph buffers (sized for this batch and tree), whose padded plan the
-      // timed calls replay. The
-      // timing captures forward (time_on_stream); without these buffers the backend refuses to
-      // capture the tensor-core path. in_graph runs once here: it is per step, not per layer.
+      // TARGET_VERIFY and DECODE as an engine runs them on CUDA: a captured bucket of the
+      // backend's graph buffers (sized for this batch and tree), whose padded plan the timed
+      // calls replay. The timing captures forward (time_on_stream); without these buffers the
+      // backend refuses to capture the tensor-core path. in_graph runs once here: it is per
+      // step, not per layer.
       backend_->init_cuda_graph_state(row.batch, row.tokens());
       backend_->init_forward_metadata_out_graph(step_->batch(), /*in_capture=*/true);
       backend_->init_forward_metadata_in_graph(step_->batch());
@@ -399,12 +404,13 @@ class BenchWorld {
     }
   }
 
-  /// Whether the row runs on the backend's CUDA-graph buffers and must be timed captured: verify
-  /// and the multi-step draft, and decode in deterministic mode (it runs on the tensor-core path,
-  /// which only the graph buffers' padded plans capture, as in an engine's graph mode).
+  /// Whether the row runs on the backend's CUDA-graph buffers and must be timed captured, as an
+  /// engine's CUDA-graph mode runs it: verify, the multi-step draft and decode (the tensor-core
+  /// paths are captured only on those buffers' padded plans). Not a decode step that declares
+  /// shared-prefix groups: it runs eagerly (the backend refuses to capture it).
   bool graph_step() const {
-    const bool deterministic_decode = row_.is_decode() && row_.deterministic;
-    return (row_.is_verify() || row_.is_multistep() || deterministic_decode) &&
+    const bool graph_decode = row_.is_decode() && !(row_.is_cascade() && row_.declare_group);
+    return (row_.is_verify() || row_.is_multistep() || graph_decode) &&
            device_.kind == BackendKind::kCuda;
   }
 
@@ -856,10 +862,21 @@ int run_bench(const std::vector<std::string>& args) {
   const std::string device_name = device_description(device);
   const RunStamp stamp{git_commit(), git_dirty(), today_iso()};
 
+  std::regex rows_pattern;
+  const bool rows_filtered = parsed.has("--rows");
+  if (rows_filtered) {
+    try {
+      rows_pattern = std::regex(parsed.get("--rows", ""), std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      throw_error(ErrorKind::kInvalidArgument, "--rows", "not a regular expression: '",
+                  parsed.get("--rows", ""), "' (", e.what(), ")");
+    }
+  }
   std::vector<GridRow> grid;
   for (const GridRow& row : make_grid()) {
     if (quick && !row.in_quick) continue;
     if (!selected_by(row, workload)) continue;
+    if (rows_filtered && !std::regex_search(row.label(), rows_pattern)) continue;
     grid.push_back(row);
     if (parsed.has("--deterministic")) {
       grid.back().deterministic = true;

@@ -1174,9 +1174,13 @@ class Runner:
             backend = KvattnAttnBackend(pool, req_pool, num_q_heads=Q_HEADS,
                                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                         q_dtype=torch.bfloat16, sliding_window_size=window)
-            if case.is_verify:
-                # As an engine sets up its CUDA graphs: fixed buffers for batches of up to
-                # max_bs requests and max_num_tokens query tokens (the tree's, here).
+            # Verify and decode as an engine's CUDA-graph mode runs them: fixed buffers for
+            # batches of up to max_bs requests and max_num_tokens query tokens (the tree's, for
+            # verify), on which the tensor-core paths capture. A decode step that declares
+            # shared-prefix groups runs eagerly (kvattn refuses to capture it).
+            graph_buffers = case.is_verify or (case.is_decode and not (
+                case.is_shared_prefix and case.declares_groups))
+            if graph_buffers:
                 backend.init_cuda_graph_state(case.batch, case.tokens)
         if fp8 and hasattr(backend.kv_cache, "set_scales"):
             for s in range(sets):
@@ -1225,7 +1229,7 @@ class Runner:
         batch = types.SimpleNamespace(**fields)
         self.sync()  # the batch fields were made on the default stream
         with self.on_stream():
-            if case.is_verify:
+            if graph_buffers:
                 # An engine's capture: out_graph (host plan, outside the graph; in_capture
                 # checks that the step runs on the graph buffers), then in_graph (the index
                 # build, device work an engine records in the graph; run once here, it is

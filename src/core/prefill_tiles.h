@@ -121,6 +121,9 @@ struct PrefillTiles {
   /// Time attribution only (KVATTN_TC_DECODE_DIAG, garbage output): the decode-shaped kernel
   /// 1 issues no K/V copies, 2 returns after its prologue, 3 runs no key step, 4 returns at entry.
   int diag = 0;
+  /// Time attribution only (KVATTN_TC_DECODE_TRACE): the decode-shaped kernel writes
+  /// %globaltimer stamps of its phases here, tc_decode::kTraceSlots a CTA (nullptr: none).
+  unsigned long long* trace = nullptr;
 };
 
 /// Byte layout of the plan buffer: [items | merges] is metadata copied from the host; the

@@ -180,9 +180,12 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       setup.tc_decode_min_split = env_int("KVATTN_TC_DECODE_MIN_SPLIT", 256, 1);
       setup.tc_decode_max_cluster =
           std::min(shape.max_cluster, env_int("KVATTN_TC_DECODE_MAX_CLUSTER", 16, 0));
-      if (env_int("KVATTN_TC_DECODE_NARROW", 1, 0) != 0) {
-        setup.tc_decode_narrow_rows = shape.narrow_tile_rows;
-      }
+      // KVATTN_TC_DECODE_NARROW: 0 never the 16-row instance, 1 (default) for calls of at most
+      // 16 packed rows a request, 2 for every call (an A/B knob: a 32-row call then runs two
+      // tiles a kv head, twice the CTAs).
+      const int narrow = env_int("KVATTN_TC_DECODE_NARROW", 1, 0);
+      if (narrow != 0) setup.tc_decode_narrow_rows = shape.narrow_tile_rows;
+      setup.tc_decode_narrow_always = narrow == 2;
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }
@@ -447,7 +450,8 @@ core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const Backen
   if (tc) shape.min_split_keys = setup.tc_decode_min_split;
   if (tc && batch_size > 0) {
     const int64_t rows = int64_t(q_len) * (config.num_q_heads / config.num_kv_heads);
-    if (setup.tc_decode_narrow_rows > 0 && rows <= setup.tc_decode_narrow_rows) {
+    if (setup.tc_decode_narrow_rows > 0 &&
+        (rows <= setup.tc_decode_narrow_rows || setup.tc_decode_narrow_always)) {
       shape.tile_rows = setup.tc_decode_narrow_rows;
     }
     shape.cluster = core::cluster_split_size(batch_size, q_len, shape, setup.tc_decode_max_cluster);

@@ -69,6 +69,7 @@ struct DecodeSetup {
   /// The narrow (16-row) instance's tile, for calls of at most that many packed rows a request
   /// (0: none; KVATTN_TC_DECODE_NARROW=0 turns it off).
   int tc_decode_narrow_rows = 0;
+  bool tc_decode_narrow_always = false;  ///< KVATTN_TC_DECODE_NARROW=2 (A/B knob)
 };
 /// cudaMalloc'd bases are 256-byte aligned; the regions a buffer is cut into (the prefill
 /// region of a call's metadata, the io copies, the cascade scratch) start on such a boundary too.

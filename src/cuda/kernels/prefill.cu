@@ -6,11 +6,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/softmax_state.h"
 #include "cuda/cuda_util.h"
@@ -418,6 +421,100 @@ PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int devi
   return shape;
 }
 
+#if defined(KVATTN_TC_DECODE_TRACE)
+namespace {
+
+// Time attribution of the decode-shaped kernel (a build with KVATTN_TC_DECODE_TRACE defined, and
+// KVATTN_TC_DECODE_TRACE=1 at run time): each launch's CTAs stamp their phases
+// (tc_decode::TraceSlot) into one of two halves of a device buffer, by launch parity, so the last
+// two launches (of a captured graph's too) are kept. At exit each half is printed to stderr: per
+// phase, when the CTAs reached it in us after the launch's first CTA ran (median and max over
+// CTAs), and the time from one launch's last exit to the other's release.
+struct TcDecodeTrace {
+  static constexpr int kMaxCtas = 4096;
+  static constexpr size_t kHalf = size_t(kMaxCtas) * tc_decode::kTraceSlots;
+  unsigned long long* buffer = nullptr;
+  uint64_t launches = 0;
+  int items[2] = {0, 0};
+  int cluster[2] = {0, 0};
+  int rows[2] = {0, 0};
+};
+
+TcDecodeTrace* tc_decode_trace() {
+  static TcDecodeTrace* trace = []() -> TcDecodeTrace* {
+    const char* v = std::getenv("KVATTN_TC_DECODE_TRACE");
+    if (v == nullptr || std::atoi(v) == 0) return nullptr;
+    auto* t = new TcDecodeTrace;
+    check_cuda(cudaMalloc(&t->buffer, 2 * TcDecodeTrace::kHalf * sizeof(unsigned long long)),
+               "cudaMalloc(tc_decode trace)");
+    check_cuda(cudaMemset(t->buffer, 0, 2 * TcDecodeTrace::kHalf * sizeof(unsigned long long)),
+               "cudaMemset(tc_decode trace)");
+    std::atexit([] {
+      TcDecodeTrace* t = tc_decode_trace();
+      std::vector<unsigned long long> host(2 * TcDecodeTrace::kHalf);
+      if (cudaDeviceSynchronize() != cudaSuccess ||
+          cudaMemcpy(host.data(), t->buffer, host.size() * sizeof(host[0]),
+                     cudaMemcpyDeviceToHost) != cudaSuccess) {
+        std::fprintf(stderr, "tc_decode trace: could not read the stamps back\n");
+        return;
+      }
+      static const char* names[tc_decode::kTraceSlots] = {
+          "entry",  "released", "facts",   "loop",   "warp0", "warp1", "warp2", "warp3",
+          "merged", "stored",   "cluster", "folded", "exit",  "",      "",      ""};
+      unsigned long long first[2] = {0, 0}, last[2] = {0, 0}, released[2] = {0, 0};
+      for (int h = 0; h < 2 && uint64_t(h) < t->launches; ++h) {
+        const unsigned long long* base = host.data() + h * TcDecodeTrace::kHalf;
+        const int n = t->items[h];
+        first[h] = ~0ull;
+        for (int c = 0; c < n; ++c) first[h] = std::min(first[h], base[c * tc_decode::kTraceSlots]);
+        std::fprintf(stderr, "tc_decode trace, launch parity %d: %d CTAs, cluster %d, %d rows\n", h,
+                     n, t->cluster[h], t->rows[h]);
+        for (int s = 0; s < tc_decode::kTraceSlots; ++s) {
+          if (names[s][0] == '\0') continue;
+          std::vector<double> at;
+          for (int c = 0; c < n; ++c) {
+            const unsigned long long v = base[c * tc_decode::kTraceSlots + s];
+            if (v >= first[h]) at.push_back(double(v - first[h]) * 1e-3);
+          }
+          if (at.empty()) continue;
+          std::sort(at.begin(), at.end());
+          std::fprintf(stderr, "  %-9s CTAs %4zu  median %7.2f us  max %7.2f us\n", names[s],
+                       at.size(), at[at.size() / 2], at.back());
+          for (int c = 0; c < n; ++c) {
+            const unsigned long long v = base[c * tc_decode::kTraceSlots + s];
+            if (v < first[h]) continue;
+            if (s == tc_decode::kTraceReleased) released[h] = std::max(released[h], v);
+            last[h] = std::max(last[h], v);
+          }
+        }
+      }
+      if (t->launches >= 2) {
+        const int a = first[0] < first[1] ? 0 : 1;  // the earlier launch
+        std::fprintf(stderr,
+                     "  launch %d's last stamp -> launch %d: first entry %+.2f us, last release "
+                     "%+.2f us\n",
+                     a, 1 - a, (double(first[1 - a]) - double(last[a])) * 1e-3,
+                     (double(released[1 - a]) - double(last[a])) * 1e-3);
+      }
+    });
+    return t;
+  }();
+  return trace;
+}
+
+void trace_tc_decode(core::PrefillTiles& run) {
+  TcDecodeTrace* t = tc_decode_trace();
+  if (t == nullptr || run.num_items > TcDecodeTrace::kMaxCtas) return;
+  const int half = int(t->launches++ & 1);
+  run.trace = t->buffer + half * TcDecodeTrace::kHalf;
+  t->items[half] = run.num_items;
+  t->cluster[half] = run.cluster;
+  t->rows[half] = run.tile_rows;
+}
+
+}  // namespace
+#endif
+
 void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                       cudaStream_t stream) {
   const int device = current_device();
@@ -452,6 +549,9 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
     return v != nullptr ? std::atoi(v) : 0;
   }();
   run.diag = diag;
+#if defined(KVATTN_TC_DECODE_TRACE)
+  trace_tc_decode(run);
+#endif
   if (p.head_dim == 64) {
     tc_decode::launch_tc_decode_hd64(p, run, stream);
   } else {

@@ -100,6 +100,24 @@ using ptx::mma_16816;
 using ptx::pack2;
 using ptx::smem_address;
 
+// Time attribution (a build with KVATTN_TC_DECODE_TRACE defined, and the environment variable
+// KVATTN_TC_DECODE_TRACE=1: prefill.cu): %globaltimer stamps of a CTA's phases, written by its
+// thread 0 (kTraceWarpDone + w: lane 0 of warp w) to PrefillTiles::trace[CTA * kTraceSlots + slot].
+enum TraceSlot : int {
+  kTraceEntry = 0,       // the CTA runs
+  kTraceReleased = 1,    // griddepcontrol.wait returned
+  kTraceFacts = 2,       // the work item and the request's facts arrived
+  kTraceLoop = 3,        // Q landed; the key steps start
+  kTraceWarpDone = 4,    // + warp: that warp's key steps issued
+  kTraceMerged = 8,      // the four warps' states merged (row weights ready)
+  kTraceStored = 9,      // output (or the cluster's shared-memory O) written
+  kTraceClusterIn = 10,  // past the cluster barrier
+  kTraceFolded = 11,     // the cluster fold's rows written
+  kTraceExit = 12,       // past the exit barrier
+  kTraceSink = 15,       // a dependency sink (makes a stamp wait for the values it names)
+  kTraceSlots = 16,
+};
+
 template <int kHeadDim, int kMAtomsOfTile, typename T>
 __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
@@ -111,9 +129,27 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   constexpr int kStages = Tr::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
 
+#if defined(KVATTN_TC_DECODE_TRACE)
+  unsigned long long* const trace =
+      tiles.trace != nullptr ? tiles.trace + size_t(blockIdx.x) * kTraceSlots : nullptr;
+  auto stamp = [&](int slot) {
+    if (trace != nullptr && threadIdx.x == 0) trace[slot] = ptx::global_timer();
+  };
+  auto stamp_after = [&](int slot, int64_t value) {  // once `value` has arrived
+    if (trace != nullptr && threadIdx.x == 0) {
+      trace[kTraceSink] = static_cast<unsigned long long>(value);
+      trace[slot] = ptx::global_timer();
+    }
+  };
+#else
+  auto stamp = [](int) {};
+  auto stamp_after = [](int, int64_t) {};
+#endif
+  stamp(kTraceEntry);
   // Launched as a programmatic dependent: nothing global is read before the kernels before it
   // completed (they wrote the pool, the plan and the step's error word).
   ptx::grid_dependency_wait();
+  stamp(kTraceReleased);
   if (tiles.diag == 4) return;
   // The step's facts in as few dependent memory round trips as their dependencies allow: the
   // error word with the work item, then every fact of the request at once (one after another
@@ -206,6 +242,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     mask_from = static_cast<int>(max(int64_t(0), int64_t(kv_len) - mask_row_len));
     if (dense) mask_from = max(mask_from, min(kv_len, dense_from));
   }
+  stamp_after(kTraceFacts, mask_offset ^ mask_from ^ kv_base ^ q_begin ^ kv_begin ^ refused);
   // DIAG 2: return once the step's facts have arrived (the condition waits for every load).
   if (tiles.diag == 2 &&
       (mask_offset ^ mask_from ^ kv_base ^ q_begin ^ kv_begin ^ int64_t(refused)) != INT64_MIN) {
@@ -358,6 +395,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   }
   ptx::cp_async_wait<kStages - 1>();  // this thread's Q chunks landed
   __syncthreads();                    // ... and everyone's
+  stamp(kTraceLoop);
 
   float o[kMAtoms][kDimTiles][4];
   RowPairSoftmax softmax[kMAtoms];
@@ -571,6 +609,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   }
 #pragma unroll(Tr::kStepUnroll)
   for (int u = 0; u < warp_steps; ++u) run_step(u, slot_ahead, mask_bits);
+#if defined(KVATTN_TC_DECODE_TRACE)
+  if (trace != nullptr && lane == 0) trace[kTraceWarpDone + warp] = ptx::global_timer();
+#endif
   ptx::cp_async_wait<0>();
   // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
   ptx::grid_launch_dependents();
@@ -626,6 +667,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   }
   __syncthreads();
 
+  stamp(kTraceMerged);
   if (refused) return;  // before the first write (every CTA of the grid returns here)
 
   // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a chunk of
@@ -682,8 +724,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // ---- cluster split: the tile's chunks are this CTA's cluster; each folds a share of the rows
   // from every chunk's cl_out / row_lse through distributed shared memory, then no CTA leaves
   // before the others have read it.
+  stamp(kTraceStored);
   if (in_cluster) {
     ptx::cluster_sync();
+    stamp(kTraceClusterIn);
     const int n = tiles.cluster;  // a power of two, 2..Tr::kMaxCluster
     const int rank = static_cast<int>(ptx::cluster_rank());
     const uint32_t lse_local = smem_address(row_lse);
@@ -741,8 +785,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       }
       if (reads) store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
     }
+    stamp(kTraceFolded);
     // No CTA leaves before the others have read it (relaxed: nothing to publish).
     ptx::cluster_sync_relaxed();
+    stamp(kTraceExit);
     return;
   }
 
