@@ -30,9 +30,11 @@ const char* backend_kind_name(BackendKind kind);
 /// "cpu" or "cuda"; throws on anything else.
 BackendKind parse_backend_kind(const std::string& name);
 
-/// Whether decode runs the tensor-core (prefill-style) kernel. kAuto picks it for GQA groups
-/// larger than 4 (fp8 KV stays on the CUDA-core kernel, which reads it natively: 2x faster at
-/// group 4, bench/NOTES.md); the environment variable KVATTN_DECODE_TENSOR_CORES=0/1 overrides.
+/// Whether decode runs on tensor cores (the q heads of a kv head packed into MMA rows). kAuto
+/// picks them for GQA groups of 4 where the decode-shaped kernel serves the head dims (head_dim
+/// == v_head_dim in {64, 128}, fp8 KV included) and for every group larger than 4; the CUDA-core
+/// kernel otherwise (bench/NOTES.md). The environment variable KVATTN_DECODE_TENSOR_CORES=0/1
+/// overrides.
 enum class TensorCoreDecode : uint8_t { kAuto, kOn, kOff };
 
 /// What a backend is made for: the model's attention shape and the engine's pools.

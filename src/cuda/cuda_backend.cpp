@@ -191,8 +191,13 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
     }
   }
   const TensorCoreDecode choice = resolve_tensor_core_choice(config.decode_tensor_cores);
+  // Automatic: groups above 4 on either tensor-core kernel; a group of 4 where the
+  // decode-shaped kernel serves the head dims (its 16-row tile with the cluster split measured
+  // at or below the CUDA-core decode on every decode row of the grid, fp8 included, and below
+  // FlashInfer at b1 x 1024 - b256: bench/NOTES.md v10); the prefill family would not win there.
   const bool wanted =
-      choice == TensorCoreDecode::kOn || (choice == TensorCoreDecode::kAuto && group > 4);
+      choice == TensorCoreDecode::kOn ||
+      (choice == TensorCoreDecode::kAuto && (group > 4 || (group == 4 && setup.tc_decode)));
   // The prefill kernel reads KV in the io dtype or fp8 (kernels/prefill.h).
   const bool kv_ok = kv.dtype == config.q_dtype || is_fp8(kv.dtype);
   setup.tensor_cores = (wanted || config.deterministic) && setup.prefill_supported && io_native &&
