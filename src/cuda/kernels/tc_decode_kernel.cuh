@@ -699,9 +699,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
       for (int j = 0; j < kPartsAThread; ++j) {
         const int q = t + j * kRowThreads;
-        lse_t[j] = row_ok && q < parts
-                       ? ptx::cluster_load_f32(part_address(q, lse_offset + r * 4))
-                       : -INFINITY;
+        lse_t[j] = row_ok && q < parts ? ptx::cluster_load_f32(part_address(q, lse_offset + r * 4))
+                                       : -INFINITY;
         top = fmaxf(top, lse_t[j]);
       }
 #pragma unroll
