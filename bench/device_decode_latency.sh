@@ -3,7 +3,7 @@
 #   1. phase stamps of the kernel (a build with -DKVATTN_TC_DECODE_TRACE=ON: bench/NOTES.md) on
 #      verify b1 and tensor-core decode b1 x 1024 / 4096 (the last two launches of each row),
 #   2. the decode rows on the automatic kernel choice and on the decode-shaped kernel
-#      (KVATTN_DECODE_TENSOR_CORES=1), both on the CUDA-graph buffers, results JSON in $OUT,
+#      (KVATTN_DECODE_TENSOR_CORES=1; DEC_MODES picks), on the CUDA-graph buffers, JSON in $OUT,
 #   3. the verify rows under each KNOBS entry (;-separated env assignments) and without,
 #   4. optionally (PEERS=1) bench/peers decode rows with KVATTN_DECODE_TENSOR_CORES=1 (carry
 #      .whl/peers and the kvattn wheel as for bench/device_validate.sh).
@@ -34,9 +34,12 @@ if [ -x "$KT" ]; then
   done
 fi
 day=$(date +%Y%m%d)
-run dec-auto 120 "$K" bench --device cuda --workload decode --json "$OUT/h200-decode-$day.json"
-KVATTN_DECODE_TENSOR_CORES=1 run dec-tc 120 "$K" bench --device cuda --workload decode \
-  --json "$OUT/h200-decode-tc-$day.json"
+# DEC_MODES: auto (the automatic choice), tc (KVATTN_DECODE_TENSOR_CORES=1), core (=0)
+for mode in ${DEC_MODES:-auto tc}; do
+  case $mode in auto) tc= ;; tc) tc=1 ;; core) tc=0 ;; *) continue ;; esac
+  KVATTN_DECODE_TENSOR_CORES=$tc run "dec-$mode" 120 "$K" bench --device cuda --workload decode \
+    --json "$OUT/h200-decode-$mode-$day.json"
+done
 run verify 40 "$K" bench --device cuda --workload verify
 IFS=';' read -r -a knobs <<< "${KNOBS:-}"
 for i in "${!knobs[@]}"; do
