@@ -72,17 +72,11 @@ struct Traits {
   // The end of the CTA reuses the pipeline: per warp its rows' max and sum and its O in fp32.
   // O rows are padded by 4 floats so that a quad's float2 stores of 8 rows miss each other's banks.
   static constexpr int kOStride = kHeadDim + 4;
-  static constexpr int kMergeBytes = kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4;
+  // ... and after them, for a cluster-split plan, the CTA's merged O (fp32, [row][dim]) that the
+  // cluster's CTAs read through distributed shared memory.
+  static constexpr int kMergeBytes =
+      kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4 + kTileRows * kHeadDim * 4;
   static constexpr int kMaxCluster = 16;  // the cluster-split fold reads at most this many CTAs
-  // A cluster-split CTA leaves each warp's state in that warp's own pipeline region (no CTA
-  // barrier before it is written): O normalised by the warp's sum, fp32 [row][kOStride], then
-  // the rows' natural-log LSE.
-  static constexpr int kWarpPartBytes = kTileRows * kOStride * 4 + kTileRows * 4;
-  static constexpr int warp_pipe_bytes(bool fp8) {
-    return fp8 ? kStages * kRawStageBytes + kStageBytes : kStages * kStageBytes;
-  }
-  static_assert(kWarpPartBytes <= warp_pipe_bytes(true) && kWarpPartBytes <= warp_pipe_bytes(false),
-                "a warp's cluster partial fits its pipeline region");
   static constexpr int smem_bytes(bool fp8) {
     const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
     return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
@@ -258,8 +252,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const uint32_t s_q = smem_address(smem);
   const uint32_t s_pipe = s_q + Tr::kQBytes;
   const int stage_bytes = fp8 ? Tr::kRawStageBytes : Tr::kStageBytes;
-  const uint32_t warp_bytes = Tr::warp_pipe_bytes(fp8);
-  const uint32_t s_warp = s_pipe + warp * warp_bytes;
+  const uint32_t s_warp = s_pipe + warp * (kStages * stage_bytes + (fp8 ? Tr::kStageBytes : 0));
   const uint32_t s_convert = s_warp + kStages * stage_bytes;  // fp8 only
 
   {  // Q: the tile's packed rows (zero past the request's rows)
@@ -622,138 +615,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   ptx::cp_async_wait<0>();
   // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
   ptx::grid_launch_dependents();
-  const int v_dim = p.v_head_dim;
-  auto store_out = [&](int r, int d0, const float4& acc, float lse) {
-    const int packed = row0 + r;
-    const int token = div_group(packed);
-    const int head = kv_head * group + (packed - token * group);
-    const int64_t out_row =
-        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head + d0;
-    if (p.out_fp32) {
-      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row) = acc;
-    } else {
-      uint2 packed2;
-      packed2.x = pack2<T>(acc.x, acc.y);
-      packed2.y = pack2<T>(acc.z, acc.w);
-      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + out_row) = packed2;
-    }
-    if (d0 == 0 && p.lse != nullptr) {
-      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse;
-    }
-  };
-  if (tiles.cluster > 1) {
-    // ---- cluster split: the tile's chunks are this CTA's cluster. Each warp leaves its state
-    // (O over its sum, and the LSE) in its own pipeline region, with no CTA barrier; after one
-    // cluster barrier every CTA folds a share of the tile's rows over all the cluster's warps
-    // through distributed shared memory, and no CTA leaves before the others have read it.
-    // (One barrier instead of the CTA merge's three and a cluster barrier: at batch 1 the merges
-    // were ~5 us of a ~17 us verify call; bench/NOTES.md v10.)
-    __syncwarp();  // the warp's last ldmatrix reads of its stages are done
-    const uint32_t part_local = s_warp;
-    float* part_o = reinterpret_cast<float*>(smem + (part_local - s_q));
-    float* part_lse = part_o + Tr::kTileRows * Tr::kOStride;
-#pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) {
-      float inv_sum[2], lse[2];
-      softmax[a].finish(scale_log2, p.v_scale, inv_sum, lse);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = a * 16 + (lane >> 2) + 8 * h;
-        if ((lane & 3) == 0) part_lse[r] = lse[h];
-        float* dst = part_o + r * Tr::kOStride + (lane & 3) * 2;
-#pragma unroll
-        for (int d = 0; d < kDimTiles; ++d) {
-          *reinterpret_cast<float2*>(dst + d * 8) =
-              make_float2(o[a][d][2 * h] * inv_sum[h], o[a][d][2 * h + 1] * inv_sum[h]);
-        }
-      }
-    }
-    stamp(kTraceMerged);
-    if (refused) return;  // before the first write (every CTA of the grid returns here)
-    ptx::cluster_sync();
-    stamp(kTraceClusterIn);
-    const int n = tiles.cluster;  // a power of two, 2..Tr::kMaxCluster
-    const int parts = n * Tr::kWarps;
-    const int rank = static_cast<int>(ptx::cluster_rank());
-    // A row's kRowThreads threads (lanes of one warp) fold it, 4 dims each: thread t reads the
-    // LSE of parts t, t + kRowThreads, ..., the row's max and sum go round by shuffles, and a
-    // part's weight comes from the thread that read its LSE. Part q is warp q % 4 of rank q / 4.
-    // Sixteen parts' O in flight at a time (one batch for a cluster of 4, four for 16).
-    constexpr int kRowThreads = kHeadDim / 4;
-    constexpr int kRowsAPass = Tr::kThreads / kRowThreads;
-    constexpr int kPartsAThread = Tr::kMaxCluster * Tr::kWarps / kRowThreads;
-    constexpr int kBatch = 16;
-    static_assert(32 % kRowThreads == 0 && kPartsAThread >= 1, "a row in one warp");
-    const int t = tid % kRowThreads;
-    const int d0 = t * 4;
-    const uint32_t lse_offset = Tr::kTileRows * Tr::kOStride * 4;
-    auto part_address = [&](int q, uint32_t offset) {
-      return ptx::cluster_map(s_pipe + (q % Tr::kWarps) * warp_bytes + offset, q / Tr::kWarps);
-    };
-#pragma unroll 1
-    for (int i0 = 0; rank + i0 * n < Tr::kTileRows; i0 += kRowsAPass) {  // rows rank, rank + n..
-      const int r = rank + (i0 + tid / kRowThreads) * n;
-      const bool row_ok = r < Tr::kTileRows && row0 + r < rows_total;  // the same for a row
-      float lse_t[kPartsAThread];
-      float top = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kPartsAThread; ++j) {
-        const int q = t + j * kRowThreads;
-        lse_t[j] = row_ok && q < parts ? ptx::cluster_load_f32(part_address(q, lse_offset + r * 4))
-                                       : -INFINITY;
-        top = fmaxf(top, lse_t[j]);
-      }
-#pragma unroll
-      for (int o = kRowThreads / 2; o > 0; o /= 2) {
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o, kRowThreads));
-      }
-      float total = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPartsAThread; ++j) {
-        lse_t[j] = top == -INFINITY ? 0.f : __expf(lse_t[j] - top);  // exp(-inf) = 0: empty
-        total += lse_t[j];
-      }
-#pragma unroll
-      for (int o = kRowThreads / 2; o > 0; o /= 2) {
-        total += __shfl_xor_sync(0xffffffffu, total, o, kRowThreads);
-      }
-      const bool empty = !(total > 0.f);
-      const float inv_total = empty ? 0.f : 1.f / total;
-      const bool reads = row_ok && d0 < v_dim;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-      for (int q0 = 0; q0 < parts; q0 += kBatch) {
-        float w[kBatch];
-        float4 part[kBatch];
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int q = q0 + j;
-          const int holder = q / kRowThreads;  // which of the source thread's registers
-          float mine = lse_t[0];
-#pragma unroll
-          for (int k = 1; k < kPartsAThread; ++k) mine = holder == k ? lse_t[k] : mine;
-          w[j] = __shfl_sync(0xffffffffu, mine, q % kRowThreads, kRowThreads) * inv_total;
-          part[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (reads && q < parts) {
-            part[j] = ptx::cluster_load_f32x4(part_address(q, (r * Tr::kOStride + d0) * 4));
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          acc.x = fmaf(part[j].x, w[j], acc.x);
-          acc.y = fmaf(part[j].y, w[j], acc.y);
-          acc.z = fmaf(part[j].z, w[j], acc.z);
-          acc.w = fmaf(part[j].w, w[j], acc.w);
-        }
-      }
-      if (reads) store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
-    }
-    stamp(kTraceFolded);
-    // No CTA leaves before the others have read it (relaxed: nothing to publish).
-    ptx::cluster_sync_relaxed();
-    stamp(kTraceExit);
-    return;
-  }
   __syncthreads();  // every warp is done with its pipeline: the memory becomes the merge area
 
   // ---- merge the four warps' states ---------------------------------------------------------
@@ -783,57 +644,171 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     }
   }
   __syncthreads();
-  // Per row: the CTA's max, each warp's weight (written over its max) and the LSE.
-  if (tid < Tr::kTileRows) {
-    const int r = tid;
+  // The output loop below gives thread tid the rows (tid + k * kThreads) / kOutThreads, k <
+  // kOutSteps: a warp's rows are known in advance, kTileRows / 4 of them. Lane j of the warp
+  // computes row j's weights (the CTA max, each warp's weight, the LSE: no CTA-wide phase and
+  // no barrier for it) and the loop takes them by shuffles.
+  constexpr int kOutThreads = kHeadDim / 4;  // threads a row: 4 dims each
+  constexpr int kOutSteps = Tr::kTileRows * kOutThreads / Tr::kThreads;
+  constexpr int kOutRowsAStep = 32 / kOutThreads;  // a warp's rows in one step
+  static_assert(Tr::kTileRows * kOutThreads % Tr::kThreads == 0 && 32 % kOutThreads == 0,
+                "whole rows a warp and step");
+  static_assert(kOutSteps * kOutRowsAStep <= 32, "a lane a row of the warp");
+  auto out_row_of = [&](int k, int sub) {
+    return warp * kOutRowsAStep + sub + k * (Tr::kThreads / kOutThreads);
+  };
+  float row_weight[Tr::kWarps];
+  float row_lse_mine = -INFINITY;
+  {
+    const int r = out_row_of(lane / kOutRowsAStep, lane % kOutRowsAStep);
+    const bool mine = lane < kOutSteps * kOutRowsAStep;
     float top = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) top = fmaxf(top, red_max[w * Tr::kTileRows + r]);
-    float weight[Tr::kWarps];
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      row_weight[w] = mine ? red_max[w * Tr::kTileRows + r] : -INFINITY;
+      top = fmaxf(top, row_weight[w]);
+    }
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) {
-      const float m = red_max[w * Tr::kTileRows + r];
-      weight[w] = m == -INFINITY ? 0.f : ptx::fast_exp2((m - top) * scale_log2);
-      total += red_sum[w * Tr::kTileRows + r] * weight[w];
+      const float m = row_weight[w];
+      row_weight[w] = m == -INFINITY ? 0.f : ptx::fast_exp2((m - top) * scale_log2);
+      total += (mine ? red_sum[w * Tr::kTileRows + r] : 0.f) * row_weight[w];
     }
     const bool empty = !(total > 0.f);
+    const float inv_total = empty ? 0.f : p.v_scale / total;
 #pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) {
-      red_max[w * Tr::kTileRows + r] = empty ? 0.f : weight[w] * p.v_scale / total;
-    }
-    row_lse[r] = empty ? -INFINITY : (top * scale_log2 + __log2f(total)) * ptx::kLn2;
+    for (int w = 0; w < Tr::kWarps; ++w) row_weight[w] *= inv_total;
+    row_lse_mine = empty ? -INFINITY : (top * scale_log2 + __log2f(total)) * ptx::kLn2;
+    if (mine) row_lse[r] = row_lse_mine;  // read by the cluster fold (distributed)
   }
-  __syncthreads();
 
   stamp(kTraceMerged);
   if (refused) return;  // before the first write (every CTA of the grid returns here)
 
-  // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a whole
-  // tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
-  for (int index = tid; index < Tr::kTileRows * (kHeadDim / 4); index += Tr::kThreads) {
-    const int r = index / (kHeadDim / 4);
-    const int d0 = (index % (kHeadDim / 4)) * 4;
+  // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a chunk of
+  // a cluster-split tile its merged O into shared memory (cl_out) for the cluster's fold below,
+  // a whole tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
+  const int v_dim = p.v_head_dim;
+  const bool in_cluster = tiles.cluster > 1;
+  float* cl_out = o_part + Tr::kWarps * Tr::kTileRows * Tr::kOStride;  // [row][kHeadDim]
+  auto store_out = [&](int r, int d0, const float4& acc, float lse) {
     const int packed = row0 + r;
-    if (packed >= rows_total || d0 >= v_dim) continue;
+    const int token = div_group(packed);
+    const int head = kv_head * group + (packed - token * group);
+    const int64_t out_row =
+        (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head + d0;
+    if (p.out_fp32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + out_row) = acc;
+    } else {
+      uint2 packed2;
+      packed2.x = pack2<T>(acc.x, acc.y);
+      packed2.y = pack2<T>(acc.z, acc.w);
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + out_row) = packed2;
+    }
+    if (d0 == 0 && p.lse != nullptr) {
+      p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse;
+    }
+  };
+  const int d0_out = (lane % kOutThreads) * 4;
+#pragma unroll
+  for (int k = 0; k < kOutSteps; ++k) {
+    const int sub = lane / kOutThreads;
+    const int r = out_row_of(k, sub);
+    const int holder = k * kOutRowsAStep + sub;  // the lane that computed row r's weights
+    float weight[Tr::kWarps];
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) weight[w] = __shfl_sync(0xffffffffu, row_weight[w], holder);
+    const float lse_r = __shfl_sync(0xffffffffu, row_lse_mine, holder);
+    const int d0 = d0_out;
+    if (row0 + r >= rows_total || d0 >= v_dim) continue;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) {
-      const float weight = red_max[w * Tr::kTileRows + r];
       const float4 part =
           *reinterpret_cast<const float4*>(o_part + (w * Tr::kTileRows + r) * Tr::kOStride + d0);
-      acc.x = fmaf(part.x, weight, acc.x);
-      acc.y = fmaf(part.y, weight, acc.y);
-      acc.z = fmaf(part.z, weight, acc.z);
-      acc.w = fmaf(part.w, weight, acc.w);
+      acc.x = fmaf(part.x, weight[w], acc.x);
+      acc.y = fmaf(part.y, weight[w], acc.y);
+      acc.z = fmaf(part.z, weight[w], acc.z);
+      acc.w = fmaf(part.w, weight[w], acc.w);
     }
-    if (item.partial >= 0) {
+    if (in_cluster) {
+      *reinterpret_cast<float4*>(cl_out + r * kHeadDim + d0) = acc;
+    } else if (item.partial >= 0) {
       const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows + r;
       *reinterpret_cast<float4*>(tiles.partial_out + slot_row * v_dim + d0) = acc;
-      if (d0 == 0) tiles.partial_lse[slot_row] = row_lse[r];
+      if (d0 == 0) tiles.partial_lse[slot_row] = lse_r;
     } else {
-      store_out(r, d0, acc, row_lse[r]);
+      store_out(r, d0, acc, lse_r);
     }
+  }
+
+  // ---- cluster split: the tile's chunks are this CTA's cluster; each folds a share of the rows
+  // from every chunk's cl_out / row_lse through distributed shared memory, then no CTA leaves
+  // before the others have read it.
+  stamp(kTraceStored);
+  if (in_cluster) {
+    ptx::cluster_sync();
+    stamp(kTraceClusterIn);
+    const int n = tiles.cluster;  // a power of two, 2..Tr::kMaxCluster
+    const int rank = static_cast<int>(ptx::cluster_rank());
+    const uint32_t lse_local = smem_address(row_lse);
+    const uint32_t out_local = smem_address(cl_out);
+    // A row's kRowThreads threads (lanes of one warp) fold it, 4 dims each: thread t < n reads
+    // chunk t's LSE, the row's max and sum go round by shuffles, and chunk c's weight comes from
+    // thread c. All chunks' O in flight at once (four batches of four were ~2 us at batch 1:
+    // five dependent distributed round trips).
+    constexpr int kRowThreads = kHeadDim / 4;
+    constexpr int kRowsAPass = Tr::kThreads / kRowThreads;
+    static_assert(Tr::kMaxCluster <= kRowThreads && 32 % kRowThreads == 0, "a row in one warp");
+    const int t = tid % kRowThreads;
+    const int d0 = t * 4;
+#pragma unroll 1
+    for (int i0 = 0; rank + i0 * n < Tr::kTileRows; i0 += kRowsAPass) {  // rows rank, rank + n..
+      const int r = rank + (i0 + tid / kRowThreads) * n;
+      const bool row_ok = r < Tr::kTileRows && row0 + r < rows_total;  // the same for a row
+      const bool reads = row_ok && d0 < v_dim;
+      // Every chunk's O and this thread's LSE requested at once (one distributed round trip;
+      // the weights are applied after they arrive).
+      float lse_t = -INFINITY;
+      if (row_ok && t < n) lse_t = ptx::cluster_load_f32(ptx::cluster_map(lse_local + r * 4, t));
+      float4 part[Tr::kMaxCluster];
+#pragma unroll
+      for (int c = 0; c < Tr::kMaxCluster; ++c) {
+        part[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (reads && c < n) {
+          part[c] = ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * kHeadDim + d0) * 4, c));
+        }
+      }
+      float top = lse_t;
+#pragma unroll
+      for (int o = kRowThreads / 2; o > 0; o /= 2) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o, kRowThreads));
+      }
+      const float e = top == -INFINITY ? 0.f : __expf(lse_t - top);  // exp(-inf) = 0: empty
+      float total = e;
+#pragma unroll
+      for (int o = kRowThreads / 2; o > 0; o /= 2) {
+        total += __shfl_xor_sync(0xffffffffu, total, o, kRowThreads);
+      }
+      const bool empty = !(total > 0.f);
+      const float w_t = empty ? 0.f : e / total;  // 0 for t >= n (its LSE is -inf)
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int c = 0; c < Tr::kMaxCluster; ++c) {
+        const float w = __shfl_sync(0xffffffffu, w_t, c, kRowThreads);
+        acc.x = fmaf(part[c].x, w, acc.x);
+        acc.y = fmaf(part[c].y, w, acc.y);
+        acc.z = fmaf(part[c].z, w, acc.z);
+        acc.w = fmaf(part[c].w, w, acc.w);
+      }
+      if (reads) store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
+    }
+    stamp(kTraceFolded);
+    // No CTA leaves before the others have read it (relaxed: nothing to publish).
+    ptx::cluster_sync_relaxed();
+    stamp(kTraceExit);
+    return;
   }
 
   // ---- a split tile's last chunk to finish merges the tile (tiles.merge_in_kernel) ----------
