@@ -284,10 +284,12 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
                              : 0;
   auto step_key = [&](int u) { return warp_first + u * Tr::kTileKeys; };
 
-  // Paged: the slots of two steps in a register: lane l holds key l % 16 of step u + l / 16.
+  // Paged: the slots of a step in a register, lane l holding key l % 16 of step u + l / 16 for
+  // a pair (the prologue), of step u otherwise (lanes 16-31 repeat lanes 0-15's addresses: no
+  // extra bytes).
   const uint32_t slot_limit = static_cast<uint32_t>(min(p.num_slots, int64_t(INT32_MAX)));
-  auto load_slots = [&](int u) -> int32_t {
-    const int step = u + (lane >> 4);
+  auto load_slots = [&](int u, bool pair) -> int32_t {
+    const int step = u + (pair ? lane >> 4 : 0);
     const int key = step_key(step) + (lane & 15);
     if (!paged || step >= warp_steps || key >= kv_end) return -1;
     return __ldg(p.kv_indices + kv_base + key);
@@ -387,9 +389,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   int32_t slot_ahead;
   {
     constexpr int kFirst = kStages - 1;  // 2 (head_dim 128) or 3 (64)
-    const int32_t first01 = load_slots(0);
-    const int32_t first23 = kFirst > 2 ? load_slots(2) : -1;
-    slot_ahead = load_slots(kFirst);
+    const int32_t first01 = load_slots(0, true);
+    const int32_t first23 = kFirst > 2 ? load_slots(2, true) : -1;
+    slot_ahead = load_slots(kFirst, false);
 #pragma unroll 1
     for (int u = 0; u < kFirst; ++u) issue(u, u < 2 ? first01 : first23, (u & 1) * 16);
   }
@@ -473,7 +475,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
     __syncwarp();
     issue(u + kStages - 1, slot_ahead, 0);
-    slot_ahead = load_slots(u + kStages);
+    slot_ahead = load_slots(u + kStages, false);
     uint8_t mask_next[kMaskBytes];
     if (custom) load_mask(u + 1, mask_next);
     uint32_t hidden = 0;  // bit (a * 8 + h * 4 + n * 2 + e): element s[a][4n + 2h + e] masked
