@@ -147,7 +147,9 @@ class AttentionBackend {
   /// DECODE, max_bs * draft_token_num for TARGET_VERIFY). Batches of up to max_bs requests then
   /// run on these fixed buffers with launch sizes that depend on the batch size alone, so a
   /// graph captured once for a batch size replays any later batch of that size, right after
-  /// init_forward_metadata_out_graph for it.
+  /// init_forward_metadata_out_graph for it. Capturing a forward needs these buffers wherever the
+  /// step runs on tensor cores (TARGET_VERIFY, the draft steps, and DECODE at GQA groups of 4 and
+  /// more by default): a capture without them is refused with kNotSupported.
   virtual void init_cuda_graph_state(int max_bs, int64_t max_num_tokens) = 0;
   /// Seq-len value for padded batch entries.
   virtual int cuda_graph_seq_len_fill_value() const = 0;
