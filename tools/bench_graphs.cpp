@@ -32,6 +32,7 @@
 
 #include "core/batch_layout.h"
 #include "core/planner.h"
+#include "core/prefill_tiles.h"
 #include "core/step.h"
 #include "kvattn/kvattn.h"
 #include "step_batch.h"
@@ -201,6 +202,46 @@ double plan_decode_us(int batch, uint64_t seed) {
     const core::DecodePlan plan = core::plan_decode(kv_len, plan_config, capacity);
     samples.push_back(seconds_since(start) * 1e6);
     if (int(plan.items.size()) > capacity) throw std::logic_error("plan beyond its capacity");
+  }
+  return median(samples);
+}
+
+/// Median host time of the tensor-core decode plan (the CUDA backend's decode at GQA group 4
+/// since 3518e5a): plan_prefill_tiles with the decode-shaped kernel's 16-row tiles on the H200
+/// (64-key steps, 132 SMs x 2 CTAs, split chunks of at least 256 keys, the cluster split where the
+/// batch is small), padded to the batch's graph capacity and written into a metadata buffer as
+/// out_graph does; kv lengths 1024..4096 growing by one each step.
+double plan_tiles_us(int batch, uint64_t seed) {
+  core::PrefillTileShape shape;
+  shape.num_q_heads = kQHeads;
+  shape.num_kv_heads = kKvHeads;
+  shape.tile_rows = 16;
+  shape.kv_tile = 64;
+  shape.mask = core::MaskMode::kNone;
+  shape.concurrent_ctas = 132 * 2;
+  shape.min_split_keys = 256;
+  shape.cluster = core::cluster_split_size(batch, 1, shape, 16);
+  const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(batch, 1, shape);
+  Rng rng(seed);
+  std::vector<int32_t> base(static_cast<size_t>(batch));
+  for (int32_t& len : base) len = int32_t(rng.uniform_int(1024, 4096));
+  std::vector<int32_t> qo_indptr(size_t(batch) + 1);
+  for (int r = 0; r <= batch; ++r) qo_indptr[size_t(r)] = r;
+  std::vector<int64_t> kv_indptr(size_t(batch) + 1, 0);
+  std::vector<unsigned char> staging;
+  std::vector<double> samples;
+  for (int step = 0; step < kPlanningSteps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < batch; ++r) {
+      kv_indptr[size_t(r) + 1] = kv_indptr[size_t(r)] + base[size_t(r)] + step;
+    }
+    core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, shape);
+    core::pad_prefill_plan(plan, capacity);
+    const core::PrefillBufferLayout layout =
+        core::write_prefill_buffer(plan, kHeadDim, nullptr, 0, nullptr, nullptr);
+    staging.resize(layout.metadata_bytes);
+    core::write_prefill_buffer(plan, kHeadDim, staging.data(), staging.size(), nullptr, nullptr);
+    samples.push_back(seconds_since(start) * 1e6);
   }
   return median(samples);
 }
@@ -472,7 +513,10 @@ int run_graph_bench(const ParsedArgs& args) {
         "metadata), H200 decode setup, kv_len 2048..4096 growing each step, median of "
         "%d steps\n\n",
         kPlanningSteps);
-    std::printf("%6s %12s %16s\n", "batch", "host us", "plan_decode us");
+    std::printf(
+        "(host us: the CUDA-core decode's out_graph path; plan_decode us: its plan alone; tc "
+        "plan us: the\ntensor-core decode's plan, padded and written, as at GQA group 4)\n\n");
+    std::printf("%6s %12s %16s %14s\n", "batch", "host us", "plan_decode us", "tc plan us");
     for (int batch : {1, 64, 256}) {
       Row row;
       row.variant = "planner";
@@ -482,9 +526,14 @@ int run_graph_bench(const ParsedArgs& args) {
       Row plan_row = row;
       plan_row.variant = "plan_decode";
       plan_row.time_us = plan_decode_us(batch, seed + uint64_t(batch));
-      std::printf("%6d %12.2f %16.2f\n", batch, row.time_us, plan_row.time_us);
+      Row tiles_row = row;
+      tiles_row.variant = "plan_prefill_tiles";
+      tiles_row.time_us = plan_tiles_us(batch, seed + uint64_t(batch));
+      std::printf("%6d %12.2f %16.2f %14.2f\n", batch, row.time_us, plan_row.time_us,
+                  tiles_row.time_us);
       rows.push_back(row);
       rows.push_back(plan_row);
+      rows.push_back(tiles_row);
     }
   } else {
 #if defined(KVATTN_WITH_CUDA)

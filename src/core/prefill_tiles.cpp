@@ -1,6 +1,7 @@
 #include "core/prefill_tiles.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -60,14 +61,20 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   plan.group_size = group;
 
   std::vector<RawTile> raw;
+  raw.reserve(size_t(batch_size) * size_t(shape.num_kv_heads));  // exact for decode
   int64_t total_cost = 0;
   for (int r = 0; r < batch_size; ++r) {
     const int64_t q_len = int64_t(qo_indptr[r + 1]) - qo_indptr[r];
     const int64_t kv_len = kv_indptr[r + 1] - kv_indptr[r];
-    check_arg(q_len >= 0, "qo_indptr[" + std::to_string(r + 1) + "]", "q_len ", q_len,
-              " is negative");
-    check_arg(kv_len >= 0 && kv_len <= INT32_MAX, "kv_indptr[" + std::to_string(r + 1) + "]",
-              "kv_len ", kv_len, " out of [0, 2^31)");
+    // (Messages built only on failure: this loop runs for every request of every step.)
+    if (q_len < 0) {
+      throw_error(ErrorKind::kInvalidArgument, "qo_indptr[" + std::to_string(r + 1) + "]",
+                  "q_len ", q_len, " is negative");
+    }
+    if (kv_len < 0 || kv_len > INT32_MAX) {
+      throw_error(ErrorKind::kInvalidArgument, "kv_indptr[" + std::to_string(r + 1) + "]",
+                  "kv_len ", kv_len, " out of [0, 2^31)");
+    }
     const int64_t rows = q_len * group;
     check_arg(rows <= INT32_MAX, "qo_indptr", "request ", r, " has ", rows,
               " packed rows, over 2^31");
@@ -80,6 +87,11 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       int64_t kv_begin = 0;
       if (shape.window_left >= 0 && shape.mask != MaskMode::kNone)
         kv_begin = std::clamp(kv_len - q_len + first_token - shape.window_left, int64_t{0}, kv_end);
+      // (32-bit division: keys < 2^31; a 64-bit one a tile was most of a batch-256 plan.)
+      const auto steps = static_cast<int64_t>(
+          (static_cast<uint32_t>(kv_end - kv_begin) + uint32_t(shape.kv_tile) - 1) /
+          uint32_t(shape.kv_tile));
+      const int64_t cost = (steps + 1) * shape.kv_tile;
       for (int h = 0; h < shape.num_kv_heads; ++h) {
         RawTile t;
         t.item.request = r;
@@ -87,10 +99,10 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
         t.item.q_row_begin = static_cast<int32_t>(row);
         t.item.kv_begin = static_cast<int32_t>(kv_begin);
         t.item.kv_end = static_cast<int32_t>(kv_end);
-        t.cost = ceil_div(kv_end - kv_begin, shape.kv_tile) * shape.kv_tile + shape.kv_tile;
-        total_cost += t.cost;
+        t.cost = cost;
         raw.push_back(t);
       }
+      total_cost += cost * shape.num_kv_heads;
     }
   }
 
@@ -128,17 +140,19 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
     chunk_keys = ceil_div(chunk_keys, shape.kv_tile) * shape.kv_tile;
   }
 
-  struct Ordered {
-    PrefillWorkItem item;
-    int64_t cost;
-  };
-  std::vector<Ordered> ordered;
-  ordered.reserve(raw.size());
+  // The work in build order (request, row tile, kv head, chunk), then launched longest first:
+  // the hardware hands out CTAs in grid order, so this is a greedy LPT schedule (causal: the
+  // tiles at the end of the sequence start first). An item's cost, (ceil(keys / kv_tile) + 1) x
+  // kv_tile, grows with its keys, so "cost, then keys, descending; ties in build order" is keys
+  // descending, then the build index, sorted as 64-bit integers (a decode step at batch 256
+  // orders 2048 tiles on the host every step).
+  std::vector<PrefillWorkItem> built;
+  built.reserve(raw.size());
   for (const RawTile& t : raw) {
     const int64_t keys = int64_t(t.item.kv_end) - t.item.kv_begin;
-    const int64_t chunks = chunk_keys > 0 ? ceil_div(keys, chunk_keys) : 1;
+    const int64_t chunks = chunk_keys > 0 && keys > chunk_keys ? ceil_div(keys, chunk_keys) : 1;
     if (chunks <= 1) {
-      ordered.push_back({t.item, t.cost});
+      built.push_back(t.item);
       continue;
     }
     PrefillMergeItem merge;
@@ -159,18 +173,34 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
           std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
       chunk.partial = plan.num_partials++;
       chunk.merge = static_cast<int32_t>(plan.merges.size() - 1);
-      ordered.push_back({chunk, (step_end - step_begin + 1) * shape.kv_tile});
+      built.push_back(chunk);
     }
   }
-
-  // Longest first: the hardware hands out CTAs in grid order, so this is a greedy LPT schedule
-  // (causal: the tiles at the end of the sequence start first).
-  std::stable_sort(ordered.begin(), ordered.end(), [](const Ordered& a, const Ordered& b) {
-    if (a.cost != b.cost) return a.cost > b.cost;
-    return a.item.kv_end - a.item.kv_begin > b.item.kv_end - b.item.kv_begin;
-  });
-  plan.items.reserve(ordered.size());
-  for (const Ordered& o : ordered) plan.items.push_back(o.item);
+  check_arg(built.size() <= size_t{UINT32_MAX}, "prefill plan", built.size(),
+            " items, over 2^32");
+  // Consecutive items of equal keys (a tile's kv heads, equal chunks) stay together in that
+  // order, so runs of them are sorted (the kv heads of a decode step share one key).
+  struct Run {
+    uint32_t begin;
+    uint32_t size;
+  };
+  std::vector<Run> runs;
+  std::vector<uint64_t> order;
+  for (size_t i = 0; i < built.size();) {
+    const int32_t keys = built[i].kv_end - built[i].kv_begin;  // 0 .. 2^31 - 1
+    size_t j = i + 1;
+    while (j < built.size() && built[j].kv_end - built[j].kv_begin == keys) ++j;
+    order.push_back((uint64_t{uint32_t(INT32_MAX - keys)} << 32) | uint64_t(runs.size()));
+    runs.push_back({uint32_t(i), uint32_t(j - i)});
+    i = j;
+  }
+  std::sort(order.begin(), order.end());
+  plan.items.reserve(built.size());
+  for (const uint64_t key : order) {
+    const Run run = runs[key & 0xFFFFFFFFu];
+    plan.items.insert(plan.items.end(), built.begin() + run.begin,
+                      built.begin() + run.begin + run.size);
+  }
   return plan;
 }
 

@@ -180,6 +180,48 @@ TEST(PrefillTiles, RandomBatchesAllMasks) {
   }
 }
 
+// The launch order is the longest-first order with ties in build order (request, row tile,
+// kv head, chunk), i.e. what a stable sort of the build order by (cost, keys) descending gives
+// (the planner sorts with an index tie-break instead: same order, no merge buffer).
+TEST(PrefillTiles, OrderIsTheStableLongestFirstOrder) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 30; ++trial) {
+    Batch b;
+    const int batch = 1 + int(rng() % 300);
+    const bool decode = trial % 2 == 0;
+    for (int r = 0; r < batch; ++r) {
+      const int q_len = decode ? 1 : 1 + int(rng() % 40);
+      b.add(q_len, q_len + int(rng() % 5000));
+    }
+    PrefillTileShape s = make_shape(decode ? MaskMode::kNone : MaskMode::kCausal, -1,
+                                    trial % 3 == 0 ? 0 : 132 * 2);
+    s.tile_rows = decode ? 16 : 64;
+    s.min_split_keys = 256;
+    const PrefillTilePlan plan = plan_and_check(b, s);
+    std::vector<PrefillWorkItem> expected = plan.items;
+    auto build_key = [](const PrefillWorkItem& it) {
+      return std::make_tuple(it.request, it.q_row_begin, it.kv_head, it.kv_begin);
+    };
+    std::sort(expected.begin(), expected.end(),
+              [&](const PrefillWorkItem& x, const PrefillWorkItem& y) {
+                return build_key(x) < build_key(y);
+              });
+    auto cost = [&](const PrefillWorkItem& it) {
+      return (cost_of(it, s.kv_tile) + 1) * s.kv_tile;
+    };
+    std::stable_sort(expected.begin(), expected.end(),
+                     [&](const PrefillWorkItem& x, const PrefillWorkItem& y) {
+                       if (cost(x) != cost(y)) return cost(x) > cost(y);
+                       return x.kv_end - x.kv_begin > y.kv_end - y.kv_begin;
+                     });
+    ASSERT_EQ(expected.size(), plan.items.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_EQ(build_key(expected[i]), build_key(plan.items[i]))
+          << "trial " << trial << ", item " << i;
+    }
+  }
+}
+
 TEST(PrefillTiles, DecodeLikeBatchSplitsKv) {
   Batch b;
   b.add(1, 32768);
