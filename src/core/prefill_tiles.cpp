@@ -60,8 +60,17 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   plan.tile_rows = shape.tile_rows;
   plan.group_size = group;
 
+  // The tiles, counted first (the vector is reserved once; a count, not batch x heads: requests
+  // without query tokens have no tiles, and the work must stay proportional to the tiles).
+  int64_t tile_count = 0;
+  for (int r = 0; r < batch_size; ++r) {
+    const int64_t rows = (int64_t(qo_indptr[r + 1]) - qo_indptr[r]) * group;
+    if (rows > 0 && rows <= INT32_MAX) {  // (other rows are refused below)
+      tile_count += rows <= shape.tile_rows ? 1 : ceil_div(rows, shape.tile_rows);
+    }
+  }
   std::vector<RawTile> raw;
-  raw.reserve(size_t(batch_size) * size_t(shape.num_kv_heads));  // exact for decode
+  raw.reserve(size_t(std::min<int64_t>(tile_count, int64_t{1} << 20) * shape.num_kv_heads));
   int64_t total_cost = 0;
   for (int r = 0; r < batch_size; ++r) {
     const int64_t q_len = int64_t(qo_indptr[r + 1]) - qo_indptr[r];
