@@ -69,16 +69,18 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       tile_count += rows <= shape.tile_rows ? 1 : ceil_div(rows, shape.tile_rows);
     }
   }
+  // A row tile of a request, for every kv head (item.kv_head 0: the heads are expanded where
+  // items are emitted, in head order).
   std::vector<RawTile> raw;
-  raw.reserve(size_t(std::min<int64_t>(tile_count, int64_t{1} << 20) * shape.num_kv_heads));
+  raw.reserve(size_t(std::min<int64_t>(tile_count, int64_t{1} << 20)));
   int64_t total_cost = 0;
   for (int r = 0; r < batch_size; ++r) {
     const int64_t q_len = int64_t(qo_indptr[r + 1]) - qo_indptr[r];
     const int64_t kv_len = kv_indptr[r + 1] - kv_indptr[r];
     // (Messages built only on failure: this loop runs for every request of every step.)
     if (q_len < 0) {
-      throw_error(ErrorKind::kInvalidArgument, "qo_indptr[" + std::to_string(r + 1) + "]",
-                  "q_len ", q_len, " is negative");
+      throw_error(ErrorKind::kInvalidArgument, "qo_indptr[" + std::to_string(r + 1) + "]", "q_len ",
+                  q_len, " is negative");
     }
     if (kv_len < 0 || kv_len > INT32_MAX) {
       throw_error(ErrorKind::kInvalidArgument, "kv_indptr[" + std::to_string(r + 1) + "]",
@@ -100,18 +102,14 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       const auto steps = static_cast<int64_t>(
           (static_cast<uint32_t>(kv_end - kv_begin) + uint32_t(shape.kv_tile) - 1) /
           uint32_t(shape.kv_tile));
-      const int64_t cost = (steps + 1) * shape.kv_tile;
-      for (int h = 0; h < shape.num_kv_heads; ++h) {
-        RawTile t;
-        t.item.request = r;
-        t.item.kv_head = h;
-        t.item.q_row_begin = static_cast<int32_t>(row);
-        t.item.kv_begin = static_cast<int32_t>(kv_begin);
-        t.item.kv_end = static_cast<int32_t>(kv_end);
-        t.cost = cost;
-        raw.push_back(t);
-      }
-      total_cost += cost * shape.num_kv_heads;
+      RawTile t;
+      t.item.request = r;
+      t.item.q_row_begin = static_cast<int32_t>(row);
+      t.item.kv_begin = static_cast<int32_t>(kv_begin);
+      t.item.kv_end = static_cast<int32_t>(kv_end);
+      t.cost = (steps + 1) * shape.kv_tile;
+      raw.push_back(t);
+      total_cost += t.cost * shape.num_kv_heads;
     }
   }
 
@@ -122,18 +120,21 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
     plan.cluster = shape.cluster;
     std::stable_sort(raw.begin(), raw.end(),
                      [](const RawTile& a, const RawTile& b) { return a.cost > b.cost; });
-    plan.items.reserve(raw.size() * size_t(shape.cluster));
+    plan.items.reserve(raw.size() * size_t(shape.num_kv_heads) * size_t(shape.cluster));
     for (const RawTile& t : raw) {
       const int64_t steps = ceil_div(int64_t(t.item.kv_end) - t.item.kv_begin, shape.kv_tile);
-      for (int c = 0; c < shape.cluster; ++c) {
-        PrefillWorkItem chunk = t.item;
-        const int64_t step_begin = steps * c / shape.cluster;
-        const int64_t step_end = steps * (c + 1) / shape.cluster;
-        chunk.kv_begin = static_cast<int32_t>(
-            std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_begin * shape.kv_tile));
-        chunk.kv_end = static_cast<int32_t>(
-            std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
-        plan.items.push_back(chunk);
+      for (int h = 0; h < shape.num_kv_heads; ++h) {
+        for (int c = 0; c < shape.cluster; ++c) {
+          PrefillWorkItem chunk = t.item;
+          chunk.kv_head = h;
+          const int64_t step_begin = steps * c / shape.cluster;
+          const int64_t step_end = steps * (c + 1) / shape.cluster;
+          chunk.kv_begin = static_cast<int32_t>(
+              std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_begin * shape.kv_tile));
+          chunk.kv_end = static_cast<int32_t>(
+              std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
+          plan.items.push_back(chunk);
+        }
       }
     }
     return plan;
@@ -155,58 +156,86 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   // kv_tile, grows with its keys, so "cost, then keys, descending; ties in build order" is keys
   // descending, then the build index, sorted as 64-bit integers (a decode step at batch 256
   // orders 2048 tiles on the host every step).
-  std::vector<PrefillWorkItem> built;
-  built.reserve(raw.size());
-  for (const RawTile& t : raw) {
-    const int64_t keys = int64_t(t.item.kv_end) - t.item.kv_begin;
-    const int64_t chunks = chunk_keys > 0 && keys > chunk_keys ? ceil_div(keys, chunk_keys) : 1;
-    if (chunks <= 1) {
-      built.push_back(t.item);
-      continue;
-    }
-    PrefillMergeItem merge;
-    merge.request = t.item.request;
-    merge.kv_head = t.item.kv_head;
-    merge.q_row_begin = t.item.q_row_begin;
-    merge.first_partial = plan.num_partials;
-    merge.num_partials = static_cast<int32_t>(chunks);
-    plan.merges.push_back(merge);
-    // Even chunks in whole steps, so no chunk is a sliver.
-    const int64_t steps = ceil_div(keys, shape.kv_tile);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t step_begin = steps * c / chunks;
-      const int64_t step_end = steps * (c + 1) / chunks;
-      PrefillWorkItem chunk = t.item;
-      chunk.kv_begin = static_cast<int32_t>(t.item.kv_begin + step_begin * shape.kv_tile);
-      chunk.kv_end = static_cast<int32_t>(
-          std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
-      chunk.partial = plan.num_partials++;
-      chunk.merge = static_cast<int32_t>(plan.merges.size() - 1);
-      built.push_back(chunk);
-    }
-  }
-  check_arg(built.size() <= size_t{UINT32_MAX}, "prefill plan", built.size(),
-            " items, over 2^32");
-  // Consecutive items of equal keys (a tile's kv heads, equal chunks) stay together in that
-  // order, so runs of them are sorted (the kv heads of a decode step share one key).
+  // Runs of consecutive equal keys keep their build order, so the runs are what is sorted.
   struct Run {
     uint32_t begin;
     uint32_t size;
   };
-  std::vector<Run> runs;
-  std::vector<uint64_t> order;
-  for (size_t i = 0; i < built.size();) {
-    const int32_t keys = built[i].kv_end - built[i].kv_begin;  // 0 .. 2^31 - 1
-    size_t j = i + 1;
-    while (j < built.size() && built[j].kv_end - built[j].kv_begin == keys) ++j;
-    order.push_back((uint64_t{uint32_t(INT32_MAX - keys)} << 32) | uint64_t(runs.size()));
-    runs.push_back({uint32_t(i), uint32_t(j - i)});
-    i = j;
+  auto sorted_runs = [](const auto& entries, auto keys_of) {
+    check_arg(entries.size() <= size_t{UINT32_MAX}, "prefill plan", entries.size(),
+              " tiles, over 2^32");
+    std::vector<Run> runs;
+    std::vector<uint64_t> order;
+    for (size_t i = 0; i < entries.size();) {
+      const int32_t keys = keys_of(entries[i]);  // 0 .. 2^31 - 1
+      size_t j = i + 1;
+      while (j < entries.size() && keys_of(entries[j]) == keys) ++j;
+      order.push_back((uint64_t{uint32_t(INT32_MAX - keys)} << 32) | uint64_t(runs.size()));
+      runs.push_back({uint32_t(i), uint32_t(j - i)});
+      i = j;
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<Run> sorted;
+    sorted.reserve(order.size());
+    for (const uint64_t key : order) sorted.push_back(runs[key & 0xFFFFFFFFu]);
+    return sorted;
+  };
+  auto tile_keys = [](const RawTile& t) { return t.item.kv_end - t.item.kv_begin; };
+  const bool splits = chunk_keys > 0 && std::any_of(raw.begin(), raw.end(), [&](const RawTile& t) {
+                        return tile_keys(t) > chunk_keys;
+                      });
+  if (!splits) {
+    // No tile splits (decode at a large batch): the row tiles are sorted, the kv heads expanded
+    // as they are emitted (a tile's heads are consecutive in build order and share its keys).
+    plan.items.reserve(raw.size() * size_t(shape.num_kv_heads));
+    for (const Run run : sorted_runs(raw, tile_keys)) {
+      for (uint32_t i = run.begin; i < run.begin + run.size; ++i) {
+        PrefillWorkItem item = raw[i].item;
+        for (int h = 0; h < shape.num_kv_heads; ++h) {
+          item.kv_head = h;
+          plan.items.push_back(item);
+        }
+      }
+    }
+    return plan;
   }
-  std::sort(order.begin(), order.end());
+  std::vector<PrefillWorkItem> built;
+  built.reserve(raw.size() * size_t(shape.num_kv_heads));
+  for (const RawTile& t : raw) {
+    const int64_t keys = tile_keys(t);
+    const int64_t chunks = keys > chunk_keys ? ceil_div(keys, chunk_keys) : 1;
+    const int64_t steps = ceil_div(keys, shape.kv_tile);
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      PrefillWorkItem item = t.item;
+      item.kv_head = h;
+      if (chunks <= 1) {
+        built.push_back(item);
+        continue;
+      }
+      PrefillMergeItem merge;
+      merge.request = item.request;
+      merge.kv_head = h;
+      merge.q_row_begin = item.q_row_begin;
+      merge.first_partial = plan.num_partials;
+      merge.num_partials = static_cast<int32_t>(chunks);
+      plan.merges.push_back(merge);
+      // Even chunks in whole steps, so no chunk is a sliver.
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t step_begin = steps * c / chunks;
+        const int64_t step_end = steps * (c + 1) / chunks;
+        PrefillWorkItem chunk = item;
+        chunk.kv_begin = static_cast<int32_t>(item.kv_begin + step_begin * shape.kv_tile);
+        chunk.kv_end = static_cast<int32_t>(
+            std::min<int64_t>(item.kv_end, item.kv_begin + step_end * shape.kv_tile));
+        chunk.partial = plan.num_partials++;
+        chunk.merge = static_cast<int32_t>(plan.merges.size() - 1);
+        built.push_back(chunk);
+      }
+    }
+  }
   plan.items.reserve(built.size());
-  for (const uint64_t key : order) {
-    const Run run = runs[key & 0xFFFFFFFFu];
+  for (const Run run :
+       sorted_runs(built, [](const PrefillWorkItem& it) { return it.kv_end - it.kv_begin; })) {
     plan.items.insert(plan.items.end(), built.begin() + run.begin,
                       built.begin() + run.begin + run.size);
   }
@@ -254,8 +283,7 @@ PrefillBufferOffsets prefill_buffer_offsets(int64_t items, int64_t merges, int64
   o.metadata_bytes = align_up(checked_sum(o.merges, merges_bytes, what));
   const size_t rows = checked_bytes({partials, tile_rows}, what);
   o.partial_out = o.metadata_bytes;
-  const size_t out_bytes =
-      checked_bytes({int64_t(rows), v_head_dim, int64_t(sizeof(float))}, what);
+  const size_t out_bytes = checked_bytes({int64_t(rows), v_head_dim, int64_t(sizeof(float))}, what);
   o.partial_lse = align_up(checked_sum(o.partial_out, out_bytes, what));
   const size_t lse_bytes = checked_bytes({int64_t(rows), int64_t(sizeof(float))}, what);
   o.total_bytes = align_up(checked_sum(o.partial_lse, lse_bytes, what));

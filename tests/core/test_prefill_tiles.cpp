@@ -193,8 +193,8 @@ TEST(PrefillTiles, OrderIsTheStableLongestFirstOrder) {
       const int q_len = decode ? 1 : 1 + int(rng() % 40);
       b.add(q_len, q_len + int(rng() % 5000));
     }
-    PrefillTileShape s = make_shape(decode ? MaskMode::kNone : MaskMode::kCausal, -1,
-                                    trial % 3 == 0 ? 0 : 132 * 2);
+    PrefillTileShape s =
+        make_shape(decode ? MaskMode::kNone : MaskMode::kCausal, -1, trial % 3 == 0 ? 0 : 132 * 2);
     s.tile_rows = decode ? 16 : 64;
     s.min_split_keys = 256;
     const PrefillTilePlan plan = plan_and_check(b, s);
@@ -206,9 +206,7 @@ TEST(PrefillTiles, OrderIsTheStableLongestFirstOrder) {
               [&](const PrefillWorkItem& x, const PrefillWorkItem& y) {
                 return build_key(x) < build_key(y);
               });
-    auto cost = [&](const PrefillWorkItem& it) {
-      return (cost_of(it, s.kv_tile) + 1) * s.kv_tile;
-    };
+    auto cost = [&](const PrefillWorkItem& it) { return (cost_of(it, s.kv_tile) + 1) * s.kv_tile; };
     std::stable_sort(expected.begin(), expected.end(),
                      [&](const PrefillWorkItem& x, const PrefillWorkItem& y) {
                        if (cost(x) != cost(y)) return cost(x) > cost(y);
@@ -218,6 +216,48 @@ TEST(PrefillTiles, OrderIsTheStableLongestFirstOrder) {
     for (size_t i = 0; i < expected.size(); ++i) {
       ASSERT_EQ(build_key(expected[i]), build_key(plan.items[i]))
           << "trial " << trial << ", item " << i;
+    }
+  }
+}
+
+// A cluster-split plan: each tile's `cluster` chunks consecutive and in key order, the tiles
+// by cost descending with ties in build order (request, row tile, kv head).
+TEST(PrefillTiles, ClusterOrderIsTheStableLongestFirstOrder) {
+  std::mt19937 rng(13);
+  for (int trial = 0; trial < 20; ++trial) {
+    Batch b;
+    const int batch = 1 + int(rng() % 6);
+    for (int r = 0; r < batch; ++r) {
+      const int q_len = 1 + int(rng() % 12);
+      b.add(q_len, q_len + int(rng() % 3000));
+    }
+    PrefillTileShape s = make_shape(trial % 2 ? MaskMode::kCausal : MaskMode::kCustom);
+    s.tile_rows = 16;
+    s.cluster = 2 << (trial % 4);
+    const PrefillTilePlan plan = plan_prefill_tiles(b.qo_indptr, b.kv_indptr, s);
+    ASSERT_EQ(plan.items.size() % size_t(s.cluster), 0u);
+    struct Tile {
+      std::tuple<int, int, int> key;  // request, row tile, kv head
+      int64_t cost;
+    };
+    std::vector<Tile> tiles;
+    for (size_t i = 0; i < plan.items.size(); i += size_t(s.cluster)) {
+      const PrefillWorkItem& first = plan.items[i];
+      int64_t keys = 0;
+      for (int c = 0; c < s.cluster; ++c) {
+        const PrefillWorkItem& it = plan.items[i + size_t(c)];
+        ASSERT_EQ(std::make_tuple(it.request, it.q_row_begin, it.kv_head),
+                  std::make_tuple(first.request, first.q_row_begin, first.kv_head));
+        if (c > 0) ASSERT_EQ(it.kv_begin, plan.items[i + size_t(c) - 1].kv_end);
+        keys += it.kv_end - it.kv_begin;
+      }
+      tiles.push_back({{first.request, first.q_row_begin, first.kv_head},
+                       ((keys + s.kv_tile - 1) / s.kv_tile + 1) * s.kv_tile});
+    }
+    for (size_t i = 1; i < tiles.size(); ++i) {
+      const bool ordered = tiles[i - 1].cost > tiles[i].cost ||
+                           (tiles[i - 1].cost == tiles[i].cost && tiles[i - 1].key < tiles[i].key);
+      ASSERT_TRUE(ordered) << "trial " << trial << ", tile " << i;
     }
   }
 }
