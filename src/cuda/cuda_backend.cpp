@@ -721,10 +721,16 @@ class CudaBackend final : public AttentionBackend {
     check_arg(per_request <= INT32_MAX, "max_num_tokens", "got ", max_num_tokens,
               ", over 2^31 tokens a request");
     if (setup_.prefill_supported) {
-      // Either kernel's plan (plan_call picks by the rows a request): the larger of the two.
-      for (const bool tc : {false, true}) {
+      // Either kernel's plan (plan_call picks by the rows a request): the largest of them. The
+      // decode-shaped kernel's shape also as a call of max_bs x per_request plans it (its tile
+      // may be the 16-row one: more tiles a request where KVATTN_TC_DECODE_NARROW=2 takes it
+      // for 32-row calls).
+      for (const int kind : {0, 1, 2}) {
+        const bool tc = kind > 0;
         if (tc && !setup_.tc_decode) continue;
-        const core::PrefillTileShape shape = prefill_shape(core::MaskMode::kCustom, -1, tc);
+        const core::PrefillTileShape shape =
+            kind == 2 ? prefill_shape(core::MaskMode::kCustom, -1, tc, max_bs, int(per_request))
+                      : prefill_shape(core::MaskMode::kCustom, -1, tc);
         const core::PrefillPlanCapacity capacity =
             core::prefill_plan_capacity(max_bs, int(per_request), shape);
         const core::PrefillBufferLayout region =
