@@ -865,11 +865,12 @@ int run_bench(const std::vector<std::string>& args) {
   std::regex rows_pattern;
   const bool rows_filtered = parsed.has("--rows");
   if (rows_filtered) {
+    const std::string rows = parsed.get("--rows", "");
     try {
-      rows_pattern = std::regex(parsed.get("--rows", ""), std::regex::ECMAScript);
+      rows_pattern = std::regex(rows, std::regex::ECMAScript);
     } catch (const std::regex_error& e) {
-      throw_error(ErrorKind::kInvalidArgument, "--rows", "not a regular expression: '",
-                  parsed.get("--rows", ""), "' (", e.what(), ")");
+      throw_error(ErrorKind::kInvalidArgument, "--rows", "not a regular expression: '", rows,
+                  "' (", e.what(), ")");
     }
   }
   std::vector<GridRow> grid;

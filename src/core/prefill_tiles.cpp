@@ -25,11 +25,12 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// A tile before splitting: its keys and its cost in key rows (each step of the kernel costs the
-// same whatever the mask; a fixed overhead of one step covers the Q load and the epilogue).
+// A tile before splitting: its keys and its kernel steps, ceil(keys / kv_tile). Its cost in key
+// rows is (steps + 1) x kv_tile (each step of the kernel costs the same whatever the mask; a
+// fixed overhead of one step covers the Q load and the epilogue).
 struct RawTile {
   PrefillWorkItem item;
-  int64_t cost = 0;
+  int64_t steps = 0;
 };
 
 }  // namespace
@@ -60,19 +61,9 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   plan.tile_rows = shape.tile_rows;
   plan.group_size = group;
 
-  // The tiles, counted first (the vector is reserved once; a count, not batch x heads: requests
-  // without query tokens have no tiles, and the work must stay proportional to the tiles).
-  int64_t tile_count = 0;
-  for (int r = 0; r < batch_size; ++r) {
-    const int64_t rows = (int64_t(qo_indptr[r + 1]) - qo_indptr[r]) * group;
-    if (rows > 0 && rows <= INT32_MAX) {  // (other rows are refused below)
-      tile_count += rows <= shape.tile_rows ? 1 : ceil_div(rows, shape.tile_rows);
-    }
-  }
   // A row tile of a request, for every kv head (item.kv_head 0: the heads are expanded where
   // items are emitted, in head order).
   std::vector<RawTile> raw;
-  raw.reserve(size_t(std::min<int64_t>(tile_count, int64_t{1} << 20)));
   int64_t total_cost = 0;
   for (int r = 0; r < batch_size; ++r) {
     const int64_t q_len = int64_t(qo_indptr[r + 1]) - qo_indptr[r];
@@ -107,9 +98,9 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       t.item.q_row_begin = static_cast<int32_t>(row);
       t.item.kv_begin = static_cast<int32_t>(kv_begin);
       t.item.kv_end = static_cast<int32_t>(kv_end);
-      t.cost = (steps + 1) * shape.kv_tile;
+      t.steps = steps;
       raw.push_back(t);
-      total_cost += t.cost * shape.num_kv_heads;
+      total_cost += (steps + 1) * shape.kv_tile * shape.num_kv_heads;
     }
   }
 
@@ -119,10 +110,10 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
     check_arg(shape.cluster <= 64, "cluster", "got ", shape.cluster, ", expected <= 64");
     plan.cluster = shape.cluster;
     std::stable_sort(raw.begin(), raw.end(),
-                     [](const RawTile& a, const RawTile& b) { return a.cost > b.cost; });
+                     [](const RawTile& a, const RawTile& b) { return a.steps > b.steps; });
     plan.items.reserve(raw.size() * size_t(shape.num_kv_heads) * size_t(shape.cluster));
     for (const RawTile& t : raw) {
-      const int64_t steps = ceil_div(int64_t(t.item.kv_end) - t.item.kv_begin, shape.kv_tile);
+      const int64_t steps = t.steps;
       for (int h = 0; h < shape.num_kv_heads; ++h) {
         for (int c = 0; c < shape.cluster; ++c) {
           PrefillWorkItem chunk = t.item;
@@ -204,7 +195,7 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   for (const RawTile& t : raw) {
     const int64_t keys = tile_keys(t);
     const int64_t chunks = keys > chunk_keys ? ceil_div(keys, chunk_keys) : 1;
-    const int64_t steps = ceil_div(keys, shape.kv_tile);
+    const int64_t steps = t.steps;
     for (int h = 0; h < shape.num_kv_heads; ++h) {
       PrefillWorkItem item = t.item;
       item.kv_head = h;

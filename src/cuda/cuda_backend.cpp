@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/backend_factory.h"
 #include "core/params_fill.h"
@@ -725,12 +726,13 @@ class CudaBackend final : public AttentionBackend {
       // decode-shaped kernel's shape also as a call of max_bs x per_request plans it (its tile
       // may be the 16-row one: more tiles a request where KVATTN_TC_DECODE_NARROW=2 takes it
       // for 32-row calls).
-      for (const int kind : {0, 1, 2}) {
-        const bool tc = kind > 0;
-        if (tc && !setup_.tc_decode) continue;
-        const core::PrefillTileShape shape =
-            kind == 2 ? prefill_shape(core::MaskMode::kCustom, -1, tc, max_bs, int(per_request))
-                      : prefill_shape(core::MaskMode::kCustom, -1, tc);
+      std::vector<core::PrefillTileShape> shapes{prefill_shape(core::MaskMode::kCustom, -1, false)};
+      if (setup_.tc_decode) {
+        shapes.push_back(prefill_shape(core::MaskMode::kCustom, -1, true));
+        shapes.push_back(
+            prefill_shape(core::MaskMode::kCustom, -1, true, max_bs, int(per_request)));
+      }
+      for (const core::PrefillTileShape& shape : shapes) {
         const core::PrefillPlanCapacity capacity =
             core::prefill_plan_capacity(max_bs, int(per_request), shape);
         const core::PrefillBufferLayout region =

@@ -182,7 +182,7 @@ TEST(PrefillTiles, RandomBatchesAllMasks) {
 
 // The launch order is the longest-first order with ties in build order (request, row tile,
 // kv head, chunk), i.e. what a stable sort of the build order by (cost, keys) descending gives
-// (the planner sorts with an index tie-break instead: same order, no merge buffer).
+// (the planner sorts runs of equal keys as integers instead: the same order).
 TEST(PrefillTiles, OrderIsTheStableLongestFirstOrder) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 30; ++trial) {

@@ -474,18 +474,15 @@ TcDecodeTrace* tc_decode_trace() {
           std::vector<double> at;
           for (int c = 0; c < n; ++c) {
             const unsigned long long v = base[c * tc_decode::kTraceSlots + s];
-            if (v >= first[h]) at.push_back(double(v - first[h]) * 1e-3);
+            if (v < first[h]) continue;  // not written by this launch
+            at.push_back(double(v - first[h]) * 1e-3);
+            if (s == tc_decode::kTraceReleased) released[h] = std::max(released[h], v);
+            last[h] = std::max(last[h], v);
           }
           if (at.empty()) continue;
           std::sort(at.begin(), at.end());
           std::fprintf(stderr, "  %-9s CTAs %4zu  median %7.2f us  max %7.2f us\n", names[s],
                        at.size(), at[at.size() / 2], at.back());
-          for (int c = 0; c < n; ++c) {
-            const unsigned long long v = base[c * tc_decode::kTraceSlots + s];
-            if (v < first[h]) continue;
-            if (s == tc_decode::kTraceReleased) released[h] = std::max(released[h], v);
-            last[h] = std::max(last[h], v);
-          }
         }
       }
       if (t->launches >= 2) {
