@@ -34,17 +34,33 @@ if [ -x "$KT" ]; then
   done
 fi
 day=$(date +%Y%m%d)
-# DEC_MODES: auto (the automatic choice), tc (KVATTN_DECODE_TENSOR_CORES=1), core (=0)
+# DEC_MODES: auto (the automatic choice), tc (KVATTN_DECODE_TENSOR_CORES=1), core (=0);
+# DEC_ROWS: a --rows pattern (default: every decode row)
+dec_rows=(--workload decode)
+[ -n "${DEC_ROWS:-}" ] && dec_rows=(--rows "$DEC_ROWS")
 for mode in ${DEC_MODES:-auto tc}; do
   case $mode in auto) tc= ;; tc) tc=1 ;; core) tc=0 ;; *) continue ;; esac
-  KVATTN_DECODE_TENSOR_CORES=$tc run "dec-$mode" 120 "$K" bench --device cuda --workload decode \
+  KVATTN_DECODE_TENSOR_CORES=$tc run "dec-$mode" 120 "$K" bench --device cuda "${dec_rows[@]}" \
     --json "$OUT/h200-decode-$mode-$day.json"
+done
+# DEC_KNOBS: ;-separated env assignments (space-separated within one), each a run of DEC_ROWS
+IFS=';' read -r -a dec_knobs <<< "${DEC_KNOBS:-}"
+for i in "${!dec_knobs[@]}"; do
+  read -r -a assign <<< "${dec_knobs[$i]}"
+  run "dec-knob$i" 120 env "${assign[@]}" "$K" bench --device cuda "${dec_rows[@]}"
 done
 run verify 40 "$K" bench --device cuda --workload verify
 IFS=';' read -r -a knobs <<< "${KNOBS:-}"
 for i in "${!knobs[@]}"; do
-  run "verify-knob$i" 40 env "${knobs[$i]}" "$K" bench --device cuda --workload verify
+  read -r -a assign <<< "${knobs[$i]}"
+  run "verify-knob$i" 40 env "${assign[@]}" "$K" bench --device cuda --workload verify
 done
+# A base binary (carry/base/kvattn, an older commit) for an A/B in the same call
+KB=/tmp/carry/base/kvattn
+if [ -x "$KB" ]; then
+  run base-verify 40 "$KB" bench --device cuda --workload verify
+  run base-dec 120 "$KB" bench --device cuda "${dec_rows[@]}"
+fi
 if [ "${PEERS:-0}" = 1 ] && [ $((DEADLINE - SECONDS)) -gt 150 ]; then
   run peersinstall 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/peers/*.whl .whl/py312/kvattn-0.1.0-cp312-cp312-linux_x86_64.whl
@@ -64,12 +80,13 @@ fi
     grep -E "^(verify|decode) " "$f" | awk '{print "   row: " $0}' | cut -c1-120
     grep -E "tc_decode trace|^  " "$f"
   done
-  for f in "$L"/dec-*.txt "$L"/verify*.txt; do
+  for f in "$L"/dec-*.txt "$L"/verify*.txt "$L"/base-*.txt; do
     [ -f "$f" ] || continue
     printf '%-14s %s\n' "$(basename "$f" .txt)" \
       "$(grep -E '^(decode|verify) ' "$f" | awk '{printf "b%s/kv%s:%s ", $2, $3, $9}')"
   done
   for i in "${!knobs[@]}"; do echo "knob$i = ${knobs[$i]}"; done
+  for i in "${!dec_knobs[@]}"; do echo "dec-knob$i = ${dec_knobs[$i]}"; done
   grep -E "^\| decode" "$OUT"/peers-*.md 2>/dev/null | cut -d'|' -f2,3,7,8,9,10,11
   cat "$L/steps.txt"
 } > "$OUT/latency.txt"

@@ -34,7 +34,11 @@ struct PrefillWorkItem {
   int32_t kv_end = 0;       ///< the tile can see (causal / window); multiples of kv_tile inside
   int32_t partial = -1;     ///< -1: writes out/lse itself; else its slot in the partial buffers
   int32_t merge = -1;       ///< a split chunk: its tile's merge item (else -1)
-  int32_t reserved1 = 0;    ///< keeps the struct 32 bytes (two 16-byte loads)
+  /// kv_indptr[request] (the host plans from the same layout it uploads) when it is below 2^31,
+  /// else -1: the decode-shaped kernel loads its first K/V indices without waiting for the
+  /// indptr (one dependent memory round trip less before the first K/V byte). Keeps the struct
+  /// 32 bytes (two 16-byte loads).
+  int32_t kv_base = -1;
 };
 
 /// One split tile to finish: merges num_partials consecutive partial slots into out/lse.

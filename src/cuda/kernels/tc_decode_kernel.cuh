@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     item.kv_end = hi.x;
     item.partial = hi.y;
     item.merge = hi.z;
+    item.kv_base = hi.w;
   }
   // A graph's padding item (core::pad_prefill_plan; a cluster-split plan pads whole clusters):
   // the CTA returns on the item alone. Any other item past its request's rows (the no-op of
@@ -191,6 +192,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const int q_end = p.qo_indptr[request + 1];
   const int64_t kv_base = p.kv_indptr[request];
   const int64_t kv_next = p.kv_indptr[request + 1];
+  // The first K/V index loads need the request's first index: from the item where the plan
+  // gives it (no wait for the indptr), else the indptr's.
+  const int64_t kv_first = item.kv_base >= 0 ? int64_t{item.kv_base} : kv_base;
   const int group = tiles.group_size;
   // Packed row -> token by a multiply: one real division a thread instead of one per use (each
   // is ~30 dependent instructions, and at a small batch the kernel's time is the latency of the
@@ -284,75 +288,77 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
                              : 0;
   auto step_key = [&](int u) { return warp_first + u * Tr::kTileKeys; };
 
-  // Paged: the slots of a step in a register, lane l holding key l % 16 of step u + l / 16 for
-  // a pair (the prologue), of step u otherwise (lanes 16-31 repeat lanes 0-15's addresses: no
-  // extra bytes).
-  const uint32_t slot_limit = static_cast<uint32_t>(min(p.num_slots, int64_t(INT32_MAX)));
+  // The row a lane copies for key l % 16 of a step, in a register: paged, its slot (the key's
+  // K/V index); otherwise the key itself; -1 for a key past the warp's steps or the chunk. Lane l
+  // holds key l % 16 of step u + l / 16 for a pair (the prologue), of step u otherwise (lanes
+  // 16-31 repeat lanes 0-15's addresses: no extra bytes).
+  const uint32_t row_limit =
+      paged ? static_cast<uint32_t>(min(p.num_slots, int64_t(INT32_MAX))) : 0xFFFFFFFFu;
   auto load_slots = [&](int u, bool pair) -> int32_t {
     const int step = u + (pair ? lane >> 4 : 0);
     const int key = step_key(step) + (lane & 15);
-    if (!paged || step >= warp_steps || key >= kv_end) return -1;
-    return __ldg(p.kv_indices + kv_base + key);
+    if (step >= warp_steps || key >= kv_end) return -1;
+    return paged ? __ldg(p.kv_indices + kv_first + key) : key;
   };
-  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later). A
-  // row's address is this lane's chunk of the request's row 0 (64-bit, the same every step) plus
-  // a 32-bit row (the slot, or the key) times the row pitch in bytes (< 2^32: launch_tc_decode
-  // checks): one wide multiply-add a copy; an invalid row copies nothing (zero fill) from row 0.
-  // The slot of key r comes from lane r + half of `slot` (half: 0, or 16 for the odd step of a
+  // The copy geometry of a lane, the same every step: 16-byte chunk copy_c of rows copy_r0 +
+  // i * (32 / copy_chunks) of a step's K and V (fp8: raw rows, half the chunks). A row's source
+  // is the lane's chunk of the request's row 0 plus a 32-bit row (the slot, or the key) times
+  // the row pitch in bytes (< 2^32: launch_tc_decode checks): one wide multiply-add a copy; an
+  // invalid row copies nothing (zero fill) from row 0.
+  const int copy_chunks = fp8 ? kChunks / 2 : kChunks;
+  const int copy_c = lane % copy_chunks;
+  const int copy_r0 = lane / copy_chunks;
+  const int64_t kv_elem_bytes = fp8 ? 1 : int64_t(sizeof(T));
+  const char* const k_src =
+      static_cast<const char*>(p.k) + copy_c * 16 +
+      (int64_t(kv_head) * p.k_stride_head + (paged ? 0 : kv_first * p.k_stride_token)) *
+          kv_elem_bytes;
+  const char* const v_src =
+      static_cast<const char*>(p.v) + copy_c * 16 +
+      (int64_t(kv_head) * p.v_stride_head + (paged ? 0 : kv_first * p.v_stride_token)) *
+          kv_elem_bytes;
+  const uint32_t k_pitch = static_cast<uint32_t>(p.k_stride_token * kv_elem_bytes);
+  const uint32_t v_pitch = static_cast<uint32_t>(p.v_stride_token * kv_elem_bytes);
+  // The lane's byte in a stage: 16-bit rows swizzled (chunk c ^ (row & 7)); row copy_r0 + i *
+  // step (step a power of two above copy_r0) has (row & 7) = (copy_r0 & 7) ^ (i * step & 7), so
+  // row i's offset is copy_dst ^ ((i * step & 7) * 16) plus i * step rows (constants).
+  const uint32_t copy_dst =
+      fp8 ? uint32_t(copy_r0 * (kChunks / 2) + copy_c) * 16
+          : uint32_t(copy_r0) * kRowBytes + uint32_t(copy_c ^ (copy_r0 & 7)) * 16;
+  // Issues the K/V copies of step u into stage u % kStages (fp8: raw bytes, converted later).
+  // The row of key r comes from lane r + half of `slot` (half: 0, or 16 for the odd step of a
   // load_slots pair).
   auto issue = [&](int u, int32_t slot, int half) {
-    const int stage = u % kStages;
-    const int first = step_key(u);
     if (u >= warp_steps || tiles.diag == 1) {  // past the warp's keys (or DIAG 1: no copies):
       cp_async_commit();                       // an empty group keeps the wait counts
       return;
     }
+    const int stage = u % kStages;
+    const int from = copy_r0 + half;  // the lane holding row i's slot: from + i * step
+    auto copy_row = [&](int i, int step, uint32_t k_dst, uint32_t v_dst) {
+      const int32_t s = __shfl_sync(0xffffffffu, slot, from + i * step);
+      const bool valid = static_cast<uint32_t>(s) < row_limit;
+      const uint32_t row = valid ? static_cast<uint32_t>(s) : 0u;
+      ptx::cp_async_zfill<16>(k_dst, ptx::row_address(k_src, row, k_pitch), valid);
+      ptx::cp_async_zfill<16>(v_dst, ptx::row_address(v_src, row, v_pitch), valid);
+    };
     if (fp8) {
       constexpr int kRawChunks = kChunks / 2;  // 16-byte chunks of an fp8 row
       constexpr int kRowStep = 32 / kRawChunks;
-      const int r0 = lane / kRawChunks;
-      const int c = lane % kRawChunks;
-      const uint32_t k_dst = s_warp + stage * Tr::kRawStageBytes;
-      const uint32_t v_dst = k_dst + Tr::kRawStageBytes / 2;
-      const char* k_base = static_cast<const char*>(p.k) + int64_t(kv_head) * p.k_stride_head +
-                           c * 16 + (paged ? 0 : kv_base * p.k_stride_token);
-      const char* v_base = static_cast<const char*>(p.v) + int64_t(kv_head) * p.v_stride_head +
-                           c * 16 + (paged ? 0 : kv_base * p.v_stride_token);
-      const uint32_t k_pitch = static_cast<uint32_t>(p.k_stride_token);
-      const uint32_t v_pitch = static_cast<uint32_t>(p.v_stride_token);
+      const uint32_t k_dst = s_warp + stage * Tr::kRawStageBytes + copy_dst;
 #pragma unroll
       for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
-        const int r = r0 + i * kRowStep;
-        const int32_t s = __shfl_sync(0xffffffffu, slot, r + half);
-        const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
-        const uint32_t row = valid ? (paged ? uint32_t(s) : uint32_t(first + r)) : 0u;
-        const uint32_t offset = (r * kRawChunks + c) * 16;
-        ptx::cp_async_zfill<16>(k_dst + offset, k_base + uint64_t(row) * k_pitch, valid);
-        ptx::cp_async_zfill<16>(v_dst + offset, v_base + uint64_t(row) * v_pitch, valid);
+        const uint32_t at = k_dst + uint32_t(i * kRowStep * kRawChunks * 16);
+        copy_row(i, kRowStep, at, at + Tr::kRawStageBytes / 2);
       }
     } else {
       constexpr int kRowStep = 32 / kChunks;
-      const int r0 = lane / kChunks;
-      const int c = lane % kChunks;
-      const uint32_t k_dst = s_warp + stage * Tr::kStageBytes;
-      const uint32_t v_dst = k_dst + Tr::kSubBytes;
-      const T* k_base = static_cast<const T*>(p.k) + int64_t(kv_head) * p.k_stride_head + c * 8 +
-                        (paged ? 0 : kv_base * p.k_stride_token);
-      const T* v_base = static_cast<const T*>(p.v) + int64_t(kv_head) * p.v_stride_head + c * 8 +
-                        (paged ? 0 : kv_base * p.v_stride_token);
-      const uint32_t k_pitch = static_cast<uint32_t>(p.k_stride_token) * sizeof(T);
-      const uint32_t v_pitch = static_cast<uint32_t>(p.v_stride_token) * sizeof(T);
+      const uint32_t stage_base = s_warp + stage * Tr::kStageBytes;
 #pragma unroll
       for (int i = 0; i < Tr::kWarpKeys / kRowStep; ++i) {
-        const int r = r0 + i * kRowStep;
-        const int32_t s = __shfl_sync(0xffffffffu, slot, r + half);
-        const bool valid = first + r < kv_end && (!paged || uint32_t(s) < slot_limit);
-        const uint32_t row = valid ? (paged ? uint32_t(s) : uint32_t(first + r)) : 0u;
-        const uint32_t offset = r * kRowBytes + ((c ^ (r & 7)) * 16);
-        ptx::cp_async_zfill<16>(
-            k_dst + offset, reinterpret_cast<const char*>(k_base) + uint64_t(row) * k_pitch, valid);
-        ptx::cp_async_zfill<16>(
-            v_dst + offset, reinterpret_cast<const char*>(v_base) + uint64_t(row) * v_pitch, valid);
+        const uint32_t at = stage_base + (copy_dst ^ uint32_t(((i * kRowStep) & 7) * 16)) +
+                            uint32_t(i * kRowStep) * kRowBytes;
+        copy_row(i, kRowStep, at, at + Tr::kSubBytes);
       }
     }
     cp_async_commit();
@@ -569,7 +575,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     float factor[kMAtoms][2];
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) moved |= softmax[a].update<2>(s[a], scale_log2, factor[a]);
-    if (__any_sync(0xffffffffu, moved)) {
+    // (Step 0: nothing accumulated yet, O is zero.)
+    if (u > 0 && __any_sync(0xffffffffu, moved)) {
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
