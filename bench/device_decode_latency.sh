@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call for the latency of the decode-shaped kernel at small batch (issues 14, 19):
 #   1. phase stamps of the kernel (a build with -DKVATTN_TC_DECODE_TRACE=ON: bench/NOTES.md) on
-#      verify b1 and tensor-core decode b1 x 1024 / 4096 (the last two launches of each row),
+#      verify b1 and tensor-core decode b1 x TRACE_KV (default 1024 4096; the last two launches
+#      of each row) with the CTAs' placement (SMs used, clusters that fit),
 #   2. the decode rows on the automatic kernel choice and on the decode-shaped kernel
 #      (KVATTN_DECODE_TENSOR_CORES=1; DEC_MODES picks), on the CUDA-graph buffers, JSON in $OUT,
 #   3. the verify rows under each KNOBS entry (;-separated env assignments) and without,
-#   4. optionally (PEERS=1) bench/peers decode rows with KVATTN_DECODE_TENSOR_CORES=1 (carry
+#   4. NCU=1: ncu of the kernel at verify b1 (details and per-SASS-instruction stalls, CSV),
+#   5. optionally (PEERS=1) bench/peers decode rows with KVATTN_DECODE_TENSOR_CORES=1 (carry
 #      .whl/peers and the kvattn wheel as for bench/device_validate.sh).
 # Carry .carry/bins.tar.xz holding carry/cur/{kvattn,COMMIT} and carry/trace/kvattn (stripped;
 # bench/NOTES.md "Method"). A short table is printed last; logs in $OUT/logs.tgz.
@@ -28,7 +30,7 @@ run() {  # run NAME LIMIT COMMAND... (none past the deadline)
 }
 if [ -x "$KT" ]; then
   KVATTN_TC_DECODE_TRACE=1 run trace-verify 40 "$KT" bench --device cuda --rows 'verify b1 '
-  for kv in 1024 4096; do
+  for kv in ${TRACE_KV:-1024 4096}; do
     KVATTN_TC_DECODE_TRACE=1 KVATTN_DECODE_TENSOR_CORES=1 run "trace-decode$kv" 40 "$KT" bench \
       --device cuda --rows "decode b1 kv$kv d128 page1-"
   done
@@ -55,6 +57,15 @@ for i in "${!knobs[@]}"; do
   read -r -a assign <<< "${knobs[$i]}"
   run "verify-knob$i" 40 env "${assign[@]}" "$K" bench --device cuda --workload verify
 done
+# NCU=1: the decode-shaped kernel at verify b1 under ncu (full set, one launch after warm-up):
+# the details page and the per-SASS-instruction source page (stall reasons) as CSV in $OUT
+if [ "${NCU:-0}" = 1 ]; then
+  run ncu 150 ncu --clock-control none --set full -k regex:tc_decode_kernel --launch-skip 40 \
+    --launch-count 1 -f -o "$OUT/ncu-verify-b1" "$K" bench --device cuda --rows 'verify b1 '
+  ncu -i "$OUT/ncu-verify-b1.ncu-rep" --page details > "$OUT/ncu-verify-b1-details.txt" 2>&1
+  ncu -i "$OUT/ncu-verify-b1.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/ncu-verify-b1-sass.csv" 2>&1
+fi
 # A base binary (carry/base/kvattn, an older commit) for an A/B in the same call
 KB=/tmp/carry/base/kvattn
 if [ -x "$KB" ]; then
@@ -78,7 +89,7 @@ fi
     [ -f "$f" ] || continue
     echo "== $(basename "$f" .txt)"
     grep -E "^(verify|decode) " "$f" | awk '{print "   row: " $0}' | cut -c1-120
-    grep -E "tc_decode trace|^  " "$f"
+    grep -E "tc_decode (trace|placement)|^  " "$f"
   done
   for f in "$L"/dec-*.txt "$L"/verify*.txt "$L"/base-*.txt; do
     [ -f "$f" ] || continue

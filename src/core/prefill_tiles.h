@@ -22,7 +22,7 @@
 
 namespace kvattn::core {
 
-/// One unit of work of the prefill kernel (32 bytes, read once per CTA). An item whose
+/// One unit of work of the prefill kernel (48 bytes, read once per CTA). An item whose
 /// q_row_begin is at or past its request's q_len * group_size rows, with kv_begin == kv_end and
 /// partial -1, is a no-op (reads no K/V, writes nothing): a CUDA graph captured with a fixed item
 /// count can be padded with such items (likewise a merge item with num_partials 0).
@@ -34,11 +34,16 @@ struct PrefillWorkItem {
   int32_t kv_end = 0;       ///< the tile can see (causal / window); multiples of kv_tile inside
   int32_t partial = -1;     ///< -1: writes out/lse itself; else its slot in the partial buffers
   int32_t merge = -1;       ///< a split chunk: its tile's merge item (else -1)
-  /// kv_indptr[request] (the host plans from the same layout it uploads) when it is below 2^31,
-  /// else -1: the decode-shaped kernel loads its first K/V indices without waiting for the
-  /// indptr (one dependent memory round trip less before the first K/V byte). Keeps the struct
-  /// 32 bytes (two 16-byte loads).
+  /// kv_indptr[request], qo_indptr[request] and qo_indptr[request + 1] as the call's indptrs
+  /// have them (the host plans from the same layout it uploads), or -1 where not given
+  /// (kv_base: kv_indptr[request] at or above 2^31): the decode-shaped kernel addresses Q and
+  /// its first K/V indices from the item without waiting for the indptrs, one dependent memory
+  /// round trip less before the first Q and K/V bytes. Where these are -1 the kernels read the
+  /// indptrs.
   int32_t kv_base = -1;
+  int32_t q_begin = -1;
+  int32_t q_end = -1;
+  int32_t reserved[2] = {0, 0};  ///< 48 bytes: three 16-byte loads
 };
 
 /// One split tile to finish: merges num_partials consecutive partial slots into out/lse.

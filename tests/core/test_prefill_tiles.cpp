@@ -75,6 +75,8 @@ PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
     by_tile[{it.request, it.kv_head, it.q_row_begin}].push_back(it);
     // The request's first K/V index, as the kernel's indptr has it.
     EXPECT_EQ(it.kv_base, b.kv_indptr[it.request]) << "request " << it.request;
+    EXPECT_EQ(it.q_begin, b.qo_indptr[it.request]) << "request " << it.request;
+    EXPECT_EQ(it.q_end, b.qo_indptr[it.request + 1]) << "request " << it.request;
   }
   std::map<std::tuple<int, int, int>, PrefillMergeItem> merges;
   for (const PrefillMergeItem& m : plan.merges) {

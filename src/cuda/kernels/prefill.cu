@@ -13,6 +13,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <map>
 #include <vector>
 
 #include "core/softmax_state.h"
@@ -461,6 +462,7 @@ TcDecodeTrace* tc_decode_trace() {
       static const char* names[tc_decode::kTraceSlots] = {
           "entry",  "released", "facts",   "loop",   "warp0", "warp1", "warp2", "warp3",
           "merged", "stored",   "cluster", "folded", "exit",  "",      "",      ""};
+      static_assert(tc_decode::kTraceSm == 13, "the SM slot has no name above");
       unsigned long long first[2] = {0, 0}, last[2] = {0, 0}, released[2] = {0, 0};
       for (int h = 0; h < 2 && uint64_t(h) < t->launches; ++h) {
         const unsigned long long* base = host.data() + h * TcDecodeTrace::kHalf;
@@ -469,6 +471,14 @@ TcDecodeTrace* tc_decode_trace() {
         for (int c = 0; c < n; ++c) first[h] = std::min(first[h], base[c * tc_decode::kTraceSlots]);
         std::fprintf(stderr, "tc_decode trace, launch parity %d: %d CTAs, cluster %d, %d rows\n", h,
                      n, t->cluster[h], t->rows[h]);
+        {  // placement: how many SMs the CTAs ran on, and the most CTAs on one SM
+          std::map<unsigned long long, int> per_sm;
+          for (int c = 0; c < n; ++c) ++per_sm[base[c * tc_decode::kTraceSlots + tc_decode::kTraceSm]];
+          int most = 0;
+          for (const auto& [sm, count] : per_sm) most = std::max(most, count);
+          std::fprintf(stderr, "  placement: %zu SMs, at most %d CTAs on one\n", per_sm.size(),
+                       most);
+        }
         for (int s = 0; s < tc_decode::kTraceSlots; ++s) {
           if (names[s][0] == '\0') continue;
           std::vector<double> at;

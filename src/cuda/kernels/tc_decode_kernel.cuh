@@ -26,6 +26,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 #include "core/attention_params.h"
 #include "core/planner.h"
@@ -114,6 +116,7 @@ enum TraceSlot : int {
   kTraceClusterIn = 10,  // past the cluster barrier
   kTraceFolded = 11,     // the cluster fold's rows written
   kTraceExit = 12,       // past the exit barrier
+  kTraceSm = 13,         // the SM the CTA ran on (%smid; not a time)
   kTraceSink = 15,       // a dependency sink (makes a stamp wait for the values it names)
   kTraceSlots = 16,
 };
@@ -146,6 +149,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   auto stamp_after = [](int, int64_t) {};
 #endif
   stamp(kTraceEntry);
+#if defined(KVATTN_TC_DECODE_TRACE)
+  if (trace != nullptr && threadIdx.x == 0) trace[kTraceSm] = ptx::sm_id();
+#endif
   // Launched as a programmatic dependent: nothing global is read before the kernels before it
   // completed (they wrote the pool, the plan and the step's error word).
   ptx::grid_dependency_wait();
@@ -157,14 +163,16 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // refused step is checked before the first write (it reads only clamped slots and host-made
   // plan values until then) and writes nothing (step_check.h); every CTA sees the same word.
   const bool refused = detail::step_refused(p.step_error);
-  // The item as two 16-byte loads (its fields arrive together; field by field, the compiler
+  // The item as three 16-byte loads (its fields arrive together; field by field, the compiler
   // waits for q_row_begin alone before it reads the rest).
   core::PrefillWorkItem item;
   {
-    static_assert(sizeof(core::PrefillWorkItem) == 32, "two 16-byte halves");
-    const int4* halves = reinterpret_cast<const int4*>(tiles.items + blockIdx.x);
-    const int4 lo = halves[0];
-    const int4 hi = halves[1];
+    static_assert(sizeof(core::PrefillWorkItem) == 48, "three 16-byte parts");
+    const int4* parts = reinterpret_cast<const int4*>(tiles.items + blockIdx.x);
+    const int4 lo = parts[0];
+    const int4 hi = parts[1];
+    item.q_begin = parts[2].x;
+    item.q_end = parts[2].y;
     item.request = lo.x;
     item.kv_head = lo.y;
     item.q_row_begin = lo.z;
@@ -188,8 +196,11 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const int64_t mask_begin = mask_indptr[request];
   const int64_t mask_end = mask_indptr[request + 1];
   const int dense_from = dense_of[request];
-  const int q_begin = p.qo_indptr[request];
-  const int q_end = p.qo_indptr[request + 1];
+  // The request's tokens from the item where the plan gives them (Q's copies then wait for no
+  // indptr), else from the indptr.
+  const bool q_given = item.q_begin >= 0;
+  const int q_begin = q_given ? item.q_begin : p.qo_indptr[request];
+  const int q_end = q_given ? item.q_end : p.qo_indptr[request + 1];
   const int64_t kv_base = p.kv_indptr[request];
   const int64_t kv_next = p.kv_indptr[request + 1];
   // The first K/V index loads need the request's first index: from the item where the plan
@@ -890,6 +901,36 @@ PrefillKernelShape shape_of() {
     }
     (void)cudaGetLastError();  // a refused size is an answer, not an error to report later
   }
+#if defined(KVATTN_TC_DECODE_TRACE)
+  // Placement diagnostics of a trace build: the clusters that fit at once, at this occupancy and
+  // at one CTA an SM (a dynamic shared memory request over half an SM's).
+  if (std::getenv("KVATTN_TC_DECODE_TRACE") != nullptr) {
+    const int spread = 120 * 1024;
+    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, spread);
+    for (const int smem : {Tr::smem_bytes(false), spread}) {
+      for (const int cluster : {16, 12, 8, 4}) {
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(unsigned(cluster));
+        config.blockDim = dim3(Tr::kThreads);
+        config.dynamicSmemBytes = size_t(smem);
+        cudaLaunchAttribute attribute;
+        attribute.id = cudaLaunchAttributeClusterDimension;
+        attribute.val.clusterDim.x = unsigned(cluster);
+        attribute.val.clusterDim.y = 1;
+        attribute.val.clusterDim.z = 1;
+        config.attrs = &attribute;
+        config.numAttrs = 1;
+        int clusters = 0;
+        const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+        std::fprintf(stderr, "tc_decode placement: cluster %2d, %6d B shared: %d clusters at once%s\n",
+                     cluster, smem, clusters, e == cudaSuccess ? "" : " (query failed)");
+        (void)cudaGetLastError();
+      }
+    }
+    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Tr::max_smem_bytes());
+  }
+#endif
   return shape;
 }
 

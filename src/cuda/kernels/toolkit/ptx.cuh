@@ -150,6 +150,13 @@ __device__ __forceinline__ uint64_t global_timer() {
 }
 
 /// Lets the next grid of the stream be scheduled (its griddepcontrol.wait still waits for us).
+/// The SM this thread runs on (placement diagnostics only).
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 __device__ __forceinline__ void grid_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
 }
