@@ -399,16 +399,21 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   };
 
   // Prologue: kStages - 1 steps in flight, their slots loaded at once (two steps a register)
-  // with those of the first step the main loop issues (slot_ahead), and their copies issued
-  // from one copy of the issue code (a rolled loop: code that runs once is fetched cold, and at
-  // a small batch that fetch is most of the kernel's time). In the main loop a step's slots load
-  // one step before its copies are issued, so a step's work hides the index load's latency.
-  int32_t slot_ahead;
+  // with those of the first two steps the main loop issues (slot_ahead, slot_after), and their
+  // copies issued from one copy of the issue code (a rolled loop: code that runs once is
+  // fetched cold, and at a small batch that fetch is most of the kernel's time). In the main
+  // loop a step's slots load two steps before its copies are issued: with one step, the index
+  // load of a long request at batch 1 had not returned when its copies were due (ncu: a fifth
+  // of the loop's stall samples at verify b1 waited on it).
+  int32_t slot_ahead, slot_after;
   {
     constexpr int kFirst = kStages - 1;  // 2 (head_dim 128) or 3 (64)
+    static_assert(kFirst == 2 || kFirst == 3, "the prologue's slots cover steps 0..4");
     const int32_t first01 = load_slots(0, true);
-    const int32_t first23 = kFirst > 2 ? load_slots(2, true) : -1;
-    slot_ahead = load_slots(kFirst, false);
+    const int32_t first23 = load_slots(2, true);
+    const int32_t third = __shfl_xor_sync(0xffffffffu, first23, 16);  // step 3 in lanes 0-15
+    slot_ahead = kFirst == 2 ? first23 : third;
+    slot_after = kFirst == 2 ? third : load_slots(4, false);
 #pragma unroll 1
     for (int u = 0; u < kFirst; ++u) issue(u, u < 2 ? first01 : first23, (u & 1) * 16);
   }
@@ -483,16 +488,17 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     return bits;
   };
 
-  // One step of the warp. `slot_ahead` holds the slots of the step it issues and receives the
-  // next one's; `mask_bits` holds this step's custom-mask bits (kCustom) and receives the next
+  // One step of the warp. `slot_ahead` holds the slots of the step it issues and receives
+  // `slot_after`'s, which receives those of the step after; `mask_bits` holds this step's custom-mask bits (kCustom) and receives the next
   // step's. One copy of this code in a rolled loop: a second copy (two steps an iteration) was
   // ~1800 more instructions to fetch, cold, at a small batch.
-  auto run_step = [&](int u, int32_t& slot_ahead, uint32_t& mask_bits) {
+  auto run_step = [&](int u, int32_t& slot_ahead, int32_t& slot_after, uint32_t& mask_bits) {
     const int first = step_key(u);
     // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
     __syncwarp();
     issue(u + kStages - 1, slot_ahead, 0);
-    slot_ahead = load_slots(u + kStages, false);
+    slot_ahead = slot_after;
+    slot_after = load_slots(u + kStages + 1, false);
     uint8_t mask_next[kMaskBytes];
     if (custom) load_mask(u + 1, mask_next);
     uint32_t hidden = 0;  // bit (a * 8 + h * 4 + n * 2 + e): element s[a][4n + 2h + e] masked
@@ -628,7 +634,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     mask_bits = pack_mask(0, first_mask);
   }
 #pragma unroll(Tr::kStepUnroll)
-  for (int u = 0; u < warp_steps; ++u) run_step(u, slot_ahead, mask_bits);
+  for (int u = 0; u < warp_steps; ++u) run_step(u, slot_ahead, slot_after, mask_bits);
 #if defined(KVATTN_TC_DECODE_TRACE)
   if (trace != nullptr && lane == 0) trace[kTraceWarpDone + warp] = ptx::global_timer();
 #endif
