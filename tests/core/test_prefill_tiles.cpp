@@ -454,5 +454,61 @@ TEST(PrefillTiles, ClusterSplitSizeAndPlan) {
   }
 }
 
+
+// The cluster fold's keys: a tile whose steps are one more than a multiple of the cluster, the
+// last step holding at most cluster_fold_keys keys, leaves that step to the fold (every chunk
+// one step fewer than the one that would have had it); any other tile folds nothing. The chunks
+// and the fold tile the visible keys together.
+TEST(PrefillTiles, ClusterFoldTakesALoneShortLastStep) {
+  PrefillTileShape s = make_shape(MaskMode::kCustom, -1, /*concurrent=*/264);
+  s.tile_rows = 32;
+  s.cluster_fold_keys = 16;
+  struct Case {
+    int cluster;
+    int64_t kv_len;
+    int64_t fold_keys;  // expected
+  };
+  for (const Case& c : {Case{16, 4104, 8}, Case{16, 4112, 16}, Case{16, 4113, 0},
+                        Case{16, 4096, 0}, Case{16, 4160, 0}, Case{2, 4104, 8}, Case{16, 8, 0},
+                        Case{4, 4 * 64 + 1, 1}, Case{4, 5 * 64 + 1, 0}}) {
+    SCOPED_TRACE("cluster " + std::to_string(c.cluster) + ", kv " + std::to_string(c.kv_len));
+    Batch b;
+    b.add(8, c.kv_len);
+    b.add(8, c.kv_len + 1);  // a second request: the indptrs' offsets
+    s.cluster = c.cluster;
+    const PrefillTilePlan plan = plan_prefill_tiles(b.qo_indptr, b.kv_indptr, s);
+    ASSERT_EQ(plan.items.size(), size_t(2 * 8 * c.cluster));
+    for (size_t first = 0; first < plan.items.size(); first += size_t(c.cluster)) {
+      const PrefillWorkItem& lead = plan.items[first];
+      const PrefillWorkItem& last = plan.items[first + size_t(c.cluster) - 1];
+      const int64_t kv_len = b.kv_indptr[lead.request + 1] - b.kv_indptr[lead.request];
+      const int64_t expected = lead.request == 0 ? c.fold_keys : -1;  // request 1: see below
+      int64_t widest = 0, narrowest = INT64_MAX;
+      for (int k = 0; k < c.cluster; ++k) {
+        const PrefillWorkItem& it = plan.items[first + size_t(k)];
+        EXPECT_EQ(it.fold_begin, last.kv_end);
+        EXPECT_EQ(it.fold_end, kv_len);
+        const int64_t steps = (it.kv_end - it.kv_begin + s.kv_tile - 1) / s.kv_tile;
+        widest = std::max(widest, steps);
+        narrowest = std::min(narrowest, steps);
+      }
+      EXPECT_EQ(lead.kv_begin, 0);
+      const int64_t folded = lead.fold_end - lead.fold_begin;
+      if (expected >= 0) EXPECT_EQ(folded, expected);
+      EXPECT_LE(folded, s.cluster_fold_keys);
+      // Folding leaves the chunks within one step of each other and takes a step off the widest.
+      if (folded > 0) EXPECT_EQ(widest, narrowest);
+    }
+  }
+  // Off (0) folds nothing.
+  s.cluster = 16;
+  s.cluster_fold_keys = 0;
+  Batch b;
+  b.add(8, 4104);
+  for (const PrefillWorkItem& it : plan_prefill_tiles(b.qo_indptr, b.kv_indptr, s).items) {
+    EXPECT_EQ(it.fold_begin, it.fold_end);
+  }
+}
+
 }  // namespace
 }  // namespace kvattn::core
