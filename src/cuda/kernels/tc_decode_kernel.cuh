@@ -178,7 +178,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     const int4 hi = parts[1];
     const int4 third = parts[2];
     item.q_begin = third.x;
-    item.q_end = third.y;  // (fold_begin / fold_end: read again after the key steps)
+    item.q_end = third.y;
+    item.fold_begin = third.z;
+    item.fold_end = third.w;
     item.request = lo.x;
     item.kv_head = lo.y;
     item.q_row_begin = lo.z;
@@ -651,65 +653,28 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 
   // A cluster-split tile's fold keys (at most kFoldKeys after the last chunk: a step no warp
   // runs): every CTA copies their K/V rows now (they land during the merges below) for the
-  // rows it folds. Row j at fold + j * row bytes (K), + kFoldKeys rows (V). The item's fold
-  // fields are read again here rather than kept from the start (two more registers live across
-  // the key steps of the 255-register instance slowed them by 4-12%).
-  int fold_begin = 0;
-  int fold_end = 0;
-  if (tiles.cluster > 1) {
-    const int4 third = reinterpret_cast<const int4*>(tiles.items + blockIdx.x)[2];
-    fold_begin = third.z;
-    fold_end = third.w;
-  }
-  const int fold_n = min(fold_end - fold_begin, Tr::kFoldKeys);
+  // rows it folds. Row j at fold + j * row bytes (K), + kFoldKeys rows (V).
+  const int fold_n = tiles.cluster > 1 ? min(item.fold_end - item.fold_begin, Tr::kFoldKeys) : 0;
   const uint32_t s_fold = s_q + Tr::kFoldOffset;
   if (fold_n > 0) {
     const int kv_row_bytes = fp8 ? int(kRowBytes) / 2 : int(kRowBytes);
     const char* k_row0 = k_src - copy_c * 16;  // the kv head's row 0 (the request's, unpaged)
     const char* v_row0 = v_src - copy_c * 16;
-    constexpr int kCopies = (Tr::kFoldKeys * kChunks + Tr::kThreads - 1) / Tr::kThreads;
-    int32_t rows[kCopies];  // every index load in flight before the first copy needs one
-#pragma unroll
-    for (int k = 0; k < kCopies; ++k) {
-      const int i = tid + k * Tr::kThreads;
-      const int j = i / copy_chunks;
-      rows[k] = -1;
-      if (j < fold_n) rows[k] = paged ? __ldg(p.kv_indices + kv_first + fold_begin + j) : fold_begin + j;
-    }
-#pragma unroll
-    for (int k = 0; k < kCopies; ++k) {
-      const int i = tid + k * Tr::kThreads;
+#pragma unroll 1
+    for (int i = tid; i < Tr::kFoldKeys * copy_chunks; i += Tr::kThreads) {
       const int j = i / copy_chunks;
       const int c = i % copy_chunks;
-      const bool valid = static_cast<uint32_t>(rows[k]) < row_limit;
-      const uint32_t r = valid ? static_cast<uint32_t>(rows[k]) : 0u;
-      const uint32_t dst = s_fold + uint32_t(min(j, Tr::kFoldKeys - 1) * kv_row_bytes + c * 16);
+      const int key = item.fold_begin + j;
+      int32_t row = -1;
+      if (j < fold_n) row = paged ? __ldg(p.kv_indices + kv_first + key) : key;
+      const bool valid = static_cast<uint32_t>(row) < row_limit;
+      const uint32_t r = valid ? static_cast<uint32_t>(row) : 0u;
+      const uint32_t dst = s_fold + uint32_t(j * kv_row_bytes + c * 16);
       ptx::cp_async_zfill<16>(dst, ptx::row_address(k_row0 + c * 16, r, k_pitch), valid);
       ptx::cp_async_zfill<16>(dst + Tr::kFoldKeys * kRowBytes,
                               ptx::row_address(v_row0 + c * 16, r, v_pitch), valid);
     }
     cp_async_commit();
-  }
-  // Whether fold key t (this thread's place in its row) is visible to row r: the kernel's masks
-  // (the custom mask's byte read from global memory).
-  constexpr int kRowThreads = kHeadDim / 4;  // the cluster fold's threads a row, 4 dims each
-  auto fold_visible = [&](int r, bool row_ok) -> bool {
-    const int t = tid % kRowThreads;
-    if (!row_ok || t >= fold_n) return false;
-    const int token = div_group(row0 + r);
-    const int key = fold_begin + t;
-    bool visible = key < fold_end && (!causal || key <= diagonal + token) &&
-                   (window < 0 || key >= diagonal + token - window);
-    if (visible && custom && key >= mask_from) {
-      visible = p.custom_mask[mask_offset + int64_t(token) * mask_row_len + key] != 0;
-    }
-    return visible;
-  };
-  // ... for the first row this thread folds, now (the mask byte arrives during the merges).
-  bool first_visible = false;
-  if (fold_n > 0) {
-    const int r = static_cast<int>(ptx::cluster_rank()) + (tid / kRowThreads) * tiles.cluster;
-    first_visible = fold_visible(r, r < Tr::kTileRows && row0 + r < rows_total);
   }
 
   // ---- merge the four warps' states ---------------------------------------------------------
@@ -854,6 +819,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     // chunk t's LSE, the row's max and sum go round by shuffles, and chunk c's weight comes from
     // thread c. All chunks' O in flight at once (four batches of four were ~2 us at batch 1:
     // five dependent distributed round trips).
+    constexpr int kRowThreads = kHeadDim / 4;
     constexpr int kRowsAPass = Tr::kThreads / kRowThreads;
     static_assert(Tr::kMaxCluster <= kRowThreads && 32 % kRowThreads == 0, "a row in one warp");
     const int t = tid % kRowThreads;
@@ -876,9 +842,19 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     // logits by dot products over its kRowThreads threads (Q from shared memory, K from the
     // fold rows copied above), their masks, an online softmax, and this thread's 4 dims of the
     // normalized P V: one more part of the fold, with its LSE.
-    auto fold_keys = [&](int r, bool visible, float& lse_f, float4& o_f) {
+    auto fold_keys = [&](int r, bool row_ok, float& lse_f, float4& o_f) {
       const int rr = min(r, Tr::kTileRows - 1);
-      const uint32_t ballot = __ballot_sync(0xffffffffu, visible);  // key fold_begin + t
+      const int token = div_group(max(0, min(row0 + rr, rows_total - 1)));
+      bool visible = false;  // key fold_begin + t, for this row
+      if (row_ok && t < fold_n) {
+        const int key = item.fold_begin + t;
+        visible = key < item.fold_end && (!causal || key <= diagonal + token) &&
+                  (window < 0 || key >= diagonal + token - window);
+        if (visible && custom && key >= mask_from) {
+          visible = p.custom_mask[mask_offset + int64_t(token) * mask_row_len + key] != 0;
+        }
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, visible);
       const uint32_t bits = kRowThreads == 32 ? ballot
                                               : (ballot >> (lane & (32 - kRowThreads))) &
                                                     ((1u << (kRowThreads & 31)) - 1u);
@@ -952,7 +928,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       // The fold keys while those loads are in flight (the same in every thread of the row).
       float lse_f = -INFINITY;
       float4 o_f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (fold_n > 0) fold_keys(r, i0 == 0 ? first_visible : fold_visible(r, row_ok), lse_f, o_f);
+      if (fold_n > 0) fold_keys(r, row_ok, lse_f, o_f);
       float top = lse_t;
 #pragma unroll
       for (int o = kRowThreads / 2; o > 0; o /= 2) {
