@@ -116,27 +116,17 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
                      [](const RawTile& a, const RawTile& b) { return a.steps > b.steps; });
     plan.items.reserve(raw.size() * size_t(shape.num_kv_heads) * size_t(shape.cluster));
     for (const RawTile& t : raw) {
-      int64_t steps = t.steps;
-      int64_t chunks_end = t.item.kv_end;  // the fold takes [chunks_end, kv_end)
-      if (shape.cluster_fold_keys > 0 && steps > shape.cluster && steps % shape.cluster == 1) {
-        const int64_t last_step = t.item.kv_begin + (steps - 1) * shape.kv_tile;
-        if (t.item.kv_end - last_step <= shape.cluster_fold_keys) {
-          steps -= 1;
-          chunks_end = last_step;
-        }
-      }
+      const int64_t steps = t.steps;
       for (int h = 0; h < shape.num_kv_heads; ++h) {
         for (int c = 0; c < shape.cluster; ++c) {
           PrefillWorkItem chunk = t.item;
           chunk.kv_head = h;
-          chunk.fold_begin = static_cast<int32_t>(chunks_end);
-          chunk.fold_end = t.item.kv_end;
           const int64_t step_begin = steps * c / shape.cluster;
           const int64_t step_end = steps * (c + 1) / shape.cluster;
           chunk.kv_begin = static_cast<int32_t>(
-              std::min<int64_t>(chunks_end, t.item.kv_begin + step_begin * shape.kv_tile));
+              std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_begin * shape.kv_tile));
           chunk.kv_end = static_cast<int32_t>(
-              std::min<int64_t>(chunks_end, t.item.kv_begin + step_end * shape.kv_tile));
+              std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
           plan.items.push_back(chunk);
         }
       }

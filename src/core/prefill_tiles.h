@@ -43,12 +43,7 @@ struct PrefillWorkItem {
   int32_t kv_base = -1;
   int32_t q_begin = -1;
   int32_t q_end = -1;
-  /// A cluster-split plan (PrefillTileShape::cluster_fold_keys): keys [fold_begin, fold_end) of
-  /// the request, after the tile's last chunk, that the cluster's fold computes itself (on CUDA
-  /// cores, each CTA for the rows it folds) instead of a warp's extra key step; every chunk of
-  /// the tile carries them. Equal (no keys) otherwise.
-  int32_t fold_begin = 0;
-  int32_t fold_end = 0;  ///< (48 bytes: three 16-byte loads)
+  int32_t reserved[2] = {0, 0};  ///< 48 bytes: three 16-byte loads
 };
 
 /// One split tile to finish: merges num_partials consecutive partial slots into out/lse.
@@ -85,12 +80,6 @@ struct PrefillTileShape {
   /// picks it from the batch shape alone (cluster_split_size), so a CUDA graph's plan and every
   /// replay's have the same cluster. 0 or 1: the split above.
   int cluster = 0;
-  /// Cluster split only: the most keys the kernel's cluster fold computes itself. A tile whose
-  /// steps are one more than a multiple of `cluster`, the last of them holding at most this many
-  /// keys, would give one chunk (and in it one warp) a step more than every other: that last
-  /// step is left to the fold instead (PrefillWorkItem::fold_begin; e.g. verify at batch 1, a
-  /// 4096-token prefix and 8 tree tokens: 65 steps of 64 keys over 16 chunks). 0: never.
-  int cluster_fold_keys = 0;
 };
 
 /// The cluster of a cluster-split plan (PrefillTileShape::cluster) for a batch of batch_size

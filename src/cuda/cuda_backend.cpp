@@ -187,7 +187,6 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       const int narrow = env_int("KVATTN_TC_DECODE_NARROW", 1, 0);
       if (narrow != 0) setup.tc_decode_narrow_rows = shape.narrow_tile_rows;
       setup.tc_decode_narrow_always = narrow == 2;
-      if (env_int("KVATTN_TC_DECODE_FOLD", 1, 0) != 0) setup.tc_decode_fold_keys = shape.fold_keys;
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }
@@ -462,7 +461,6 @@ core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const Backen
       shape.tile_rows = setup.tc_decode_narrow_rows;
     }
     shape.cluster = core::cluster_split_size(batch_size, q_len, shape, setup.tc_decode_max_cluster);
-    if (shape.cluster > 1) shape.cluster_fold_keys = setup.tc_decode_fold_keys;
   }
   return shape;
 }

@@ -70,9 +70,6 @@ struct DecodeSetup {
   /// (0: none; KVATTN_TC_DECODE_NARROW=0 turns it off).
   int tc_decode_narrow_rows = 0;
   bool tc_decode_narrow_always = false;  ///< KVATTN_TC_DECODE_NARROW=2 (A/B knob)
-  /// A cluster-split plan's keys the cluster fold may compute itself (core::PrefillTileShape::
-  /// cluster_fold_keys; KVATTN_TC_DECODE_FOLD=0 turns it off).
-  int tc_decode_fold_keys = 0;
 };
 /// cudaMalloc'd bases are 256-byte aligned; the regions a buffer is cut into (the prefill
 /// region of a call's metadata, the io copies, the cascade scratch) start on such a boundary too.

@@ -67,7 +67,6 @@ struct Case {
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
   int cluster = 0;      // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
   bool narrow = false;  // tc_decode: the narrow instance's 16-row tiles
-  bool fold = true;     // tc_decode cluster split: the fold may take a lone short last step
 };
 
 uint16_t to_16bit(float x, DType t) {
@@ -322,10 +321,7 @@ void run_case(const Case& c) {
   tile_shape.window_left = c.window;
   tile_shape.concurrent_ctas = c.concurrent_ctas;
   tile_shape.min_split_keys = 64;
-  if (c.tc_decode && c.cluster > 1) {
-    tile_shape.cluster = std::min(c.cluster, shape.max_cluster);
-    if (c.fold) tile_shape.cluster_fold_keys = shape.fold_keys;
-  }
+  if (c.tc_decode && c.cluster > 1) tile_shape.cluster = std::min(c.cluster, shape.max_cluster);
   if (c.tc_decode && c.narrow) {
     ASSERT_EQ(shape.narrow_tile_rows, 16);
     tile_shape.tile_rows = shape.narrow_tile_rows;
@@ -1126,61 +1122,6 @@ TEST_F(TcDecodeKernel, ClusterSplit) {
   c.out_fp32 = true;
   c.cluster = 16;
   c.seed = 125;
-  run_case(c);
-}
-
-// The cluster fold's own keys (a tile's lone short last step, PrefillWorkItem::fold_begin): the
-// verify shape (prefix + 8 and + 16 tree keys, a tile a kv head), the largest fold, causal
-// window soft-cap on head_dim 64 with 16-key pages, fp8 with k/v scales, and the same
-// verify without the fold (the plan then gives one chunk the extra step).
-TEST_F(TcDecodeKernel, ClusterFold) {
-  if (tc_decode_kernel_shape(128, 128).max_cluster < 2) {
-    GTEST_SKIP() << "no cluster split on this device (or KVATTN_TC_DECODE_MERGE=grid|kernel)";
-  }
-  ASSERT_EQ(tc_decode_kernel_shape(128, 128).fold_keys, 16);
-  Case c;
-  c.tc_decode = true;
-  c.name = "tc fold verify custom p1 hd128 (4104, 4112, 1033 keys)";
-  c.num_q_heads = 32;
-  c.num_kv_heads = 8;
-  c.q_lens = {8, 8, 8};
-  c.kv_lens = {4104, 4112, 1033};
-  c.mask = core::MaskMode::kCustom;
-  c.concurrent_ctas = 264;
-  c.cluster = 16;
-  c.seed = 141;
-  run_case(c);
-  c.name = "tc no fold verify custom p1 hd128";
-  c.fold = false;
-  c.seed = 142;
-  run_case(c);
-  c.fold = true;
-  c.name = "tc fold causal window softcap hd64 page 16 cluster 4";
-  c.head_dim = 64;
-  c.q_lens = {1, 3, 16};
-  c.kv_lens = {261, 4 * 64 + 16, 8 * 64 + 3};  // folds 5 and 16 keys; the third's tiles none
-  c.mask = core::MaskMode::kCausal;
-  c.window = 300;
-  c.cap = 2.f;
-  c.input_range = 3.f;
-  c.page_size = 16;
-  c.cluster = 4;
-  c.seed = 143;
-  run_case(c);
-  c.name = "tc fold fp8 e4m3 custom hd128 cluster 2";
-  c.head_dim = 128;
-  c.window = -1;
-  c.cap = 0.f;
-  c.input_range = 2.f;
-  c.page_size = 1;
-  c.q_lens = {8, 4};
-  c.kv_lens = {135, 64 * 5 + 2};  // 3 and 6 steps: folds 7 keys, then none
-  c.mask = core::MaskMode::kCustom;
-  c.kv = DType::kFloat8E4M3;
-  c.k_scale = 0.5f;
-  c.v_scale = 2.f;
-  c.cluster = 2;
-  c.seed = 144;
   run_case(c);
 }
 

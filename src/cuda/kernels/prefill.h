@@ -51,9 +51,6 @@ struct PrefillKernelShape {
   /// kTcDecode: the narrow instance's tile (16 rows; 0 none): a plan of calls with at most that
   /// many packed rows a request may use it (same kv_tile, occupancy and clusters).
   int narrow_tile_rows = 0;
-  /// kTcDecode: the most keys its cluster fold computes itself (core::PrefillTileShape::
-  /// cluster_fold_keys; 0 none).
-  int fold_keys = 0;
 };
 
 /// Which family runs (head_dim, v_head_dim) on `device` (-1: the current device): the Hopper

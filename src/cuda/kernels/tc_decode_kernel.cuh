@@ -79,14 +79,9 @@ struct Traits {
   static constexpr int kMergeBytes =
       kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4 + kTileRows * kHeadDim * 4;
   static constexpr int kMaxCluster = 16;  // the cluster-split fold reads at most this many CTAs
-  // ... and after them the keys the cluster fold computes itself (PrefillWorkItem::fold_begin):
-  // K then V, at most kFoldKeys rows each, unswizzled (fp8: raw, half the bytes used).
-  static constexpr int kFoldKeys = 16;
-  static constexpr int kFoldOffset = (kQBytes + kMergeBytes + 127) / 128 * 128;
-  static constexpr int kFoldBytes = 2 * kFoldKeys * kRowBytes;
   static constexpr int smem_bytes(bool fp8) {
-    const int pipe = kQBytes + (fp8 ? kPipeBytes8 : kPipeBytes16);
-    return pipe > kFoldOffset + kFoldBytes ? pipe : kFoldOffset + kFoldBytes;
+    const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
+    return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
   }
   /// The opt-in the kernel needs for either KV width.
   static constexpr int max_smem_bytes() {
@@ -176,11 +171,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     const int4* parts = reinterpret_cast<const int4*>(tiles.items + blockIdx.x);
     const int4 lo = parts[0];
     const int4 hi = parts[1];
-    const int4 third = parts[2];
-    item.q_begin = third.x;
-    item.q_end = third.y;
-    item.fold_begin = third.z;
-    item.fold_end = third.w;
+    item.q_begin = parts[2].x;
+    item.q_end = parts[2].y;
     item.request = lo.x;
     item.kv_head = lo.y;
     item.q_row_begin = lo.z;
@@ -651,32 +643,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   ptx::grid_launch_dependents();
   __syncthreads();  // every warp is done with its pipeline: the memory becomes the merge area
 
-  // A cluster-split tile's fold keys (at most kFoldKeys after the last chunk: a step no warp
-  // runs): every CTA copies their K/V rows now (they land during the merges below) for the
-  // rows it folds. Row j at fold + j * row bytes (K), + kFoldKeys rows (V).
-  const int fold_n = tiles.cluster > 1 ? min(item.fold_end - item.fold_begin, Tr::kFoldKeys) : 0;
-  const uint32_t s_fold = s_q + Tr::kFoldOffset;
-  if (fold_n > 0) {
-    const int kv_row_bytes = fp8 ? int(kRowBytes) / 2 : int(kRowBytes);
-    const char* k_row0 = k_src - copy_c * 16;  // the kv head's row 0 (the request's, unpaged)
-    const char* v_row0 = v_src - copy_c * 16;
-#pragma unroll 1
-    for (int i = tid; i < Tr::kFoldKeys * copy_chunks; i += Tr::kThreads) {
-      const int j = i / copy_chunks;
-      const int c = i % copy_chunks;
-      const int key = item.fold_begin + j;
-      int32_t row = -1;
-      if (j < fold_n) row = paged ? __ldg(p.kv_indices + kv_first + key) : key;
-      const bool valid = static_cast<uint32_t>(row) < row_limit;
-      const uint32_t r = valid ? static_cast<uint32_t>(row) : 0u;
-      const uint32_t dst = s_fold + uint32_t(j * kv_row_bytes + c * 16);
-      ptx::cp_async_zfill<16>(dst, ptx::row_address(k_row0 + c * 16, r, k_pitch), valid);
-      ptx::cp_async_zfill<16>(dst + Tr::kFoldKeys * kRowBytes,
-                              ptx::row_address(v_row0 + c * 16, r, v_pitch), valid);
-    }
-    cp_async_commit();
-  }
-
   // ---- merge the four warps' states ---------------------------------------------------------
   // [warp][row] max (raw logit units) and sum, then [warp][row][dim] unnormalized O.
   float* red_max = reinterpret_cast<float*>(smem + Tr::kQBytes);
@@ -808,8 +774,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // before the others have read it.
   stamp(kTraceStored);
   if (in_cluster) {
-    if (fold_n > 0) ptx::cp_async_wait<0>();  // this thread's fold rows landed (the barrier:
-    ptx::cluster_sync();                       // everyone's)
+    ptx::cluster_sync();
     stamp(kTraceClusterIn);
     const int n = tiles.cluster;  // a power of two, 2..Tr::kMaxCluster
     const int rank = static_cast<int>(ptx::cluster_rank());
@@ -824,90 +789,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     static_assert(Tr::kMaxCluster <= kRowThreads && 32 % kRowThreads == 0, "a row in one warp");
     const int t = tid % kRowThreads;
     const int d0 = t * 4;
-    // Four values of a 16-bit (or fp8) row in shared memory, from `at`.
-    auto load4 = [&](const unsigned char* at, bool raw8) -> float4 {
-      uint2 bits;
-      if (raw8) {
-        const uint32_t b = *reinterpret_cast<const uint32_t*>(at);
-        bits.x = fp8x2_to<T>(static_cast<uint16_t>(b & 0xffffu), e5m2);
-        bits.y = fp8x2_to<T>(static_cast<uint16_t>(b >> 16), e5m2);
-      } else {
-        bits = *reinterpret_cast<const uint2*>(at);
-      }
-      const T* v = reinterpret_cast<const T*>(&bits);
-      return make_float4(static_cast<float>(v[0]), static_cast<float>(v[1]),
-                         static_cast<float>(v[2]), static_cast<float>(v[3]));
-    };
-    // The fold keys of row r (fold_n > 0; every lane of the warp calls it: shuffles): the row's
-    // logits by dot products over its kRowThreads threads (Q from shared memory, K from the
-    // fold rows copied above), their masks, an online softmax, and this thread's 4 dims of the
-    // normalized P V: one more part of the fold, with its LSE.
-    auto fold_keys = [&](int r, bool row_ok, float& lse_f, float4& o_f) {
-      const int rr = min(r, Tr::kTileRows - 1);
-      const int token = div_group(max(0, min(row0 + rr, rows_total - 1)));
-      bool visible = false;  // key fold_begin + t, for this row
-      if (row_ok && t < fold_n) {
-        const int key = item.fold_begin + t;
-        visible = key < item.fold_end && (!causal || key <= diagonal + token) &&
-                  (window < 0 || key >= diagonal + token - window);
-        if (visible && custom && key >= mask_from) {
-          visible = p.custom_mask[mask_offset + int64_t(token) * mask_row_len + key] != 0;
-        }
-      }
-      const uint32_t ballot = __ballot_sync(0xffffffffu, visible);
-      const uint32_t bits = kRowThreads == 32 ? ballot
-                                              : (ballot >> (lane & (32 - kRowThreads))) &
-                                                    ((1u << (kRowThreads & 31)) - 1u);
-      const float4 q = load4(smem + rr * kRowBytes + (((t >> 1) ^ (rr & 7)) * 16) + (t & 1) * 8,
-                             false);
-      const int kv_row_bytes = fp8 ? int(kRowBytes) / 2 : int(kRowBytes);
-      const unsigned char* k_rows = smem + Tr::kFoldOffset + (fp8 ? d0 : 2 * d0);
-      const unsigned char* v_rows = k_rows + Tr::kFoldKeys * kRowBytes;
-      float m = -INFINITY;  // running max of the logits (log2 units)
-      float l = 0.f;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-      for (int j0 = 0; j0 < fold_n; j0 += 4) {
-        float sc[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float4 k = load4(k_rows + (j0 + u) * kv_row_bytes, fp8);
-          sc[u] = fmaf(q.x, k.x, fmaf(q.y, k.y, fmaf(q.z, k.z, q.w * k.w)));
-        }
-#pragma unroll
-        for (int o = kRowThreads / 2; o > 0; o /= 2) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o, kRowThreads);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int j = j0 + u;
-          if (j >= fold_n || ((bits >> j) & 1u) == 0) continue;
-          const float x =
-              (soft_cap ? p.logit_cap * fast_tanh(sc[u] * cap_inner) : sc[u]) * scale_log2;
-          if (x > m) {
-            const float f = ptx::fast_exp2(m - x);  // 0 while m is -inf
-            l *= f;
-            acc.x *= f;
-            acc.y *= f;
-            acc.z *= f;
-            acc.w *= f;
-            m = x;
-          }
-          const float pj = ptx::fast_exp2(x - m);
-          const float4 v = load4(v_rows + j * kv_row_bytes, fp8);
-          l += pj;
-          acc.x = fmaf(pj, v.x, acc.x);
-          acc.y = fmaf(pj, v.y, acc.y);
-          acc.z = fmaf(pj, v.z, acc.z);
-          acc.w = fmaf(pj, v.w, acc.w);
-        }
-      }
-      const bool any = l > 0.f;
-      lse_f = any ? (m + __log2f(l)) * ptx::kLn2 : -INFINITY;
-      const float inv = any ? p.v_scale / l : 0.f;
-      o_f = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    };
 #pragma unroll 1
     for (int i0 = 0; rank + i0 * n < Tr::kTileRows; i0 += kRowsAPass) {  // rows rank, rank + n..
       const int r = rank + (i0 + tid / kRowThreads) * n;
@@ -925,28 +806,20 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
           part[c] = ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * kHeadDim + d0) * 4, c));
         }
       }
-      // The fold keys while those loads are in flight (the same in every thread of the row).
-      float lse_f = -INFINITY;
-      float4 o_f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (fold_n > 0) fold_keys(r, row_ok, lse_f, o_f);
       float top = lse_t;
 #pragma unroll
       for (int o = kRowThreads / 2; o > 0; o /= 2) {
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o, kRowThreads));
       }
-      top = fmaxf(top, lse_f);
       const float e = top == -INFINITY ? 0.f : __expf(lse_t - top);  // exp(-inf) = 0: empty
       float total = e;
 #pragma unroll
       for (int o = kRowThreads / 2; o > 0; o /= 2) {
         total += __shfl_xor_sync(0xffffffffu, total, o, kRowThreads);
       }
-      const float e_f = top == -INFINITY ? 0.f : __expf(lse_f - top);
-      total += e_f;
       const bool empty = !(total > 0.f);
       const float w_t = empty ? 0.f : e / total;  // 0 for t >= n (its LSE is -inf)
-      const float w_f = empty ? 0.f : e_f / total;
-      float4 acc = make_float4(o_f.x * w_f, o_f.y * w_f, o_f.z * w_f, o_f.w * w_f);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int c = 0; c < Tr::kMaxCluster; ++c) {
         const float w = __shfl_sync(0xffffffffu, w_t, c, kRowThreads);
@@ -1000,9 +873,7 @@ PrefillKernelShape shape_of() {
   shape.narrow_tile_rows = Traits<kHeadDim, 1>::kTileRows;
   shape.kv_tile = Tr::kTileKeys;
   shape.family = PrefillKernelFamily::kTcDecode;
-  shape.fold_keys = Tr::kFoldKeys;
   static_assert(Traits<kHeadDim, 1>::kTileKeys == Tr::kTileKeys &&
-                    Traits<kHeadDim, 1>::kFoldKeys == Tr::kFoldKeys &&
                     Traits<kHeadDim, 1>::max_smem_bytes() <= Tr::max_smem_bytes(),
                 "the narrow instance plans and fits like the wide one");
   int ctas = 0;
