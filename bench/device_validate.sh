@@ -13,7 +13,7 @@
 #   .carry/COMMIT; wheel in .whl/py312/ (pip wheel ./python with Python 3.12)
 #   device run: bash bench/device_validate.sh .carry    (carry: [".carry", ".whl/py312"])
 # STEPS=a,b,... picks steps (decodeab (decode rows: auto vs KVATTN_DECODE_TENSOR_CORES=1), diag (tc_decode DIAG matrix, decode split A/B), prof (ncu per-kernel time of PROF_WORKLOADS),tc,tckernel (KVATTN_TC_DECODE_MERGE=kernel),tcbench,bench,all,checks,sanitize,check,python,llama,peers;
-# TC_FILTER / SAN_FILTER override the tc / memcheck test filters; DIAG_MERGES (cluster grid) and
+# TC_FILTER / SAN_FILTER / RACE_FILTER override the tc / memcheck / racecheck test filters; DIAG_MERGES (cluster grid) and
 # DIAG_LEVELS (0 1 2 3 4) pick the diag matrix; CHECKMEM=0 skips memcheck over `kvattn check`
 # (150 s). The whole CUDA test binary (`all`) takes over 200 s on the H200 (CudaDecode's
 # targeted cases alone ~70 s: their float64 references); give it ALL_FILTER or its own call.
@@ -88,7 +88,7 @@ if want sanitize; then  # the decode-shaped kernel under memcheck and racecheck 
   step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$T" \
     --gtest_filter="${SAN_FILTER:-TcDecodeKernel.DecodeGroupsAndShortKv:TcDecodeKernel.Fp8KvAndFp32Output}"
   step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
-    --gtest_filter='TcDecodeKernel.DecodeGroupsAndShortKv'
+    --gtest_filter="${RACE_FILTER:-TcDecodeKernel.DecodeGroupsAndShortKv}"
 fi
 want check && step check 60 "$CARRY/kvattn" check --device cuda
 want check && [ "${CHECKMEM:-1}" = 1 ] && step checkmem 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
