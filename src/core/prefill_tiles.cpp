@@ -95,7 +95,8 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
           uint32_t(shape.kv_tile));
       RawTile t;
       t.item.request = r;
-      t.item.kv_base = kv_indptr[r] >= 0 && kv_indptr[r] <= INT32_MAX ? static_cast<int32_t>(kv_indptr[r]) : -1;
+      t.item.kv_base =
+          kv_indptr[r] >= 0 && kv_indptr[r] <= INT32_MAX ? static_cast<int32_t>(kv_indptr[r]) : -1;
       t.item.q_begin = qo_indptr[r];  // >= 0: the layout's indptr starts at 0 and q_len >= 0
       t.item.q_end = qo_indptr[r + 1];
       t.item.q_row_begin = static_cast<int32_t>(row);

@@ -11,9 +11,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
-#include <map>
 #include <vector>
 
 #include "core/softmax_state.h"
@@ -473,7 +473,9 @@ TcDecodeTrace* tc_decode_trace() {
                      n, t->cluster[h], t->rows[h]);
         {  // placement: how many SMs the CTAs ran on, and the most CTAs on one SM
           std::map<unsigned long long, int> per_sm;
-          for (int c = 0; c < n; ++c) ++per_sm[base[c * tc_decode::kTraceSlots + tc_decode::kTraceSm]];
+          for (int c = 0; c < n; ++c) {
+            ++per_sm[base[c * tc_decode::kTraceSlots + tc_decode::kTraceSm]];
+          }
           int most = 0;
           for (const auto& [sm, count] : per_sm) most = std::max(most, count);
           std::fprintf(stderr, "  placement: %zu SMs, at most %d CTAs on one\n", per_sm.size(),

@@ -489,9 +489,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   };
 
   // One step of the warp. `slot_ahead` holds the slots of the step it issues and receives
-  // `slot_after`'s, which receives those of the step after; `mask_bits` holds this step's custom-mask bits (kCustom) and receives the next
-  // step's. One copy of this code in a rolled loop: a second copy (two steps an iteration) was
-  // ~1800 more instructions to fetch, cold, at a small batch.
+  // `slot_after`'s, which receives those of the step after; `mask_bits` holds this step's
+  // custom-mask bits (kCustom) and receives the next step's. One copy of this code in a rolled
+  // loop: a second copy (two steps an iteration) was ~1800 more instructions to fetch, cold, at a
+  // small batch.
   auto run_step = [&](int u, int32_t& slot_ahead, int32_t& slot_after, uint32_t& mask_bits) {
     const int first = step_key(u);
     // Refill the stage read in the previous step (every lane is past it: ldmatrix is warp-wide).
@@ -889,11 +890,13 @@ PrefillKernelShape shape_of() {
   // Hopper runs 16).
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
              "cudaFuncSetAttribute(tc_decode_kernel, non-portable clusters)");
-  for (int cluster = Tr::kMaxCluster; cluster >= 2 && shape.max_cluster == 0; cluster /= 2) {
+  // Clusters of `cluster` CTAs with `smem` bytes of dynamic shared memory that run at once (0
+  // where the size is refused: an answer, not an error to report later).
+  auto clusters_at_once = [&](int cluster, int smem) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(unsigned(cluster));
     config.blockDim = dim3(Tr::kThreads);
-    config.dynamicSmemBytes = size_t(Tr::smem_bytes(false));
+    config.dynamicSmemBytes = size_t(smem);
     cudaLaunchAttribute attribute;
     attribute.id = cudaLaunchAttributeClusterDimension;
     attribute.val.clusterDim.x = unsigned(cluster);
@@ -902,10 +905,12 @@ PrefillKernelShape shape_of() {
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
-      shape.max_cluster = cluster;
-    }
-    (void)cudaGetLastError();  // a refused size is an answer, not an error to report later
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) clusters = 0;
+    (void)cudaGetLastError();
+    return clusters;
+  };
+  for (int cluster = Tr::kMaxCluster; cluster >= 2 && shape.max_cluster == 0; cluster /= 2) {
+    if (clusters_at_once(cluster, Tr::smem_bytes(false)) > 0) shape.max_cluster = cluster;
   }
 #if defined(KVATTN_TC_DECODE_TRACE)
   // Placement diagnostics of a trace build: the clusters that fit at once, at this occupancy and
@@ -915,22 +920,9 @@ PrefillKernelShape shape_of() {
     (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, spread);
     for (const int smem : {Tr::smem_bytes(false), spread}) {
       for (const int cluster : {16, 12, 8, 4}) {
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(unsigned(cluster));
-        config.blockDim = dim3(Tr::kThreads);
-        config.dynamicSmemBytes = size_t(smem);
-        cudaLaunchAttribute attribute;
-        attribute.id = cudaLaunchAttributeClusterDimension;
-        attribute.val.clusterDim.x = unsigned(cluster);
-        attribute.val.clusterDim.y = 1;
-        attribute.val.clusterDim.z = 1;
-        config.attrs = &attribute;
-        config.numAttrs = 1;
-        int clusters = 0;
-        const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-        std::fprintf(stderr, "tc_decode placement: cluster %2d, %6d B shared: %d clusters at once%s\n",
-                     cluster, smem, clusters, e == cudaSuccess ? "" : " (query failed)");
-        (void)cudaGetLastError();
+        std::fprintf(stderr,
+                     "tc_decode placement: cluster %2d, %6d B shared: %d clusters at once\n",
+                     cluster, smem, clusters_at_once(cluster, smem));
       }
     }
     (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -44,11 +44,11 @@ __device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, bo
 
 /// base + row * pitch in one wide multiply-add (the copy address of a K/V row: a 32-bit row
 /// index and pitch in bytes; written as 64-bit C++ arithmetic the compiler adds a zero high word).
-__device__ __forceinline__ const char* row_address(const char* base, uint32_t row,
-                                                   uint32_t pitch) {
+__device__ __forceinline__ const char* row_address(const char* base, uint32_t row, uint32_t pitch) {
   uint64_t address;
-  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(address) : "r"(row), "r"(pitch),
-      "l"(reinterpret_cast<uint64_t>(base)));
+  asm("mad.wide.u32 %0, %1, %2, %3;"
+      : "=l"(address)
+      : "r"(row), "r"(pitch), "l"(reinterpret_cast<uint64_t>(base)));
   return reinterpret_cast<const char*>(address);
 }
 
