@@ -423,6 +423,11 @@ PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int devi
 }
 
 #if defined(KVATTN_TC_DECODE_TRACE)
+bool tc_decode::trace_requested() {
+  const char* v = std::getenv("KVATTN_TC_DECODE_TRACE");
+  return v != nullptr && std::atoi(v) != 0;
+}
+
 namespace {
 
 // Time attribution of the decode-shaped kernel (a build with KVATTN_TC_DECODE_TRACE defined, and
@@ -443,8 +448,7 @@ struct TcDecodeTrace {
 
 TcDecodeTrace* tc_decode_trace() {
   static TcDecodeTrace* trace = []() -> TcDecodeTrace* {
-    const char* v = std::getenv("KVATTN_TC_DECODE_TRACE");
-    if (v == nullptr || std::atoi(v) == 0) return nullptr;
+    if (!tc_decode::trace_requested()) return nullptr;
     auto* t = new TcDecodeTrace;
     check_cuda(cudaMalloc(&t->buffer, 2 * TcDecodeTrace::kHalf * sizeof(unsigned long long)),
                "cudaMalloc(tc_decode trace)");

@@ -121,6 +121,11 @@ enum TraceSlot : int {
   kTraceSlots = 16,
 };
 
+#if defined(KVATTN_TC_DECODE_TRACE)
+/// Whether the environment's KVATTN_TC_DECODE_TRACE asks for the trace (prefill.cu).
+bool trace_requested();
+#endif
+
 template <int kHeadDim, int kMAtomsOfTile, typename T>
 __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
@@ -737,7 +742,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       p.lse[(int64_t(q_begin) + token) * p.num_q_heads + head] = lse;
     }
   };
-  const int d0_out = (lane % kOutThreads) * 4;
+  const int d0 = (lane % kOutThreads) * 4;  // this thread's dims of every row it writes
 #pragma unroll
   for (int k = 0; k < kOutSteps; ++k) {
     const int sub = lane / kOutThreads;
@@ -747,7 +752,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) weight[w] = __shfl_sync(0xffffffffu, row_weight[w], holder);
     const float lse_r = __shfl_sync(0xffffffffu, row_lse_mine, holder);
-    const int d0 = d0_out;
     if (row0 + r >= rows_total || d0 >= v_dim) continue;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -915,7 +919,7 @@ PrefillKernelShape shape_of() {
 #if defined(KVATTN_TC_DECODE_TRACE)
   // Placement diagnostics of a trace build: the clusters that fit at once, at this occupancy and
   // at one CTA an SM (a dynamic shared memory request over half an SM's).
-  if (std::getenv("KVATTN_TC_DECODE_TRACE") != nullptr) {
+  if (trace_requested()) {
     const int spread = 120 * 1024;
     (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, spread);
     for (const int smem : {Tr::smem_bytes(false), spread}) {

@@ -149,7 +149,6 @@ __device__ __forceinline__ uint64_t global_timer() {
   return t;
 }
 
-/// Lets the next grid of the stream be scheduled (its griddepcontrol.wait still waits for us).
 /// The SM this thread runs on (placement diagnostics only).
 __device__ __forceinline__ uint32_t sm_id() {
   uint32_t id;
@@ -157,6 +156,7 @@ __device__ __forceinline__ uint32_t sm_id() {
   return id;
 }
 
+/// Lets the next grid of the stream be scheduled (its griddepcontrol.wait still waits for us).
 __device__ __forceinline__ void grid_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
 }
