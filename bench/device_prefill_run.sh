@@ -78,6 +78,8 @@ if want ncu; then
   # Per-SASS-instruction samples (stall reasons, executed instructions) for offline reading.
   ncu --import "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/source.csv" \
     2>> "$OUT/ncu.log"
+  # The details page (throughputs, pipe utilisation, stall summary, occupancy) as text.
+  ncu --import "$OUT/prof.ncu-rep" --page details --print-details all >> "$OUT/ncu.log" 2>&1
   gzip -f "$OUT/source.csv"
   rm -f "$OUT/prof.ncu-rep"
 fi
@@ -90,5 +92,5 @@ for f in probe tests tests_variants suite; do
 done
 [ -f "$OUT/checks.log" ] && { echo "== check / sanitizers"; grep -E "^####|FAIL|passed, |ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$OUT/checks.log" | head -30; }
 [ -f "$OUT/bench.log" ] && { echo "== bench"; grep -E "^####|^prefill|^extend|GEMM|FAILED|ceiling" "$OUT/bench.log"; }
-[ -f "$OUT/ncu.log" ] && { echo "== ncu"; grep -E "Duration|Compute \(SM\) Throughput|Issue Slots|Executed Ipc A|Warp Cycles Per Issued|highest-utilized|Bank|stall|Stall" "$OUT/ncu.log" | head -30; }
+[ -f "$OUT/ncu.log" ] && { echo "== ncu"; grep -E "Duration|Compute \(SM\) Throughput|Issue Slots|Executed Ipc A|Warp Cycles Per Issued|highest-utilized|Tensor|L2 Hit|L1/TEX Hit|Mem Pipes|Bank|Registers" "$OUT/ncu.log" | head -30; }
 echo "== steps"; printf '%s\n' "${summary[@]}"

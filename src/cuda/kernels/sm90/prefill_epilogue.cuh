@@ -70,4 +70,57 @@ __device__ __forceinline__ void store_tile_rows(const core::AttentionParams& p,
   }
 }
 
+/// The same for a 16-bit output through shared memory: this warp's 16 rows of O (the rows its
+/// wgmma fragments hold, tile rows warp_row0 .. warp_row0 + 15) are normalised into Q buffer
+/// `q_buffer` (free once the tile's last S is done) in Q's 128-byte swizzled layout, then
+/// written out a whole row per 16-byte lane group (a row of O is contiguous in the output), so
+/// a store instruction covers whole rows instead of a 16-byte piece of each of eight rows.
+/// Needs out 16-byte aligned with strides and v_dim multiples of 8 (prefill_kernel.cuh checks).
+template <class Tr, typename T, int kOutRegs>
+__device__ __forceinline__ void store_tile_rows_staged(
+    const core::AttentionParams& p, const PrefillTile& t, int group, int v_dim,
+    const int (&rows)[2], int warp_row0, int lane, const float (&o)[kOutRegs],
+    const RowPairSoftmax& softmax, float scale_log2, unsigned char* q_buffer) {
+  static_assert(kOutRegs * 2 == Tr::kHeadDimV && Tr::kHeadDimV <= Tr::kHeadDim, "O fits Q");
+  constexpr int kSubTileBytes = Tr::kTileRows * 128;  // a 64-column sub-tile of the buffer
+  float inv_sum[2], lse[2];
+  softmax.finish(scale_log2, p.v_scale, inv_sum, lse);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rows[h];
+    unsigned char* row = q_buffer + r * 128 + (lane & 3) * 4;
+#pragma unroll
+    for (int j = 0; j < kOutRegs / 4; ++j) {
+      *reinterpret_cast<uint32_t*>(row + (j / 8) * kSubTileBytes + (((j % 8) ^ (r & 7)) << 4)) =
+          ptx::pack2<T>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+    }
+    const int packed = t.row0 + r;
+    if (p.lse != nullptr && (lane & 3) == 0 && packed < t.rows_total) {
+      const int token = packed / group;
+      const int head = t.kv_head * group + packed % group;
+      p.lse[(int64_t(t.q_begin) + token) * p.num_q_heads + head] = lse[h];
+    }
+  }
+  __syncwarp();
+  constexpr int kChunks = Tr::kHeadDimV / 8;  // 16-byte chunks of a row
+  static_assert(kChunks <= 32 && 32 % kChunks == 0, "a row per lane group");
+  constexpr int kRowsPerPass = 32 / kChunks;
+  const int c = lane % kChunks;
+  const bool column = c * 8 < v_dim;
+#pragma unroll
+  for (int i = 0; i < 16 / kRowsPerPass; ++i) {
+    const int r = warp_row0 + lane / kChunks + i * kRowsPerPass;
+    const int packed = t.row0 + r;
+    if (column && packed < t.rows_total) {
+      const int token = packed / group;
+      const int head = t.kv_head * group + packed % group;
+      const uint4 value = *reinterpret_cast<const uint4*>(
+          q_buffer + (c / 8) * kSubTileBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4));
+      T* dst = static_cast<T*>(p.out) + (int64_t(t.q_begin) + token) * p.out_stride_token +
+               int64_t(head) * p.out_stride_head + c * 8;
+      *reinterpret_cast<uint4*>(dst) = value;
+    }
+  }
+}
+
 }  // namespace kvattn::cuda::sm90

@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
   // before any barrier or copy exists.
   if (::kvattn::cuda::detail::step_refused(p.step_error)) return;
   using Tr = PrefillTraits<kHeadDim, kHeadDimV, kStages>;
+  static_assert(sizeof(PrefillTile) <= Tr::kTileInfoBytes, "a tile description fits its slot");
   extern __shared__ unsigned char smem_raw[];
   SharedBuffers<Tr> sm;
   {
@@ -74,11 +75,18 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                                     p.kv_dtype == DType::kFloat8E5M2,
                                     v_dim,
                                     options.diagnostic};
-    uint32_t it = 0;
-    for (int index = scheduler.first(); scheduler.valid(index); index = scheduler.next(index)) {
+    uint32_t it = 0, published = 0;
+    for (int round = 0; scheduler.more(round); ++round) {
+      const int index = scheduler.item(round);
+      if (index >= tiles.num_items) continue;
       const PrefillTile t = PrefillTile::load<Tr::kKvTile>(p, tiles, index);
-      if (t.num_blocks > 0) producer.run_tile(t, group, it);
+      if (!t.has_rows()) continue;  // a padding item: nothing to compute or write
+      producer.publish_tile(t, group, published++);
+      if (t.num_blocks > 0) producer.run_tile(t, it);
     }
+    PrefillTile end;
+    end.request = -1;
+    producer.publish_tile(end, group, published);
   } else {
     ptx::warpgroup_registers_take<Tr::kConsumerRegisters>();
     using Consumer = PrefillConsumer<Tr, T>;
@@ -96,22 +104,40 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                       soft_cap ? qk_scale / p.logit_cap : 0.f,
                       options.ping_pong,
                       options.diagnostic};
-    // The Q buffer starts free; the first warpgroup starts the ping-pong.
-    ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
+    // The first warpgroup starts the ping-pong.
     if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
     const int rows[2] = {consumer.tile_row(0), consumer.tile_row(1)};
-    uint32_t it = 0, q_phase = 0;
+    // A 16-bit output goes out through the tile's Q buffer (whole rows a store) where there are
+    // two buffers and the output's rows are 16-byte vectors.
+    const bool staged_output = Tr::kQBuffers == 2 && !p.out_fp32 && v_dim % 8 == 0 &&
+                               (reinterpret_cast<uintptr_t>(p.out) & 15u) == 0 &&
+                               p.out_stride_token % 8 == 0 && p.out_stride_head % 8 == 0;
+    using QRing = RingPosition<Tr::kQBuffers>;
+    uint32_t it = 0;
     float o[Consumer::kOutRegs];
-    for (int index = scheduler.first(); scheduler.valid(index); index = scheduler.next(index)) {
-      const PrefillTile t = PrefillTile::load<Tr::kKvTile>(p, tiles, index);
-      if (!t.has_rows()) continue;  // a padding item writes nothing
+    for (uint32_t taken = 0;; ++taken) {
+      const QRing at = QRing::of(taken);
+      ptx::mbarrier_wait(sm.q_full(at.stage), at.phase);
+      const PrefillTile t = *sm.tile_info(at.stage);
+      if (t.request < 0) break;  // the producer's end of work
+      const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
-        consumer.run_tile(t, group, o, softmax, it, q_phase);
+        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged);
       } else {
 #pragma unroll
         for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;
       }
+      if constexpr (Tr::kQBuffers == 2) {
+        if (staged) {
+          store_tile_rows_staged<Tr, T>(p, t, group, v_dim, rows, consumer.wg * 64 + consumer.warp * 16,
+                                        lane, o, softmax, scale_log2,
+                                        sm.ptr + Tr::kQOffset + at.stage * Tr::kQBytes);
+          consumer.release_q(at.stage);
+          continue;
+        }
+      }
+      if (t.num_blocks == 0) consumer.release_q(at.stage);  // no S read the buffer
       store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2);
     }
   }
@@ -154,6 +180,8 @@ void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& 
                       const LaunchOptions& options, cudaStream_t stream) {
   constexpr int kDeep = max_prefill_stages(kHeadDim);
   constexpr int kKvTile = PrefillTraits<kHeadDim, kHeadDimV>::kKvTile;
+  // The tensor-map path takes the deepest ring (with one Q buffer at head_dim 128: a third stage
+  // measured as fast as a second Q buffer, bench/NOTES.md v7); row copies two stages.
   const PrefillTensorMaps maps = make_ragged_tensor_maps(p, kKvTile);
   const int stages = options.stages > 0 ? options.stages : (maps.enabled ? kDeep : 2);
   const bool deep = stages >= 3 && kDeep >= 3;

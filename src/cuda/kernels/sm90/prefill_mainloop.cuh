@@ -2,13 +2,16 @@
 // warpgroups' S = Q K^T, online softmax and O += P V on warpgroup MMAs.
 //
 // Pipeline (per tile, blocks n = num_blocks - 1 down to 0, each block in stage it % kStages of
-// a running iteration count `it` that continues across the tiles of a CTA):
-//   producer:  K[n_last], Q, then for each later block: K[n], V[n + 1]; finally V[0]
-//   consumer:  S = Q K[n_last]; softmax
+// a running iteration count `it` that continues across the tiles of a CTA; the tile itself in Q
+// buffer u % kQBuffers of the running tile count u):
+//   producer:  the tile's description and Q (once the buffer is free), K[n_last], then for each
+//              later block: K[n], V[n + 1]; finally V[0]
+//   consumer:  wait for the tile; S = Q K[n_last]; softmax
 //              for each later block: issue S = Q K[n] and O += P V[n + 1]; wait for S; release
 //              K; softmax of S (overlapping the P V product on the tensor cores); wait for O;
 //              release V; rescale O; P = S
-//              O += P V[0]
+//              O += P V[0]; the output (staged through the tile's Q buffer where it can be);
+//              release the Q buffer (after the last S when the output does not use it)
 // Optionally (LaunchOptions::ping_pong, off by default) the two consumer warpgroups take turns
 // issuing their products (named barriers kScheduleFirst + wg), FA3's ping-pong.
 //
@@ -41,7 +44,12 @@ struct SharedBuffers {
   uint32_t base = 0;             // .shared address, 1024-byte aligned
   unsigned char* ptr = nullptr;  // the same bytes as a generic pointer
 
-  __device__ __forceinline__ uint32_t q() const { return base + Tr::kQOffset; }
+  __device__ __forceinline__ uint32_t q(int buffer) const {
+    return base + Tr::kQOffset + buffer * Tr::kQBytes;
+  }
+  __device__ __forceinline__ PrefillTile* tile_info(int buffer) const {
+    return reinterpret_cast<PrefillTile*>(ptr + Tr::kTileInfoOffset + buffer * Tr::kTileInfoBytes);
+  }
   __device__ __forceinline__ uint32_t k(int stage) const {
     return base + Tr::kKOffset + stage * Tr::kKBytes;
   }
@@ -57,26 +65,36 @@ struct SharedBuffers {
   __device__ __forceinline__ uint32_t barrier(int index) const {
     return base + Tr::kBarrierOffset + index * 8;
   }
-  __device__ __forceinline__ uint32_t q_full() const { return barrier(0); }
-  __device__ __forceinline__ uint32_t k_full(int stage) const { return barrier(1 + stage); }
+  __device__ __forceinline__ uint32_t q_full(int buffer) const { return barrier(buffer); }
+  __device__ __forceinline__ uint32_t q_empty(int buffer) const {
+    return barrier(Tr::kQBuffers + buffer);
+  }
+  static constexpr int kRing = 2 * Tr::kQBuffers;  // first K/V barrier
+  __device__ __forceinline__ uint32_t k_full(int stage) const { return barrier(kRing + stage); }
   __device__ __forceinline__ uint32_t v_full(int stage) const {
-    return barrier(1 + Tr::kStages + stage);
+    return barrier(kRing + Tr::kStages + stage);
   }
   __device__ __forceinline__ uint32_t k_empty(int stage) const {
-    return barrier(1 + 2 * Tr::kStages + stage);
+    return barrier(kRing + 2 * Tr::kStages + stage);
   }
   __device__ __forceinline__ uint32_t v_empty(int stage) const {
-    return barrier(1 + 3 * Tr::kStages + stage);
+    return barrier(kRing + 3 * Tr::kStages + stage);
   }
 
   /// One thread initialises every barrier; the CTA synchronises afterwards. A stage fills by
   /// one arrival per producer thread (row copies) or by one arrival and the bytes of its tensor
-  /// copies (tma).
+  /// copies (tma); a Q buffer by one arrival per producer thread (its Q rows) plus one from the
+  /// thread that wrote the tile's description. A stage empties by one arrival per consumer warp
+  /// (its wgmmas read it), a Q buffer by one per consumer thread (each also read the tile's
+  /// description, and the staged output, with ordinary loads).
   __device__ __forceinline__ void init_barriers(bool tma) const {
     constexpr uint32_t kProducerThreads = 128;
     constexpr uint32_t kConsumerWarps = 4 * Tr::kConsumerWarpgroups;
     const uint32_t kv_arrivals = tma ? 1 : kProducerThreads;
-    ptx::mbarrier_init(q_full(), kProducerThreads);
+    for (int b = 0; b < Tr::kQBuffers; ++b) {
+      ptx::mbarrier_init(q_full(b), kProducerThreads + 1);
+      ptx::mbarrier_init(q_empty(b), 32 * kConsumerWarps);
+    }
     for (int s = 0; s < Tr::kStages; ++s) {
       ptx::mbarrier_init(k_full(s), kv_arrivals);
       ptx::mbarrier_init(v_full(s), kv_arrivals);
@@ -86,7 +104,8 @@ struct SharedBuffers {
   }
 };
 
-/// Position in the stage ring: iteration `it` uses stage it % kStages in phase (it / kStages).
+/// Position in a ring of kStages slots (the K/V stages, the Q buffers): use number `it` takes
+/// slot it % kStages in phase (it / kStages).
 template <int kStages>
 struct RingPosition {
   int stage = 0;
@@ -126,12 +145,12 @@ struct PrefillProducer {
     return uint32_t(r0) * 128 + uint32_t((tid % 8) ^ (r0 % 8)) * 16;
   }
 
-  /// Gathers the tile's 128 packed rows of Q (rows past the request are zeros) into the Q
-  /// buffer; arrives on q_full when the copies land.
-  __device__ __forceinline__ void load_q(const PrefillTile& t, int group) const {
+  /// Gathers the tile's 128 packed rows of Q (rows past the request are zeros) into Q buffer
+  /// `buffer` (the caller arrives on the buffer's barrier).
+  __device__ __forceinline__ void load_q(const PrefillTile& t, int group, int buffer) const {
     constexpr int kSubTiles = Tr::kHeadDim / 64;
     const T* q = static_cast<const T*>(p.q) + (tid % 8) * 8;
-    const uint32_t dst = sm.q() + chunk_base();
+    const uint32_t dst = sm.q(buffer) + chunk_base();
 #pragma unroll
     for (int i = 0; i < Tr::kTileRows / kRowStep; ++i) {
       const int packed = t.row0 + row_in_step() + i * kRowStep;
@@ -148,7 +167,22 @@ struct PrefillProducer {
                                 src + sub * 64, valid);
       }
     }
-    ptx::cp_async_mbarrier_arrive(sm.q_full());
+  }
+
+  /// Publishes a tile to the consumers: once its Q buffer is free, the tile's description and
+  /// (when it has keys) its Q rows; a description with request < 0 ends the CTA's work.
+  /// `published` counts the tiles this CTA published before.
+  __device__ __forceinline__ void publish_tile(const PrefillTile& t, int group,
+                                               uint32_t published) const {
+    using QRing = RingPosition<Tr::kQBuffers>;
+    const QRing at = QRing::of(published);
+    ptx::mbarrier_wait(sm.q_empty(at.stage), at.phase ^ 1u);
+    if (t.num_blocks > 0) load_q(t, group, at.stage);
+    ptx::cp_async_mbarrier_arrive(sm.q_full(at.stage));
+    if (tid == 0) {
+      *sm.tile_info(at.stage) = t;
+      ptx::mbarrier_arrive(sm.q_full(at.stage));  // release: the description is visible
+    }
   }
 
   /// The storage row of this thread's row i of a block (-1: none: past the block's keys, or a
@@ -246,8 +280,9 @@ struct PrefillProducer {
     if (maps.enabled) {
       // A V block that runs past the request's keys is copied row by row with zeros past them:
       // a box would bring in the next request's rows, and P = 0 times a NaN there is NaN (K
-      // rows need no care: masked scores are -inf whatever K holds).
-      const bool partial_v = is_v && t.kv_begin + (block + 1) * Tr::kKvTile > t.kv_end;
+      // rows need no care: masked scores are -inf whatever K holds). Rows past the tile's keys
+      // but inside the request (a causal tile's later keys) are the request's own finite rows.
+      const bool partial_v = is_v && t.kv_begin + (block + 1) * Tr::kKvTile > t.kv_len;
       if (!partial_v) {
         if (tid == 0) load_block_tma(t, is_v, block, at);
         return;
@@ -331,10 +366,11 @@ struct PrefillProducer {
     return table;
   }
 
-  /// All the loads of one tile. `it` is the running stage iteration (advanced by num_blocks).
-  /// Step 0 loads K[last] then Q; step s loads K[last - s] and V[last - s + 1]; the last step
-  /// V[0] (one call site per operand keeps the unrolled copy code small).
-  __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, uint32_t& it) const {
+  /// The K/V loads of one tile (its Q went with publish_tile). `it` is the running stage
+  /// iteration (advanced by num_blocks). Step 0 loads K[last]; step s loads K[last - s] and
+  /// V[last - s + 1]; the last step V[0] (one call site per operand keeps the unrolled copy
+  /// code small).
+  __device__ __forceinline__ void run_tile(const PrefillTile& t, uint32_t& it) const {
     const int last = t.num_blocks - 1;
     // Slot tables (paged): the table of iteration i is written before K[i] and read by K[i]
     // and V[i] (one step later); three tables in rotation and the table barrier of each K load
@@ -350,14 +386,7 @@ struct PrefillProducer {
         if (paged && block > 0) slot = fetch_slot(t, block - 1);  // in flight during the copies
         load_block(t, false, block, Ring::of(it + step), k_table);
       }
-      if (step == 0) {
-        // Q after the first K: the consumers release the Q buffer after the last S of their
-        // previous tile (or at the start).
-        ptx::named_barrier_sync(kQueryEmpty, Tr::kThreads);
-        load_q(t, group);
-      } else {
-        load_block(t, true, last - step + 1, Ring::of(it + step - 1), v_table);
-      }
+      if (step > 0) load_block(t, true, last - step + 1, Ring::of(it + step - 1), v_table);
       v_table = k_table;
     }
     it += t.num_blocks;
@@ -397,8 +426,8 @@ struct PrefillConsumer {
 
   // Operand descriptors: Q's (this warpgroup's 64 rows) and stage 0's K and V; a stage and a
   // k16 block are constant byte steps from them.
-  __device__ __forceinline__ ptx::SmemDescriptor q_desc() const {
-    return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.q() + wg * 64 * 128);
+  __device__ __forceinline__ ptx::SmemDescriptor q_desc(int q_buffer) const {
+    return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.q(q_buffer) + wg * 64 * 128);
   }
   __device__ __forceinline__ ptx::SmemDescriptor k_desc(int stage) const {
     return ptx::smem_descriptor<16, ptx::kSwizzleAtomBytes>(sm.k(0)).plus(stage * Tr::kKBytes);
@@ -409,10 +438,11 @@ struct PrefillConsumer {
   }
 
   /// Issues S = Q K^T on stage `stage` (one wgmma group).
-  __device__ __forceinline__ void issue_scores(float (&s)[kScoreRegs], int stage) const {
+  __device__ __forceinline__ void issue_scores(float (&s)[kScoreRegs], int stage,
+                                               int q_buffer) const {
     ptx::fence_registers(s);
     ptx::wgmma_fence();
-    const ptx::SmemDescriptor q = q_desc();
+    const ptx::SmemDescriptor q = q_desc(q_buffer);
     const ptx::SmemDescriptor k = k_desc(stage);
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
@@ -448,6 +478,10 @@ struct PrefillConsumer {
   __device__ __forceinline__ void release(uint32_t empty_barrier) const {
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(empty_barrier);
+  }
+  /// Signals that this thread is done with a Q buffer and its tile description.
+  __device__ __forceinline__ void release_q(int q_buffer) const {
+    ptx::mbarrier_arrive(sm.q_empty(q_buffer));
   }
 
   /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf).
@@ -516,11 +550,12 @@ struct PrefillConsumer {
     if (ping_pong) ptx::named_barrier_arrive(kScheduleFirst + (wg ^ 1), 256);
   }
 
-  /// The whole mainloop of one tile (num_blocks > 0): on return o holds the unnormalised output
-  /// and `softmax` the rows' state. `it` and `q_phase` advance.
+  /// The whole mainloop of one tile (num_blocks > 0) whose Q is in buffer q_buffer: on return
+  /// o holds the unnormalised output and `softmax` the rows' state; `it` advances. With
+  /// free_q_early the Q buffer is released as soon as the tile's last S is done.
   __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, float (&o)[kOutRegs],
-                                           RowPairSoftmax& softmax, uint32_t& it,
-                                           uint32_t& q_phase) const {
+                                           RowPairSoftmax& softmax, uint32_t& it, int q_buffer,
+                                           bool free_q_early) const {
     const uint8_t* mask_base = nullptr;
     int64_t mask_row_len = 0;
     if (custom) {
@@ -540,14 +575,13 @@ struct PrefillConsumer {
     int block = t.num_blocks - 1;
     const uint32_t scratch = sm.scratch_word(wg * 4 + warp);
 
-    ptx::mbarrier_wait(sm.q_full(), q_phase);
-    q_phase ^= 1u;
     Ring at = Ring::of(it);
     ptx::mbarrier_wait(sm.k_full(at.stage), at.phase);
-    issue_scores(s, at.stage);
+    issue_scores(s, at.stage, q_buffer);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(s);
     release(sm.k_empty(at.stage));
+    if (free_q_early && block == 0) release_q(q_buffer);
     transform_scores(s, t, group, block, mask_base, mask_row_len);
     softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
@@ -556,13 +590,14 @@ struct PrefillConsumer {
       const Ring next = Ring::of(it + 1);
       ptx::mbarrier_wait(sm.k_full(next.stage), next.phase);
       schedule_wait();
-      issue_scores(s, next.stage);
+      issue_scores(s, next.stage, q_buffer);
       ptx::mbarrier_wait(sm.v_full(at.stage), at.phase);
       issue_pv(o, pf, at.stage);
       schedule_pass();
       ptx::wgmma_wait_group<1>();  // S done; P V may still run
       ptx::fence_registers(s);
       release(sm.k_empty(next.stage));
+      if (free_q_early && block == 0) release_q(q_buffer);  // the tile's last S
       bool moved = false;
       if (!(diagnostic & kDiagnosticNoSoftmax)) {
         transform_scores(s, t, group, block, mask_base, mask_row_len);
@@ -582,8 +617,6 @@ struct PrefillConsumer {
       at = next;
       ++it;
     }
-    // Every S of the tile is done: the producer may load the next tile's Q.
-    ptx::named_barrier_arrive(kQueryEmpty, Tr::kThreads);
     ptx::mbarrier_wait(sm.v_full(at.stage), at.phase);
     issue_pv(o, pf, at.stage);
     ptx::wgmma_wait_group<0>();

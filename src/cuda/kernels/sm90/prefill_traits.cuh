@@ -1,13 +1,17 @@
 // Shapes, shared-memory layout and register budget of the Hopper (sm_90a) prefill kernel.
 //
-// A CTA is three warpgroups: warpgroup 0 loads (Q once per tile, then K and V blocks through a
-// ring of kStages shared-memory stages guarded by mbarriers), warpgroups 1 and 2 compute, each
-// on 64 of the tile's 128 packed rows (a wgmma is m64). One CTA per SM (the stages fill shared
-// memory), so the tile scheduler is persistent.
+// A CTA is three warpgroups: warpgroup 0 loads (each tile's description and Q into one of
+// kQBuffers buffers, then K and V blocks through a ring of kStages shared-memory stages, all
+// guarded by mbarriers), warpgroups 1 and 2 compute, each on 64 of the tile's 128 packed rows (a
+// wgmma is m64). One CTA per SM (the stages fill shared memory), so the tile scheduler is
+// persistent, and the producer owns it: the consumers take tiles from shared memory in the order
+// the producer publishes them.
 //
-// Worked example, head_dim 128: Q 128 x 128 bf16 = 32 KiB; a K or V block 128 keys x 128 =
-// 32 KiB; three stages of K and V = 192 KiB; 224 KiB plus tables of the 227 KiB an SM offers.
-// A consumer thread holds S (64 x 128 fp32 over 128 threads = 64 registers), P (32), O (64).
+// Worked example, head_dim 128: Q 128 x 128 bf16 = 32 KiB, two buffers (the next tile's Q lands
+// while this one computes; a finished tile stages its output in its own Q buffer); a K or V
+// block 128 keys x 128 = 32 KiB; two stages of K and V = 128 KiB; 192 KiB plus tables of the
+// 227 KiB an SM offers. A consumer thread holds S (64 x 128 fp32 over 128 threads = 64
+// registers), P (32), O (64).
 #pragma once
 
 #include <cuda.h>
@@ -47,23 +51,34 @@ struct PrefillTraits {
   static constexpr int kQBytes = kTileRows * kHeadDim * 2;
   static constexpr int kKBytes = kKvTile * kHeadDim * 2;
   static constexpr int kVBytes = kKvTile * kHeadDimV * 2;
+  // Everything but the Q buffers: the K/V ring, the slot tables, the tile descriptions, the
+  // scratch words and the barriers (at most 2 x 2 + 4 x kStages of them), rounded up.
+  static constexpr int kSlotTables = 3;
+  static constexpr int kTileInfoBytes = 64;  // one PrefillTile (static_assert in the kernel)
+  static constexpr int kRingAndTables = kStages * (kKBytes + kVBytes) + kSlotTables * kKvTile * 4 +
+                                        2 * kTileInfoBytes + 64 + (4 + 4 * kStages) * 8;
+  /// Two Q buffers where they fit next to the ring, else one (then the next tile's Q is loaded
+  /// only after this tile's last S, and the output is stored from registers).
+  static constexpr int kQBuffers = 2 * kQBytes + kRingAndTables + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQOffset + kQBytes;
+  static constexpr int kKOffset = kQOffset + kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKBytes;
   // Paged K/V: the slot of each key of a block, written by the producer warpgroup; three tables
   // in rotation (see the producer) so a table is never rewritten while a V copy still reads it.
-  static constexpr int kSlotTables = 3;
   static constexpr int kSlotOffset = kVOffset + kStages * kVBytes;
+  // The description of the tile whose Q is in buffer b (written by the producer).
+  static constexpr int kTileInfoOffset = kSlotOffset + kSlotTables * kKvTile * 4;
   // One word per consumer warp: the target of ptx::pin_before_wgmma_wait (never read).
-  static constexpr int kScratchOffset = kSlotOffset + kSlotTables * kKvTile * 4;
+  static constexpr int kScratchOffset = kTileInfoOffset + kQBuffers * kTileInfoBytes;
   static constexpr int kBarrierOffset = kScratchOffset + kConsumerWarpgroups * 4 * 4;
-  // q_full, then k_full / v_full / k_empty / v_empty per stage.
-  static constexpr int kNumBarriers = 1 + 4 * kStages;
+  // q_full / q_empty per Q buffer, then k_full / v_full / k_empty / v_empty per stage.
+  static constexpr int kNumBarriers = 2 * kQBuffers + 4 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8;
   static constexpr int kSmemAllocBytes = kSmemBytes + 1024;  // slack to align the base
 
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "columns come in 64-wide sub-tiles");
   static_assert(kKvTile % 16 == 0 && kKvTile <= 128, "one slot per producer thread and block key");
+  static_assert(kTileInfoOffset % 16 == 0, "tile descriptions are read as vectors");
   static_assert(kQOffset % 1024 == 0 && kKOffset % 1024 == 0 && kVOffset % 1024 == 0 &&
                     kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "swizzled tiles start on 1024-byte boundaries");
@@ -103,7 +118,6 @@ constexpr int kDiagnosticNoSoftmax = 2;
 
 // Named barriers (0 is __syncthreads).
 enum NamedBarrier : int {
-  kQueryEmpty = 1,     // consumers (arrive) -> producer (sync): Q may be overwritten
   kProducerTable = 2,  // the producer warpgroup: a slot table is written
   kScheduleFirst = 3,  // ping-pong of the two consumer warpgroups: ids 3 and 4
 };

@@ -2,8 +2,9 @@
 // derives from an item (the tile's rows, its keys, its blocks, its masks).
 //
 // The plan (core/prefill_tiles.h) lists items heaviest first. The grid is persistent (at most
-// one CTA per SM): CTA b runs items b, b + grid, b + 2 grid, ... With items sorted by cost this
-// static stride is a greedy schedule; both warp roles walk the same sequence without talking.
+// one CTA per SM): the producer warpgroup of a CTA walks its items (StaticTileScheduler) and
+// publishes each tile's description next to its Q (prefill_mainloop.cuh), so the consumers never
+// read the plan.
 #pragma once
 
 #include <cstdint>
@@ -57,14 +58,21 @@ struct PrefillTile {
   __device__ __forceinline__ bool has_rows() const { return row0 < rows_total; }
 };
 
-/// Static persistent schedule over the plan's items.
+/// Static persistent schedule over the plan's items, walked by the producer warpgroup alone
+/// (the consumers take the tiles it publishes). Round r hands items r G .. r G + G - 1 (G CTAs)
+/// out one per CTA, in CTA order on even rounds and in reverse on odd ones: with the items sorted
+/// heaviest first, the CTA that took the heaviest item of a round takes the lightest of the next,
+/// so the CTAs' totals even out (a plain stride leaves CTA 0 up to one whole item behind).
 struct StaticTileScheduler {
   int num_items = 0;
-  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x); }
-  __device__ __forceinline__ int next(int index) const {
-    return index + static_cast<int>(gridDim.x);
+  __device__ __forceinline__ bool more(int round) const {
+    return round * static_cast<int>(gridDim.x) < num_items;
   }
-  __device__ __forceinline__ bool valid(int index) const { return index < num_items; }
+  /// This CTA's item of round `round` (may be >= num_items in the last round: none then).
+  __device__ __forceinline__ int item(int round) const {
+    const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
+    return round * g + ((round & 1) ? g - 1 - c : c);
+  }
 };
 
 }  // namespace kvattn::cuda::sm90

@@ -28,17 +28,29 @@ struct RowPairSoftmax {
   /// Turns the scores of one block into probabilities in place and folds them into the state.
   /// factor[h] is what the output accumulated so far must be multiplied by; returns true when
   /// some factor is not 1 (the caller rescales only then).
+  ///
+  /// Wide blocks (>= 8 n8 blocks, the Hopper prefill's 128 keys) reduce a row's max and sum in
+  /// four independent chains and add those up at the end: the softmax sits on the critical
+  /// path between a block's S and the next products, and with two warps a scheduler a 32-deep
+  /// chain of dependent FMNMX / FADD is latency nobody hides. Narrow blocks keep one chain.
   template <int kBlocks>
   __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
                                          float (&factor)[2]) {
+    constexpr int kChains = kBlocks >= 8 ? 4 : 1;
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float block_max = -INFINITY;
+      float chain_max[kChains];
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) chain_max[c] = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kBlocks; ++j) {
-        block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        chain_max[j % kChains] =
+            fmaxf(chain_max[j % kChains], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       }
+      float block_max = chain_max[0];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) block_max = fmaxf(block_max, chain_max[c]);
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
       // True when the row had no max yet and now has one; false when both are -inf (NaN).
@@ -49,14 +61,30 @@ struct RowPairSoftmax {
       moved |= move;
       // A row that has seen only masked keys keeps max -inf; exponentiate against 0 then.
       const float offset = max[h] == -INFINITY ? 0.f : -max[h] * scale_log2;
+      if constexpr (kChains == 1) {
 #pragma unroll
-      for (int j = 0; j < kBlocks; ++j) {
+        for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = ptx::fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, offset));
-          s[4 * j + 2 * h + e] = p;
-          sum[h] += p;
+          for (int e = 0; e < 2; ++e) {
+            const float p = ptx::fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, offset));
+            s[4 * j + 2 * h + e] = p;
+            sum[h] += p;
+          }
         }
+      } else {
+        float chain_sum[kChains];
+#pragma unroll
+        for (int c = 0; c < kChains; ++c) chain_sum[c] = 0.f;
+#pragma unroll
+        for (int j = 0; j < kBlocks; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = ptx::fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, offset));
+            s[4 * j + 2 * h + e] = p;
+            chain_sum[j % kChains] += p;
+          }
+        }
+        sum[h] += (chain_sum[0] + chain_sum[1]) + (chain_sum[2] + chain_sum[3]);
       }
     }
     return moved;
