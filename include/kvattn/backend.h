@@ -51,7 +51,8 @@ struct BackendConfig {
   int sliding_window_size = -1;
   bool is_encoder_decoder = false;  ///< keeps self and cross index sets; exclusive with a window
   /// EXTEND takes the ragged + paged-prefix path when the step has at least this many new
-  /// tokens (and no window / cross-attention); the reference uses 4096.
+  /// tokens, more new tokens than cached prefix tokens, and no window / cross-attention (the
+  /// reference uses 4096 and no prefix rule). 0 forces the path for every EXTEND / MIXED step.
   int64_t ragged_extend_threshold = 4096;
   TensorCoreDecode decode_tensor_cores = TensorCoreDecode::kAuto;
   int num_threads = 0;  ///< CPU backend: worker threads; 0 = KVATTN_NUM_THREADS or all cores

@@ -74,7 +74,7 @@ def test_extend_with_prefix(page_size):
 
 
 def test_extend_ragged_path():
-    e = engine(ragged_extend_threshold=1, page_size=16)
+    e = engine(ragged_extend_threshold=0, page_size=16)
     error = extend_like_step(e, ForwardMode.EXTEND, [0, 64, 700], [33, 200, 77], ragged=True)
     report("extend ragged max rel err", error)
 
@@ -111,7 +111,7 @@ def test_attention_sinks(sink_dtype):
     decode_step(engine(num_kv_heads=2), [3, 300, 2047], sinks=sinks)
     verify_step(engine(page_size=16), [1, 90, 700], 8, sinks=sinks)
     extend_like_step(engine(), ForwardMode.EXTEND, [0, 300, 1000], [17, 129, 250], sinks=sinks)
-    extend_like_step(engine(ragged_extend_threshold=1, page_size=16), ForwardMode.EXTEND,
+    extend_like_step(engine(ragged_extend_threshold=0, page_size=16), ForwardMode.EXTEND,
                      [0, 64, 700], [33, 200, 77], ragged=True, sinks=sinks)
     extend_like_step(engine(window=64, page_size=16), ForwardMode.MIXED, [0, 40, 300],
                      [60, 1, 23], sinks=sinks)

@@ -138,8 +138,8 @@ def test_extend_with_cached_prefix(page_size):
 
 
 def test_extend_ragged_path_matches_paged():
-    # threshold 1: every extend takes the ragged + paged-prefix path (merge of two LSE states)
-    world = World(make_rng(30), page_size=4, ragged_extend_threshold=1)
+    # threshold 0: every extend takes the ragged + paged-prefix path (merge of two LSE states)
+    world = World(make_rng(30), page_size=4, ragged_extend_threshold=0)
     extend_step(world, "EXTEND", [0, 9, 31], [5, 1, 17], ragged=True)
 
 
@@ -161,7 +161,7 @@ def test_mixed_extend_and_decode_requests():
 
 
 def test_draft_extend():
-    world = World(make_rng(41), page_size=4, ragged_extend_threshold=1)
+    world = World(make_rng(41), page_size=4, ragged_extend_threshold=0)
     # DRAFT_EXTEND always takes the paged path, whatever the ragged threshold says
     extend_step(world, "DRAFT_EXTEND", [10, 3], [3, 2])
 

@@ -44,7 +44,7 @@ def test_extend_mixed_draft_extend():
     extend_like_step(engine(page_size=4), ForwardMode.EXTEND, [0, 6, 20], [3, 9, 1])
     extend_like_step(engine(), ForwardMode.MIXED, [0, 12], [5, 1])
     extend_like_step(engine(), ForwardMode.DRAFT_EXTEND, [7], [3])
-    extend_like_step(engine(ragged_extend_threshold=1), ForwardMode.EXTEND, [4, 0], [6, 5],
+    extend_like_step(engine(ragged_extend_threshold=0), ForwardMode.EXTEND, [4, 0], [6, 5],
                      ragged=True)
 
 
@@ -63,7 +63,7 @@ def test_attention_sinks_every_mode(sink_dtype):
     sinks = (torch.linspace(-1.0, 4.0, 4) + 0.3).to(sink_dtype)  # num_q_heads = 4
     decode_step(engine(page_size=4), [0, 5, 33], sinks=sinks)
     extend_like_step(engine(), ForwardMode.EXTEND, [0, 6, 20], [3, 9, 1], sinks=sinks)
-    extend_like_step(engine(ragged_extend_threshold=1), ForwardMode.EXTEND, [4, 0], [6, 5],
+    extend_like_step(engine(ragged_extend_threshold=0), ForwardMode.EXTEND, [4, 0], [6, 5],
                      ragged=True, sinks=sinks)
     extend_like_step(engine(window=3), ForwardMode.MIXED, [0, 12], [5, 1], sinks=sinks)
     extend_like_step(engine(), ForwardMode.DRAFT_EXTEND, [7], [3], sinks=sinks)

@@ -306,10 +306,12 @@ PagedLayout make_ragged_layout(const HostLengths& lens) {
   return layout;
 }
 
-bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t threshold,
-                       bool has_window, bool is_encoder_decoder, bool deterministic) {
+bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t num_prefix_tokens,
+                       int64_t threshold, bool has_window, bool is_encoder_decoder,
+                       bool deterministic) {
   return !deterministic && (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed) &&
-         num_new_tokens >= threshold && !has_window && !is_encoder_decoder;
+         num_new_tokens >= threshold && (threshold == 0 || num_prefix_tokens < num_new_tokens) &&
+         !has_window && !is_encoder_decoder;
 }
 
 }  // namespace kvattn::core

@@ -24,9 +24,11 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
       facts.num_tokens = facts.new_tokens;
       break;
   }
-  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, config.ragged_extend_threshold,
-                                   config.sliding_window_size >= 0, config.is_encoder_decoder,
-                                   config.deterministic);
+  int64_t prefix_tokens = 0;
+  for (int32_t e : facts.lens.prefix_lens) prefix_tokens += e;
+  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, prefix_tokens,
+                                   config.ragged_extend_threshold, config.sliding_window_size >= 0,
+                                   config.is_encoder_decoder, config.deterministic);
   return facts;
 }
 
