@@ -63,6 +63,10 @@ struct Case {
   float k_scale = 1.f;
   float v_scale = 1.f;
   float input_range = 2.f;
+  // > 1: a key at distance n from the request's last key is scaled by key_growth^(n / 128), so
+  // every block the kernel takes (last block first) moves the rows' max, by more the further it
+  // goes (the speculative softmax's repair and redo paths).
+  float key_growth = 1.f;
   uint32_t seed = 1;
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
   int cluster = 0;      // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
@@ -170,13 +174,19 @@ void run_case(const Case& c) {
     std::memcpy(&buf[element * 2], &bits, 2);
     return double(from_16bit(bits, c.kv)) * scale;
   };
+  int key_request = 0;
   for (int64_t t = 0; t < total_kv; ++t) {
     const int64_t row = c.paged ? kv_indices[t] : t;
+    while (t >= kv_indptr[key_request + 1]) ++key_request;
+    const float k_gain =
+        c.key_growth == 1.f
+            ? 1.f
+            : std::pow(c.key_growth, float(kv_indptr[key_request + 1] - 1 - t) / 128.f);
     for (int h = 0; h < hkv; ++h) {
       for (int i = 0; i < std::max(d, dv); ++i) {
         if (i < d) {
           k_ref[(t * hkv + h) * d + i] =
-              store(k_host, row * kv_stride_token + h * d + i, uni(rng), c.k_scale);
+              store(k_host, row * kv_stride_token + h * d + i, uni(rng) * k_gain, c.k_scale);
         }
         if (i < dv) {
           v_ref[(t * hkv + h) * dv + i] =
@@ -531,6 +541,39 @@ TEST_F(PrefillKernel, LargeLogitsRescale) {
   c.kv_lens = {2000, 900};
   c.concurrent_ctas = 264;
   c.seed = 20;
+  run_case(c);
+}
+
+// Every block after the first moves the rows' max: by a few log2 units (growth 1.3), by up to
+// 64 (the repair of the speculative softmax) and by more (its redo: S again, the exact update).
+TEST_F(PrefillKernel, MaxJumpsEveryBlock) {
+  Case c;
+  c.name = "max jumps causal ragged";
+  c.q_lens = {300, 1};
+  c.kv_lens = {1500, 900};
+  c.paged = false;
+  c.key_growth = 2.f;
+  c.seed = 31;
+  run_case(c);
+  c.name = "max jumps causal paged growth 1.3";
+  c.paged = true;
+  c.key_growth = 1.3f;
+  c.seed = 32;
+  run_case(c);
+  c.name = "max jumps no mask hd64";
+  c.mask = core::MaskMode::kNone;
+  c.head_dim = 64;
+  c.q_lens = {200, 70};
+  c.kv_lens = {1000, 333};
+  c.key_growth = 2.f;
+  c.seed = 33;
+  run_case(c);
+  c.name = "max jumps causal hd256";
+  c.mask = core::MaskMode::kCausal;
+  c.head_dim = 256;
+  c.q_lens = {130};
+  c.kv_lens = {1100};
+  c.seed = 34;
   run_case(c);
 }
 
