@@ -47,8 +47,9 @@ constexpr int kPrefillTokenBudget = 2048;  ///< new prompt tokens per EXTEND / M
 constexpr int kVerifyEvery = 6;            ///< a TARGET_VERIFY step after this many DECODE steps
 constexpr int kDraftTokens = 6;            ///< tree tokens per request in a verify step
 constexpr int kDraftChain = 4;  ///< the tree's main chain (the tokens that may be accepted)
-/// EXTEND steps with at least this many new tokens take the ragged + paged-prefix path, so the
-/// session exercises both EXTEND paths (the reference's 4096 is past this workload's steps).
+/// EXTEND steps with at least this many new tokens (and more new than cached) take the ragged +
+/// paged-prefix path, so the session exercises both EXTEND paths (the reference's 4096 is past
+/// this workload's steps); a step with no cached prefix takes it at any size.
 constexpr int64_t kRaggedThreshold = 1024;
 /// Oracle cost bound per checked step, in (query token, key) pairs: keeps the float64 check of a
 /// large EXTEND step to a second on two cores.
@@ -154,7 +155,8 @@ class ServingSession {
         requests_.size(), kMinPrompt, kMaxPrompt, shared, kSharedPrefixLen, kMinNewTokens,
         kMaxNewTokens, kMaxRunning, kPrefillTokenBudget);
     std::printf(
-        "steps with >= %lld new tokens take the ragged + paged-prefix EXTEND path; a "
+        "steps with >= %lld new tokens (more than cached) or no cached prefix take the ragged "
+        "+ paged-prefix EXTEND path; a "
         "verify step (%d-token draft trees) follows every %d decode steps\n\n",
         static_cast<long long>(kRaggedThreshold), kDraftTokens, kVerifyEvery);
 

@@ -52,7 +52,9 @@ struct BackendConfig {
   bool is_encoder_decoder = false;  ///< keeps self and cross index sets; exclusive with a window
   /// EXTEND takes the ragged + paged-prefix path when the step has at least this many new
   /// tokens, more new tokens than cached prefix tokens, and no window / cross-attention (the
-  /// reference uses 4096 and no prefix rule). 0 forces the path for every EXTEND / MIXED step.
+  /// reference uses 4096 and no prefix rule). A step with no cached prefix at all takes the
+  /// ragged path at any size (nothing to merge; a forward without k/v then attends paged).
+  /// 0 forces the path for every EXTEND / MIXED step.
   int64_t ragged_extend_threshold = 4096;
   TensorCoreDecode decode_tensor_cores = TensorCoreDecode::kAuto;
   int num_threads = 0;  ///< CPU backend: worker threads; 0 = KVATTN_NUM_THREADS or all cores

@@ -260,7 +260,8 @@ typedef struct kvattn_backend_config {
   int32_t q_dtype;                 /**< q / k / v / out dtype: fp32, bf16 (default), fp16 */
   int32_t sliding_window_size;     /**< the model's window, -1 (default) = none */
   int32_t is_encoder_decoder;      /**< 0/1 */
-  int64_t ragged_extend_threshold; /**< default 4096 new tokens (and more new than prefix) */
+  int64_t ragged_extend_threshold; /**< default 4096 new tokens (and more new than prefix);
+                                        a step without cached prefix: ragged at any size */
   int32_t decode_tensor_cores;     /**< 0 auto (default), 1 on, 2 off */
   int32_t num_threads;             /**< CPU backend: 0 = KVATTN_NUM_THREADS or all cores */
   void* cuda_stream;               /**< CUDA backend: the caller's cudaStream_t (NULL = default) */

@@ -307,11 +307,12 @@ PagedLayout make_ragged_layout(const HostLengths& lens) {
 }
 
 bool use_ragged_extend(ForwardMode mode, int64_t num_new_tokens, int64_t num_prefix_tokens,
-                       int64_t threshold, bool has_window, bool is_encoder_decoder,
-                       bool deterministic) {
-  return !deterministic && (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed) &&
-         num_new_tokens >= threshold && (threshold == 0 || num_prefix_tokens < num_new_tokens) &&
-         !has_window && !is_encoder_decoder;
+                       const RaggedExtendRule& rule) {
+  if (rule.deterministic || rule.has_window || rule.is_encoder_decoder) return false;
+  if (mode != ForwardMode::kExtend && mode != ForwardMode::kMixed) return false;
+  if (num_prefix_tokens == 0 && num_new_tokens > 0 && rule.cache_is_io_dtype) return true;
+  return num_new_tokens >= rule.threshold &&
+         (rule.threshold == 0 || num_prefix_tokens < num_new_tokens);
 }
 
 }  // namespace kvattn::core

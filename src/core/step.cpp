@@ -26,9 +26,14 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
   }
   int64_t prefix_tokens = 0;
   for (int32_t e : facts.lens.prefix_lens) prefix_tokens += e;
-  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, prefix_tokens,
-                                   config.ragged_extend_threshold, config.sliding_window_size >= 0,
-                                   config.is_encoder_decoder, config.deterministic);
+  RaggedExtendRule rule;
+  rule.threshold = config.ragged_extend_threshold;
+  rule.has_window = config.sliding_window_size >= 0;
+  rule.is_encoder_decoder = config.is_encoder_decoder;
+  rule.deterministic = config.deterministic;
+  rule.cache_is_io_dtype =
+      config.kv_cache != nullptr && config.kv_cache->config().dtype == config.q_dtype;
+  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, prefix_tokens, rule);
   return facts;
 }
 

@@ -556,11 +556,15 @@ class CudaBackend final : public AttentionBackend {
     // On the graph pool a prefill plan is padded to the capacity of its batch size and query
     // tokens per request (1 for DECODE, draft_token_num for TARGET_VERIFY).
     const int graph_q_len = !step_.graph_pool ? 0 : verify ? batch.spec.draft_token_num : 1;
+    step_.any_prefix = std::any_of(lens.prefix_lens.begin(), lens.prefix_lens.end(),
+                                   [](int32_t p) { return p > 0; });
+    // A ragged step with a prefix plans the paged calls over the prefix alone; one without
+    // plans them over the whole sequence, for a forward that brings no k/v (it attends paged).
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       CallState& call = pool[s];
       call.layout = core::make_paged_layout(batch.mode, model_sets_[s], config_.sliding_window_size,
                                             lens, batch.spec.draft_token_num,
-                                            /*prefix_only=*/step_.ragged);
+                                            /*prefix_only=*/step_.ragged && step_.any_prefix);
       call.paged = true;
       call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
       call.fold_window = verify && model_sets_[s] == core::IndexSet::kWindow;
@@ -568,8 +572,6 @@ class CudaBackend final : public AttentionBackend {
       plan_call(call, decode && !setup_.tensor_cores, graph_q_len);
     }
     if (step_.ragged) {
-      step_.any_prefix = std::any_of(lens.prefix_lens.begin(), lens.prefix_lens.end(),
-                                     [](int32_t p) { return p > 0; });
       CallState& ragged = pool[kRaggedSlot];
       ragged.layout = core::make_ragged_layout(lens);
       ragged.paged = false;
@@ -1036,7 +1038,7 @@ class CudaBackend final : public AttentionBackend {
                      stream);
       return;
     }
-    if (!step_.ragged) {
+    if (!step_.ragged || (!step_.any_prefix && !k.defined())) {
       run_call(paged, make_params(paged, cfg, layer, q, out, lse, {}, {}, state), device_.index,
                stream);
       return;

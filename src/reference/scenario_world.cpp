@@ -539,17 +539,20 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
   w.config.ragged_extend_threshold = s.force_ragged ? 0 : 4096;
   w.config.num_threads = rng.uniform(1, 3);
   w.config.deterministic = s.deterministic;
-  // SPEC §3: EXTEND / MIXED steps with at least ragged_extend_threshold new tokens (and more
-  // new than cached prefix tokens, unless the threshold is 0) take the ragged + paged-prefix
-  // path, unless the model has a window or cross-attention (core::use_ragged_extend).
+  // SPEC §3, stated here apart from core::use_ragged_extend (the step-facts test compares the
+  // two): EXTEND / MIXED steps with no cached prefix (the cache in the q dtype), or with at
+  // least ragged_extend_threshold new tokens (and more new than cached prefix tokens, unless
+  // the threshold is 0), take the ragged + paged-prefix path, unless the model has a window or
+  // cross-attention.
   int64_t new_tokens = 0, prefix_tokens = 0;
   for (const Request& q : reqs) {
     new_tokens += q.extend;
     prefix_tokens += q.prefix;
   }
+  const bool large = new_tokens >= w.config.ragged_extend_threshold &&
+                     (w.config.ragged_extend_threshold == 0 || prefix_tokens < new_tokens);
   w.ragged = (s.mode == ForwardMode::kExtend || s.mode == ForwardMode::kMixed) &&
-             new_tokens >= w.config.ragged_extend_threshold &&
-             (w.config.ragged_extend_threshold == 0 || prefix_tokens < new_tokens) &&
+             ((prefix_tokens == 0 && new_tokens > 0 && kv_dtype == io) || large) &&
              s.sliding_window < 0 && !cross_model && !s.deterministic;
 
   // ---- inputs and outputs of each call --------------------------------------------------------

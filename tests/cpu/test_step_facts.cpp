@@ -74,6 +74,37 @@ TEST(StepFacts, EveryModeAgreesWithTheWorld) {
   }
 }
 
+// The rule itself, case by case (SPEC §3 and the rules of ours in core/batch_layout.h).
+TEST(StepFacts, RaggedExtendRule) {
+  using core::RaggedExtendRule;
+  const auto ragged = [](ForwardMode mode, int64_t fresh, int64_t prefix, RaggedExtendRule rule) {
+    return core::use_ragged_extend(mode, fresh, prefix, rule);
+  };
+  const ForwardMode e = ForwardMode::kExtend;
+  const RaggedExtendRule standard;  // threshold 4096, the cache in the q dtype
+  // No cached prefix: ragged at any size, whatever the threshold (nothing to merge)...
+  EXPECT_TRUE(ragged(e, 1, 0, standard));
+  EXPECT_TRUE(ragged(e, 1024, 0, {.threshold = int64_t(1) << 40}));
+  EXPECT_TRUE(ragged(ForwardMode::kMixed, 7, 0, standard));
+  EXPECT_FALSE(ragged(e, 0, 0, standard));  // an empty step
+  // ... unless the cache rounds k/v (fp8, or a 16-bit cache under fp32 q): then the threshold.
+  EXPECT_FALSE(ragged(e, 1024, 0, {.cache_is_io_dtype = false}));
+  EXPECT_TRUE(ragged(e, 4096, 0, {.cache_is_io_dtype = false}));
+  // With a prefix: the threshold, and more new tokens than prefix tokens.
+  EXPECT_FALSE(ragged(e, 1024, 1, standard));
+  EXPECT_TRUE(ragged(e, 4096, 4095, standard));
+  EXPECT_FALSE(ragged(e, 4096, 4096, standard));
+  EXPECT_FALSE(ragged(e, 8 * 512, 8 * 4096, standard));
+  EXPECT_TRUE(ragged(e, 8 * 512, 8 * 4096, {.threshold = 0}));  // forced
+  // Never: a window, cross-attention, deterministic mode, or a mode that is not EXTEND / MIXED.
+  EXPECT_FALSE(ragged(e, 1024, 0, {.threshold = 0, .has_window = true}));
+  EXPECT_FALSE(ragged(e, 1024, 0, {.threshold = 0, .is_encoder_decoder = true}));
+  EXPECT_FALSE(ragged(e, 1024, 0, {.threshold = 0, .deterministic = true}));
+  EXPECT_FALSE(ragged(ForwardMode::kDecode, 4, 0, {.threshold = 0}));
+  EXPECT_FALSE(ragged(ForwardMode::kTargetVerify, 8, 0, {.threshold = 0}));
+  EXPECT_FALSE(ragged(ForwardMode::kDraftExtend, 8, 0, {.threshold = 0}));
+}
+
 TEST(StepFacts, IdleAndBadBatches) {
   auto w = ScenarioWorld::build(step_spec(ForwardMode::kDecode, 7), BackendKind::kCpu);
   ForwardBatch idle = w->batch;
