@@ -53,7 +53,8 @@ struct BackendConfig {
   /// EXTEND takes the ragged + paged-prefix path when the step has at least this many new
   /// tokens, more new tokens than cached prefix tokens, and no window / cross-attention (the
   /// reference uses 4096 and no prefix rule). A step with no cached prefix at all takes the
-  /// ragged path at any size (nothing to merge; a forward without k/v then attends paged).
+  /// ragged path at any size when the cache stores k/v in the q dtype (nothing to merge, and it
+  /// reads exactly what the cache holds; a forward without k/v then attends paged).
   /// 0 forces the path for every EXTEND / MIXED step.
   int64_t ragged_extend_threshold = 4096;
   TensorCoreDecode decode_tensor_cores = TensorCoreDecode::kAuto;
