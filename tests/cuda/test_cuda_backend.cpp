@@ -83,6 +83,34 @@ TEST(CudaScenarios, StandardMatrix) {
   EXPECT_EQ(ran + expected_unsupported, int(rows.size()));
 }
 
+// A step with no cached prefix takes the ragged path at any size (core::use_ragged_extend): with
+// the step's k/v it attends them directly; an engine that wrote the K/V itself and passes none
+// must get the paged pass over the cache instead, with the same answers.
+TEST(CudaScenarios, PrefixFreeExtendWithAndWithoutKv) {
+  REQUIRE_GPU();
+  ScenarioSpec spec;
+  spec.variant = "prefix-free extend";
+  spec.mode = ForwardMode::kExtend;
+  spec.batch_size = 3;
+  spec.min_kv_len = 1;
+  spec.max_kv_len = 700;
+  spec.min_q_len = spec.max_q_len = 1 << 20;  // every request's whole sequence is new
+  spec.allow_tiny = false;
+  spec.seed = 23;
+  for (const bool with_kv : {true, false}) {
+    SCOPED_TRACE(with_kv ? "k/v passed (ragged)" : "no k/v (paged)");
+    spec.save_kv_cache = with_kv;  // false: the world writes the K/V into the pool beforehand
+    auto w = ScenarioWorld::build(spec, BackendKind::kCuda);
+    ASSERT_TRUE(w->ragged) << "the scenario must predict the ragged path for a prefix-free step";
+    if (!with_kv) {
+      for (ScenarioCall& c : w->calls) c.k = c.v = TensorView();
+    }
+    run_world(*w, w->layer);
+    const ScenarioResult r = judge_world(*w);
+    EXPECT_TRUE(r.passed) << r.detail;
+  }
+}
+
 TEST(CudaScenarios, DecodeRowsOnBothKernels) {
   REQUIRE_GPU();
   for (const char* forced : {"0", "1"}) {
