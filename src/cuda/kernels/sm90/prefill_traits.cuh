@@ -43,9 +43,10 @@ struct PrefillTraits {
   // starts a block's copies two blocks ahead with three; the row copies measured faster with
   // two (bench/NOTES.md, Hopper prefill v5).
   static constexpr int kStages = kStages_;
-  // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 of 65536.
-  static constexpr int kProducerRegisters = 56;
-  static constexpr int kConsumerRegisters = 224;
+  // Registers per thread after setmaxnreg: 128 x 72 + 256 x 216 (or 56 + 224 where O is 256
+  // wide) = 64512 of 65536. The producer's row copies spilled at 56 (~50 local loads/stores).
+  static constexpr int kProducerRegisters = kHeadDimV <= 128 ? 72 : 56;
+  static constexpr int kConsumerRegisters = kHeadDimV <= 128 ? 216 : 224;
 
   // Shared memory (byte offsets from a 1024-byte aligned base).
   static constexpr int kQBytes = kTileRows * kHeadDim * 2;
