@@ -14,6 +14,8 @@ CARRY=${1:-.carry}
 STEPS=${2:-probe,tests,bench,suite,check,sanitize}
 OUT=${OUT:-/tmp/kvattn-device}
 mkdir -p "$OUT"
+# A binary run beside the device copy's stale .git must be told its commit (results JSON).
+[ -f "$CARRY/COMMIT" ] && export KVATTN_GIT_COMMIT=${KVATTN_GIT_COMMIT:-$(head -1 "$CARRY/COMMIT")}
 BIN="$CARRY/kvattn_cuda_tests"
 summary=()
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
