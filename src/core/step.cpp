@@ -24,8 +24,7 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
       facts.num_tokens = facts.new_tokens;
       break;
   }
-  int64_t prefix_tokens = 0;
-  for (int32_t e : facts.lens.prefix_lens) prefix_tokens += e;
+  for (int32_t e : facts.lens.prefix_lens) facts.prefix_tokens += e;
   RaggedExtendRule rule;
   rule.threshold = config.ragged_extend_threshold;
   rule.has_window = config.sliding_window_size >= 0;
@@ -33,7 +32,7 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
   rule.deterministic = config.deterministic;
   rule.cache_is_io_dtype =
       config.kv_cache != nullptr && config.kv_cache->config().dtype == config.q_dtype;
-  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, prefix_tokens, rule);
+  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, facts.prefix_tokens, rule);
   return facts;
 }
 

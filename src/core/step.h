@@ -20,6 +20,9 @@ struct StepFacts {
   int draft_token_num = 0;
   /// EXTEND-like modes: the new tokens of the step (sum of the extend lengths); else 0.
   int64_t new_tokens = 0;
+  /// EXTEND-like modes: the cached prefix tokens the step attends to (sum of the prefix
+  /// lengths); else 0.
+  int64_t prefix_tokens = 0;
   /// Query rows of the step: DECODE batch_size, TARGET_VERIFY batch_size x draft_token_num,
   /// EXTEND-like new_tokens, IDLE 0.
   int64_t num_tokens = 0;

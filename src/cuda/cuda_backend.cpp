@@ -556,8 +556,7 @@ class CudaBackend final : public AttentionBackend {
     // On the graph pool a prefill plan is padded to the capacity of its batch size and query
     // tokens per request (1 for DECODE, draft_token_num for TARGET_VERIFY).
     const int graph_q_len = !step_.graph_pool ? 0 : verify ? batch.spec.draft_token_num : 1;
-    step_.any_prefix = std::any_of(lens.prefix_lens.begin(), lens.prefix_lens.end(),
-                                   [](int32_t p) { return p > 0; });
+    step_.any_prefix = facts.prefix_tokens > 0;
     // A ragged step with a prefix plans the paged calls over the prefix alone; one without
     // plans them over the whole sequence, for a forward that brings no k/v (it attends paged).
     for (size_t s = 0; s < model_sets_.size(); ++s) {

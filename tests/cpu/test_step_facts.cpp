@@ -46,6 +46,9 @@ void expect_facts_of(const ScenarioWorld& w) {
   int64_t new_tokens = 0;
   for (int32_t e : lens.extend_lens) new_tokens += e;
   EXPECT_EQ(facts.new_tokens, new_tokens);
+  int64_t prefix_tokens = 0;
+  for (int32_t e : lens.prefix_lens) prefix_tokens += e;
+  EXPECT_EQ(facts.prefix_tokens, prefix_tokens);
   EXPECT_EQ(facts.draft_token_num,
             w.spec.mode == ForwardMode::kTargetVerify ? w.spec.draft_token_num : 0);
 }

@@ -65,7 +65,7 @@ struct Case {
   float input_range = 2.f;
   // > 1: a key at distance n from the request's last key is scaled by key_growth^(n / 128), so
   // every block the kernel takes (last block first) moves the rows' max, by more the further it
-  // goes (the speculative softmax's repair and redo paths).
+  // goes (the online softmax's rescale on every block).
   float key_growth = 1.f;
   uint32_t seed = 1;
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
@@ -544,8 +544,9 @@ TEST_F(PrefillKernel, LargeLogitsRescale) {
   run_case(c);
 }
 
-// Every block after the first moves the rows' max: by a few log2 units (growth 1.3), by up to
-// 64 (the repair of the speculative softmax) and by more (its redo: S again, the exact update).
+// Every block after the first moves the rows' max: by a few log2 units (growth 1.3), past the
+// rescale threshold (RowPairSoftmax::kRescaleLog2) and by tens to hundreds of log2 units (growth
+// 2), so the output is rescaled on most blocks.
 TEST_F(PrefillKernel, MaxJumpsEveryBlock) {
   Case c;
   c.name = "max jumps causal ragged";
