@@ -176,6 +176,82 @@ PrefillKernelShape sm90_shape() {
   return shape;
 }
 
+#if defined(KVATTN_SM90_TRACE)
+namespace {
+
+// Time attribution of the Hopper prefill kernel (a build with KVATTN_SM90_TRACE defined, and
+// KVATTN_SM90_TRACE=1 at run time): each consumer warpgroup stamps its tiles' phases
+// (sm90::TraceSlot, clock64) into one device buffer that every launch overwrites; at exit the
+// last launch's stamps are summarised on stderr: per phase, its clocks summed over a warpgroup's
+// tiles (mean over warpgroups), the same per tile, and the loop's clocks per block.
+struct Sm90Trace {
+  static constexpr int kMaxCtas = 1024;
+  static constexpr size_t kWords = size_t(kMaxCtas) * 2 * sm90::kTraceTiles * sm90::kTraceSlots;
+  unsigned long long* buffer = nullptr;
+};
+
+void print_sm90_trace(const Sm90Trace& t) {
+  std::vector<unsigned long long> h(Sm90Trace::kWords);
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpy(h.data(), t.buffer, h.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    std::fprintf(stderr, "sm90 trace: could not read the stamps back\n");
+    return;
+  }
+  double sums[5] = {0, 0, 0, 0, 0}, span = 0, tiles = 0, blocks = 0, q_max = 0, gap = 0;
+  int groups = 0;
+  for (int g = 0; g < Sm90Trace::kMaxCtas * 2; ++g) {
+    const unsigned long long* w = h.data() + size_t(g) * sm90::kTraceTiles * sm90::kTraceSlots;
+    if (w[sm90::kTraceStored] == 0) continue;
+    ++groups;
+    unsigned long long first = w[sm90::kTraceTileStart], last = first;
+    for (int i = 0; i < sm90::kTraceTiles; ++i) {
+      const unsigned long long* s = w + i * sm90::kTraceSlots;
+      if (s[sm90::kTraceStored] == 0 || s[sm90::kTraceLoopDone] == 0) break;
+      const double q = double(s[1] - s[0]);
+      sums[0] += q;
+      q_max = std::max(q_max, q);
+      sums[1] += double(s[2] - s[1]);
+      sums[2] += double(s[3] - s[2]);
+      sums[3] += double(s[4] - s[3]);
+      if (i > 0) gap += double(s[0] - w[(i - 1) * sm90::kTraceSlots + sm90::kTraceStored]);
+      tiles += 1;
+      blocks += double(s[sm90::kTraceBlocks]);
+      last = s[sm90::kTraceStored];
+    }
+    span += double(last - first);
+  }
+  if (groups == 0 || tiles == 0) {
+    std::fprintf(stderr, "sm90 trace: no stamps\n");
+    return;
+  }
+  const double per = 1.0 / groups;
+  std::fprintf(stderr,
+               "sm90 trace: %d warpgroups, %.1f tiles and %.1f blocks each; kclk a warpgroup "
+               "(per tile): span %.1f, Q wait %.1f (%.2f, max %.2f), first block %.1f (%.2f), "
+               "loop %.1f (%.2f; %.0f clk a later block), output %.1f (%.2f), between tiles "
+               "%.1f\n",
+               groups, tiles * per, blocks * per, span * per / 1e3, sums[0] * per / 1e3,
+               sums[0] / tiles / 1e3, q_max / 1e3, sums[1] * per / 1e3, sums[1] / tiles / 1e3,
+               sums[2] * per / 1e3, sums[2] / tiles / 1e3, sums[2] / std::max(1.0, blocks - tiles),
+               sums[3] * per / 1e3, sums[3] / tiles / 1e3, gap * per / 1e3);
+}
+
+Sm90Trace* sm90_trace() {
+  static Sm90Trace* trace = []() -> Sm90Trace* {
+    const char* v = std::getenv("KVATTN_SM90_TRACE");
+    if (v == nullptr || std::atoi(v) == 0) return nullptr;
+    auto* t = new Sm90Trace;
+    check_cuda(cudaMalloc(&t->buffer, Sm90Trace::kWords * 8), "cudaMalloc(sm90 trace)");
+    check_cuda(cudaMemset(t->buffer, 0, Sm90Trace::kWords * 8), "cudaMemset(sm90 trace)");
+    std::atexit([] { print_sm90_trace(*sm90_trace()); });
+    return t;
+  }();
+  return trace;
+}
+
+}  // namespace
+#endif
+
 /// The Hopper kernel's launch options: a persistent grid of one CTA per SM, no ping-pong of its
 /// consumer warpgroups, unless KVATTN_SM90_CTAS / KVATTN_SM90_PINGPONG (A/B runs) say
 /// otherwise (read once).
@@ -189,8 +265,13 @@ sm90::LaunchOptions sm90_options(int sm_count) {
   options.stages = stages;
   options.max_ctas = ctas > 0 ? ctas : sm_count;
   options.ping_pong = ping_pong != 0;
+#if defined(KVATTN_SM90_TRACE)
+  options.trace = sm90_trace() != nullptr ? sm90_trace()->buffer : nullptr;
+  if (options.trace != nullptr) options.max_ctas = std::min(options.max_ctas, Sm90Trace::kMaxCtas);
+#endif
   return options;
 }
+
 
 /// The current device, or -1 when the machine has none (host-only callers, CI).
 int current_device() {

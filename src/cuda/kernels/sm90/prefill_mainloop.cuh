@@ -555,7 +555,8 @@ struct PrefillConsumer {
   /// free_q_early the Q buffer is released as soon as the tile's last S is done.
   __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, float (&o)[kOutRegs],
                                            RowPairSoftmax& softmax, uint32_t& it, int q_buffer,
-                                           bool free_q_early) const {
+                                           bool free_q_early,
+                                           unsigned long long* trace = nullptr) const {
     const uint8_t* mask_base = nullptr;
     int64_t mask_row_len = 0;
     if (custom) {
@@ -585,6 +586,9 @@ struct PrefillConsumer {
     transform_scores(s, t, group, block, mask_base, mask_row_len);
     softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
+#if defined(KVATTN_SM90_TRACE)
+    if (trace != nullptr) trace[kTraceFirstDone] = clock64();
+#endif
 
     for (--block; block >= 0; --block) {
       const Ring next = Ring::of(it + 1);
@@ -621,6 +625,9 @@ struct PrefillConsumer {
     issue_pv(o, pf, at.stage);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(o);
+#if defined(KVATTN_SM90_TRACE)
+    if (trace != nullptr) trace[kTraceLoopDone] = clock64();
+#endif
     release(sm.v_empty(at.stage));
     ++it;
   }

@@ -113,7 +113,23 @@ struct LaunchOptions {
   /// K/V ring depth: 0 = the instance's choice (launch_for_dtype); 2 or 3 forces one
   /// (KVATTN_SM90_STAGES, A/B runs; 3 only where it fits).
   int stages = 0;
+  /// Time attribution only (a build with KVATTN_SM90_TRACE; prefill.cu allocates it when
+  /// KVATTN_SM90_TRACE=1): clock64 stamps of each consumer warpgroup's tile phases
+  /// (TraceSlot), kTraceTiles tiles a warpgroup; nullptr: none.
+  unsigned long long* trace = nullptr;
 };
+
+/// Phases a consumer warpgroup stamps per tile (KVATTN_SM90_TRACE builds).
+enum TraceSlot : int {
+  kTraceTileStart = 0,  // before the wait for the tile's Q
+  kTraceQArrived = 1,   // the tile's description and Q are in shared memory
+  kTraceFirstDone = 2,  // the first block's S and softmax are done (the loop starts)
+  kTraceLoopDone = 3,   // the last P V has completed
+  kTraceStored = 4,     // the output is written
+  kTraceBlocks = 5,     // the tile's block count (not a time)
+  kTraceSlots = 8,
+};
+constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not stamped)
 constexpr int kDiagnosticNoKvLoads = 1;
 constexpr int kDiagnosticNoSoftmax = 2;
 
