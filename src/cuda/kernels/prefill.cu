@@ -181,9 +181,10 @@ namespace {
 
 // Time attribution of the Hopper prefill kernel (a build with KVATTN_SM90_TRACE defined, and
 // KVATTN_SM90_TRACE=1 at run time): each consumer warpgroup stamps its tiles' phases
-// (sm90::TraceSlot, clock64) into one device buffer that every launch overwrites; at exit the
-// last launch's stamps are summarised on stderr: per phase, its clocks summed over a warpgroup's
-// tiles (mean over warpgroups), the same per tile, and the loop's clocks per block.
+// (sm90::TraceSlot, %globaltimer ns) into one device buffer that every launch overwrites; at exit the
+// last launch's stamps are summarised on stderr: per phase, its time summed over a warpgroup's
+// tiles (mean over warpgroups), the same per tile, the loop's time per block, and when the
+// warpgroups ended (the schedule's tail).
 struct Sm90Trace {
   static constexpr int kMaxCtas = 1024;
   static constexpr size_t kWords = size_t(kMaxCtas) * 2 * sm90::kTraceTiles * sm90::kTraceSlots;
@@ -197,43 +198,59 @@ void print_sm90_trace(const Sm90Trace& t) {
     std::fprintf(stderr, "sm90 trace: could not read the stamps back\n");
     return;
   }
-  double sums[5] = {0, 0, 0, 0, 0}, span = 0, tiles = 0, blocks = 0, q_max = 0, gap = 0;
+  // Sums over tiles of each phase (ns), per warpgroup then averaged; the launch's first start
+  // and the spread of the warpgroups' ends (the tail of the static schedule).
+  double sums[4] = {0, 0, 0, 0}, gap = 0, tiles = 0, blocks = 0, q_max = 0;
+  double span_sum = 0, span_min = 1e30, span_max = 0;
+  unsigned long long launch = ~0ull, end_min = ~0ull, end_max = 0;
   int groups = 0;
   for (int g = 0; g < Sm90Trace::kMaxCtas * 2; ++g) {
     const unsigned long long* w = h.data() + size_t(g) * sm90::kTraceTiles * sm90::kTraceSlots;
     if (w[sm90::kTraceStored] == 0) continue;
     ++groups;
-    unsigned long long first = w[sm90::kTraceTileStart], last = first;
+    const unsigned long long first = w[sm90::kTraceTileStart];
+    unsigned long long last = first;
     for (int i = 0; i < sm90::kTraceTiles; ++i) {
       const unsigned long long* s = w + i * sm90::kTraceSlots;
-      if (s[sm90::kTraceStored] == 0 || s[sm90::kTraceLoopDone] == 0) break;
+      if (s[sm90::kTraceStored] < s[sm90::kTraceTileStart] || s[sm90::kTraceStored] == 0) break;
+      const bool computed = s[sm90::kTraceBlocks] > 0;
       const double q = double(s[1] - s[0]);
       sums[0] += q;
       q_max = std::max(q_max, q);
-      sums[1] += double(s[2] - s[1]);
-      sums[2] += double(s[3] - s[2]);
-      sums[3] += double(s[4] - s[3]);
+      if (computed) {
+        sums[1] += double(s[2] - s[1]);
+        sums[2] += double(s[3] - s[2]);
+        sums[3] += double(s[4] - s[3]);
+      }
       if (i > 0) gap += double(s[0] - w[(i - 1) * sm90::kTraceSlots + sm90::kTraceStored]);
       tiles += 1;
       blocks += double(s[sm90::kTraceBlocks]);
       last = s[sm90::kTraceStored];
     }
-    span += double(last - first);
+    const double span = double(last - first);
+    span_sum += span;
+    span_min = std::min(span_min, span);
+    span_max = std::max(span_max, span);
+    launch = std::min(launch, first);
+    end_min = std::min(end_min, last);
+    end_max = std::max(end_max, last);
   }
   if (groups == 0 || tiles == 0) {
     std::fprintf(stderr, "sm90 trace: no stamps\n");
     return;
   }
-  const double per = 1.0 / groups;
+  const double per = 1.0 / groups, us = 1e-3;
   std::fprintf(stderr,
-               "sm90 trace: %d warpgroups, %.1f tiles and %.1f blocks each; kclk a warpgroup "
-               "(per tile): span %.1f, Q wait %.1f (%.2f, max %.2f), first block %.1f (%.2f), "
-               "loop %.1f (%.2f; %.0f clk a later block), output %.1f (%.2f), between tiles "
-               "%.1f\n",
-               groups, tiles * per, blocks * per, span * per / 1e3, sums[0] * per / 1e3,
-               sums[0] / tiles / 1e3, q_max / 1e3, sums[1] * per / 1e3, sums[1] / tiles / 1e3,
-               sums[2] * per / 1e3, sums[2] / tiles / 1e3, sums[2] / std::max(1.0, blocks - tiles),
-               sums[3] * per / 1e3, sums[3] / tiles / 1e3, gap * per / 1e3);
+               "sm90 trace: %d warpgroups, %.1f tiles and %.1f blocks each; us a warpgroup (per "
+               "tile): span %.1f (min %.1f, max %.1f), Q wait %.1f (%.3f, max %.2f), first block "
+               "%.1f (%.3f), loop %.1f (%.3f; %.3f a later block), output %.1f (%.3f), between "
+               "tiles %.1f; ends %.1f..%.1f after the first start\n",
+               groups, tiles * per, blocks * per, span_sum * per * us, span_min * us,
+               span_max * us, sums[0] * per * us, sums[0] / tiles * us, q_max * us,
+               sums[1] * per * us, sums[1] / tiles * us, sums[2] * per * us, sums[2] / tiles * us,
+               sums[2] / std::max(1.0, blocks - tiles) * us, sums[3] * per * us,
+               sums[3] / tiles * us, gap * per * us, double(end_min - launch) * us,
+               double(end_max - launch) * us);
 }
 
 Sm90Trace* sm90_trace() {

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
             ? options.trace + (size_t(blockIdx.x) * 2 + consumer.wg) * kTraceTiles * kTraceSlots
             : nullptr;
 #define KVATTN_SM90_STAMP(slot)                                                                 \
-  if (trace != nullptr && taken < kTraceTiles) trace[taken * kTraceSlots + (slot)] = clock64()
+  if (trace != nullptr && taken < kTraceTiles) trace[taken * kTraceSlots + (slot)] = ptx::global_timer()
 #else
 #define KVATTN_SM90_STAMP(slot)
 #endif

@@ -587,7 +587,7 @@ struct PrefillConsumer {
     softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
 #if defined(KVATTN_SM90_TRACE)
-    if (trace != nullptr) trace[kTraceFirstDone] = clock64();
+    if (trace != nullptr) trace[kTraceFirstDone] = ptx::global_timer();
 #endif
 
     for (--block; block >= 0; --block) {
@@ -626,7 +626,7 @@ struct PrefillConsumer {
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(o);
 #if defined(KVATTN_SM90_TRACE)
-    if (trace != nullptr) trace[kTraceLoopDone] = clock64();
+    if (trace != nullptr) trace[kTraceLoopDone] = ptx::global_timer();
 #endif
     release(sm.v_empty(at.stage));
     ++it;

@@ -114,7 +114,7 @@ struct LaunchOptions {
   /// (KVATTN_SM90_STAGES, A/B runs; 3 only where it fits).
   int stages = 0;
   /// Time attribution only (a build with KVATTN_SM90_TRACE; prefill.cu allocates it when
-  /// KVATTN_SM90_TRACE=1): clock64 stamps of each consumer warpgroup's tile phases
+  /// KVATTN_SM90_TRACE=1): %globaltimer stamps (ns) of each consumer warpgroup's tile phases
   /// (TraceSlot), kTraceTiles tiles a warpgroup; nullptr: none.
   unsigned long long* trace = nullptr;
 };
