@@ -181,8 +181,8 @@ namespace {
 
 // Time attribution of the Hopper prefill kernel (a build with KVATTN_SM90_TRACE defined, and
 // KVATTN_SM90_TRACE=1 at run time): each consumer warpgroup stamps its tiles' phases
-// (sm90::TraceSlot, %globaltimer ns) into one device buffer that every launch overwrites; at exit the
-// last launch's stamps are summarised on stderr: per phase, its time summed over a warpgroup's
+// (sm90::TraceSlot, %globaltimer ns) into one device buffer that every launch overwrites; at exit
+// the last launch's stamps are summarised on stderr: per phase, its time summed over a warpgroup's
 // tiles (mean over warpgroups), the same per tile, the loop's time per block, and when the
 // warpgroups ended (the schedule's tail).
 struct Sm90Trace {
@@ -245,9 +245,9 @@ void print_sm90_trace(const Sm90Trace& t) {
                "tile): span %.1f (min %.1f, max %.1f), Q wait %.1f (%.3f, max %.2f), first block "
                "%.1f (%.3f), loop %.1f (%.3f; %.3f a later block), output %.1f (%.3f), between "
                "tiles %.1f; ends %.1f..%.1f after the first start\n",
-               groups, tiles * per, blocks * per, span_sum * per * us, span_min * us,
-               span_max * us, sums[0] * per * us, sums[0] / tiles * us, q_max * us,
-               sums[1] * per * us, sums[1] / tiles * us, sums[2] * per * us, sums[2] / tiles * us,
+               groups, tiles * per, blocks * per, span_sum * per * us, span_min * us, span_max * us,
+               sums[0] * per * us, sums[0] / tiles * us, q_max * us, sums[1] * per * us,
+               sums[1] / tiles * us, sums[2] * per * us, sums[2] / tiles * us,
                sums[2] / std::max(1.0, blocks - tiles) * us, sums[3] * per * us,
                sums[3] / tiles * us, gap * per * us, double(end_min - launch) * us,
                double(end_max - launch) * us);
@@ -288,7 +288,6 @@ sm90::LaunchOptions sm90_options(int sm_count) {
 #endif
   return options;
 }
-
 
 /// The current device, or -1 when the machine has none (host-only callers, CI).
 int current_device() {

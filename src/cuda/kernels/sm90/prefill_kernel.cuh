@@ -121,8 +121,9 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
         options.trace != nullptr && threadIdx.x % 128 == 0
             ? options.trace + (size_t(blockIdx.x) * 2 + consumer.wg) * kTraceTiles * kTraceSlots
             : nullptr;
-#define KVATTN_SM90_STAMP(slot)                                                                 \
-  if (trace != nullptr && taken < kTraceTiles) trace[taken * kTraceSlots + (slot)] = ptx::global_timer()
+#define KVATTN_SM90_STAMP(slot)                \
+  if (trace != nullptr && taken < kTraceTiles) \
+  trace[taken * kTraceSlots + (slot)] = ptx::global_timer()
 #else
 #define KVATTN_SM90_STAMP(slot)
 #endif
@@ -134,14 +135,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
       if (t.request < 0) break;  // the producer's end of work
       KVATTN_SM90_STAMP(kTraceQArrived);
 #if defined(KVATTN_SM90_TRACE)
-      if (trace != nullptr && taken < kTraceTiles) trace[taken * kTraceSlots + kTraceBlocks] = t.num_blocks;
+      if (trace != nullptr && taken < kTraceTiles)
+        trace[taken * kTraceSlots + kTraceBlocks] = t.num_blocks;
 #endif
       const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
 #if defined(KVATTN_SM90_TRACE)
-        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged,
-                          trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr);
+        consumer.run_tile(
+            t, group, o, softmax, it, at.stage, !staged,
+            trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr);
 #else
         consumer.run_tile(t, group, o, softmax, it, at.stage, !staged);
 #endif
