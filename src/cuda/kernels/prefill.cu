@@ -214,13 +214,12 @@ void print_sm90_trace(const Sm90Trace& t) {
       const unsigned long long* s = w + i * sm90::kTraceSlots;
       if (s[sm90::kTraceStored] < s[sm90::kTraceTileStart] || s[sm90::kTraceStored] == 0) break;
       const bool computed = s[sm90::kTraceBlocks] > 0;
-      const double q = double(s[1] - s[0]);
+      // Phase k runs from stamp k to stamp k + 1 (TraceSlot's order).
+      const double q = double(s[sm90::kTraceQArrived] - s[sm90::kTraceTileStart]);
       sums[0] += q;
       q_max = std::max(q_max, q);
       if (computed) {
-        sums[1] += double(s[2] - s[1]);
-        sums[2] += double(s[3] - s[2]);
-        sums[3] += double(s[4] - s[3]);
+        for (int k = 1; k < 4; ++k) sums[k] += double(s[k + 1] - s[k]);
       }
       if (i > 0) gap += double(s[0] - w[(i - 1) * sm90::kTraceSlots + sm90::kTraceStored]);
       tiles += 1;
@@ -283,7 +282,8 @@ sm90::LaunchOptions sm90_options(int sm_count) {
   options.max_ctas = ctas > 0 ? ctas : sm_count;
   options.ping_pong = ping_pong != 0;
 #if defined(KVATTN_SM90_TRACE)
-  options.trace = sm90_trace() != nullptr ? sm90_trace()->buffer : nullptr;
+  const Sm90Trace* trace = sm90_trace();
+  options.trace = trace != nullptr ? trace->buffer : nullptr;
   if (options.trace != nullptr) options.max_ctas = std::min(options.max_ctas, Sm90Trace::kMaxCtas);
 #endif
   return options;

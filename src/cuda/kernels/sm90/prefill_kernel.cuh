@@ -117,37 +117,27 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     float o[Consumer::kOutRegs];
 #if defined(KVATTN_SM90_TRACE)
     // Thread 0 of each consumer warpgroup stamps its tiles' phases (TraceSlot).
-    unsigned long long* trace =
+    unsigned long long* const trace =
         options.trace != nullptr && threadIdx.x % 128 == 0
             ? options.trace + (size_t(blockIdx.x) * 2 + consumer.wg) * kTraceTiles * kTraceSlots
             : nullptr;
-#define KVATTN_SM90_STAMP(slot)                \
-  if (trace != nullptr && taken < kTraceTiles) \
-  trace[taken * kTraceSlots + (slot)] = ptx::global_timer()
 #else
-#define KVATTN_SM90_STAMP(slot)
+    constexpr unsigned long long* trace = nullptr;  // every stamp below folds away
 #endif
     for (uint32_t taken = 0;; ++taken) {
       const QRing at = QRing::of(taken);
-      KVATTN_SM90_STAMP(kTraceTileStart);
+      unsigned long long* const tile_trace =
+          trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr;
+      stamp(tile_trace, kTraceTileStart);
       ptx::mbarrier_wait(sm.q_full(at.stage), at.phase);
       const PrefillTile t = *sm.tile_info(at.stage);
       if (t.request < 0) break;  // the producer's end of work
-      KVATTN_SM90_STAMP(kTraceQArrived);
-#if defined(KVATTN_SM90_TRACE)
-      if (trace != nullptr && taken < kTraceTiles)
-        trace[taken * kTraceSlots + kTraceBlocks] = t.num_blocks;
-#endif
+      stamp(tile_trace, kTraceQArrived);
+      if (tile_trace != nullptr) tile_trace[kTraceBlocks] = t.num_blocks;
       const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
-#if defined(KVATTN_SM90_TRACE)
-        consumer.run_tile(
-            t, group, o, softmax, it, at.stage, !staged,
-            trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr);
-#else
-        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged);
-#endif
+        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, tile_trace);
       } else {
 #pragma unroll
         for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;
@@ -158,15 +148,14 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                                         lane, o, softmax, scale_log2,
                                         sm.ptr + Tr::kQOffset + at.stage * Tr::kQBytes);
           consumer.release_q(at.stage);
-          KVATTN_SM90_STAMP(kTraceStored);
+          stamp(tile_trace, kTraceStored);
           continue;
         }
       }
       if (t.num_blocks == 0) consumer.release_q(at.stage);  // no S read the buffer
       store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2);
-      KVATTN_SM90_STAMP(kTraceStored);
+      stamp(tile_trace, kTraceStored);
     }
-#undef KVATTN_SM90_STAMP
   }
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then

@@ -552,11 +552,11 @@ struct PrefillConsumer {
 
   /// The whole mainloop of one tile (num_blocks > 0) whose Q is in buffer q_buffer: on return
   /// o holds the unnormalised output and `softmax` the rows' state; `it` advances. With
-  /// free_q_early the Q buffer is released as soon as the tile's last S is done.
+  /// free_q_early the Q buffer is released as soon as the tile's last S is done. `trace`: the
+  /// tile's stamps (KVATTN_SM90_TRACE builds), nullptr otherwise.
   __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, float (&o)[kOutRegs],
                                            RowPairSoftmax& softmax, uint32_t& it, int q_buffer,
-                                           bool free_q_early,
-                                           unsigned long long* trace = nullptr) const {
+                                           bool free_q_early, unsigned long long* trace) const {
     const uint8_t* mask_base = nullptr;
     int64_t mask_row_len = 0;
     if (custom) {
@@ -586,9 +586,7 @@ struct PrefillConsumer {
     transform_scores(s, t, group, block, mask_base, mask_row_len);
     softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
-#if defined(KVATTN_SM90_TRACE)
-    if (trace != nullptr) trace[kTraceFirstDone] = ptx::global_timer();
-#endif
+    stamp(trace, kTraceFirstDone);
 
     for (--block; block >= 0; --block) {
       const Ring next = Ring::of(it + 1);
@@ -625,9 +623,7 @@ struct PrefillConsumer {
     issue_pv(o, pf, at.stage);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(o);
-#if defined(KVATTN_SM90_TRACE)
-    if (trace != nullptr) trace[kTraceLoopDone] = ptx::global_timer();
-#endif
+    stamp(trace, kTraceLoopDone);
     release(sm.v_empty(at.stage));
     ++it;
   }

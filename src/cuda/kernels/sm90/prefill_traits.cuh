@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/toolkit/ptx.cuh"
 #include "cuda/kernels/toolkit/wgmma.cuh"
 
 namespace kvattn::cuda::sm90 {
@@ -130,6 +131,12 @@ enum TraceSlot : int {
   kTraceSlots = 8,
 };
 constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not stamped)
+
+/// Stamps phase `slot` of a tile's trace (nothing when `tile` is null: untraced builds pass a
+/// compile-time null, so the stamps fold away).
+__device__ __forceinline__ void stamp(unsigned long long* tile, int slot) {
+  if (tile != nullptr) tile[slot] = ptx::global_timer();
+}
 constexpr int kDiagnosticNoKvLoads = 1;
 constexpr int kDiagnosticNoSoftmax = 2;
 
