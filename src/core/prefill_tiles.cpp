@@ -256,7 +256,8 @@ namespace {
 
 // Every offset of a plan buffer, from the counts alone, overflow-checked.
 struct PrefillBufferOffsets {
-  size_t items = 0;
+  size_t scheduler = 0;  // PrefillTiles::scheduler: 16 bytes of counters
+  size_t items = 16;
   size_t merges = 0;
   size_t metadata_bytes = 0;
   size_t partial_out = 0;
@@ -339,6 +340,7 @@ PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head
     t.tile_rows = plan.tile_rows;
     t.group_size = plan.group_size;
     t.cluster = plan.cluster;
+    t.scheduler = reinterpret_cast<int*>(base + o.scheduler);
     *view = t;
   }
   return layout;

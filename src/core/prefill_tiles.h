@@ -133,10 +133,16 @@ struct PrefillTiles {
   /// Time attribution only (KVATTN_TC_DECODE_TRACE): the decode-shaped kernel writes
   /// %globaltimer stamps of its phases here, tc_decode::kTraceSlots a CTA (nullptr: none).
   unsigned long long* trace = nullptr;
+  /// Device counters, 0 as the host writes the plan (the plan buffer's first 16 bytes): the
+  /// Hopper prefill's dynamic tile schedule takes its items' tickets from [0] and counts its
+  /// finished CTAs in [1]; the last CTA to finish sets both back to 0 for the next launch of the
+  /// plan. Like PrefillMergeItem::arrived, two launches of one plan must not overlap in time.
+  int* scheduler = nullptr;
 };
 
-/// Byte layout of the plan buffer: [items | merges] is metadata copied from the host; the
-/// partial buffers after it are device scratch that nothing copies.
+/// Byte layout of the plan buffer: [scheduler counters | items | merges] is metadata copied from
+/// the host (the counters as zeros); the partial buffers after it are device scratch that nothing
+/// copies.
 struct PrefillBufferLayout {
   size_t metadata_bytes = 0;  ///< bytes to copy host -> device (from offset 0)
   size_t total_bytes = 0;     ///< bytes the device buffer needs

@@ -356,6 +356,12 @@ TEST(PrefillTiles, BufferSizingAndFillingAgree) {
     return size_t(static_cast<const unsigned char*>(p) - fake_device.data());
   };
   EXPECT_EQ(offset(view.merges) % 16, 0u);
+  // The scheduler counters are metadata (copied as zeros) and overlap no array.
+  ASSERT_NE(view.scheduler, nullptr);
+  EXPECT_EQ(view.scheduler[0], 0);
+  EXPECT_EQ(view.scheduler[1], 0);
+  EXPECT_LE(offset(view.scheduler) + 2 * sizeof(int), offset(view.items));
+  EXPECT_EQ(offset(view.items) % 16, 0u);
   EXPECT_EQ(offset(view.partial_out) % 256, 0u);
   EXPECT_GE(offset(view.partial_out), filled.metadata_bytes);
   EXPECT_GE(offset(view.partial_lse),

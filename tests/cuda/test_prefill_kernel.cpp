@@ -71,6 +71,9 @@ struct Case {
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
   int cluster = 0;      // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
   bool narrow = false;  // tc_decode: the narrow instance's 16-row tiles
+  // > 1: launch the plan this many times, the output poisoned again before each relaunch (a
+  // relaunch of one plan must give the same answer: the dynamic schedule's counters reset).
+  int launches = 1;
 };
 
 uint16_t to_16bit(float x, DType t) {
@@ -353,12 +356,24 @@ void run_case(const Case& c) {
   CUDA_OK(cudaMemset(keep.back()->ptr, 0xff, layout.total_bytes));
   CUDA_OK(cudaMemcpy(keep.back()->ptr, metadata.data(), metadata.size(), cudaMemcpyHostToDevice));
 
-  if (c.tc_decode) {
-    launch_tc_decode(p, tiles, nullptr);
-  } else {
-    launch_batch_prefill(p, tiles, nullptr);
+  for (int launch = 0; launch < c.launches; ++launch) {
+    if (launch > 0) {  // poison the output again: the relaunch must write all of it
+      CUDA_OK(cudaMemcpy(p.out, out_host.data(), out_host.size() * 2, cudaMemcpyHostToDevice));
+      if (p.lse != nullptr) {
+        CUDA_OK(cudaMemcpy(p.lse, lse_host.data(), lse_host.size() * 4, cudaMemcpyHostToDevice));
+      }
+    }
+    if (c.tc_decode) {
+      launch_tc_decode(p, tiles, nullptr);
+    } else {
+      launch_batch_prefill(p, tiles, nullptr);
+    }
+    CUDA_OK(cudaDeviceSynchronize());
   }
-  CUDA_OK(cudaDeviceSynchronize());
+  int counters[2] = {-1, -1};
+  CUDA_OK(cudaMemcpy(counters, tiles.scheduler, sizeof counters, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(counters[0], 0) << c.name << ": the tile schedule's ticket counter is reset";
+  EXPECT_EQ(counters[1], 0) << c.name << ": the tile schedule's finished-CTA count is reset";
   CUDA_OK(cudaMemcpy(out_host.data(), p.out, out_host.size() * 2, cudaMemcpyDeviceToHost));
   if (c.lse) {
     CUDA_OK(cudaMemcpy(lse_host.data(), p.lse, lse_host.size() * 4, cudaMemcpyDeviceToHost));
@@ -865,6 +880,7 @@ TEST_F(PrefillKernel, ManyTilesLongKeys) {
   c.kv_lens = {900, 300};
   c.paged = false;
   c.seed = 40;
+  c.launches = 3;  // more tiles than SMs: the dynamic schedule hands out tickets, and resets
   run_case(c);
   c.name = "causal paged p1 hd128 fp16, prefix 1000";
   c.io = c.kv = DType::kFloat16;

@@ -276,7 +276,16 @@ sm90::LaunchOptions sm90_options(int sm_count) {
   static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 0, 0);
   static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
   static const int stages = env_int("KVATTN_SM90_STAGES", 0, 0);
+  static const bool dynamic_schedule = [] {
+    const char* v = std::getenv("KVATTN_SM90_SCHEDULE");
+    if (v == nullptr || *v == 0) return false;
+    const std::string s(v);
+    check_arg(s == "static" || s == "dynamic", "KVATTN_SM90_SCHEDULE", "got '", s,
+              "', expected static or dynamic");
+    return s == "dynamic";
+  }();
   sm90::LaunchOptions options;
+  options.dynamic_schedule = dynamic_schedule;
   options.diagnostic = diagnostic;
   options.stages = stages;
   options.max_ctas = ctas > 0 ? ctas : sm_count;

@@ -13,18 +13,68 @@
 
 namespace kvattn::cuda::sm90 {
 
+/// A 16-bit output's two rows of a consumer thread, 16 bytes a store: each quad transposes its
+/// words (ptx::quad_transpose) so that a lane holds 8 consecutive columns of an n8 block instead
+/// of 2 of each, a quarter of the store instructions, each writing whole 32-byte sectors. The
+/// whole warp transposes before any row guard.
+template <typename T, int kOutRegs>
+__device__ __forceinline__ void store_rows_vec16(const core::AttentionParams& p,
+                                                 const PrefillTile& t, int group, int v_dim,
+                                                 const int (&rows)[2], int lane,
+                                                 const float (&o)[kOutRegs],
+                                                 const float (&inv_sum)[2], const float (&lse)[2]) {
+  constexpr int kPieces = kOutRegs / 16;  // 16-byte pieces a lane stores per row
+  uint32_t words[2][kPieces][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int g = 0; g < kPieces; ++g) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 4 * g + i;
+        words[h][g][i] =
+            ptx::pack2<T>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+      }
+      ptx::quad_transpose(words[h][g], lane);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int packed = t.row0 + rows[h];
+    if (packed >= t.rows_total) continue;
+    const int token = packed / group;
+    const int head = t.kv_head * group + packed % group;
+    T* row = static_cast<T*>(p.out) + (int64_t(t.q_begin) + token) * p.out_stride_token +
+             int64_t(head) * p.out_stride_head;
+#pragma unroll
+    for (int g = 0; g < kPieces; ++g) {
+      const int block = 4 * g + (lane & 3);  // this lane's n8 block after the transpose
+      if (block * 8 < v_dim) ptx::store_global_v4(row + block * 8, words[h][g]);
+    }
+    if (p.lse != nullptr && (lane & 3) == 0) {
+      p.lse[(int64_t(t.q_begin) + token) * p.num_q_heads + head] = lse[h];
+    }
+  }
+}
+
 /// Writes rows tile_row(0) and tile_row(1) of tile t. o is in the wgmma accumulator layout
 /// (per n8 block j: o[4j + 2h + e] is column 8j + 2 (lane % 4) + e of row h). An empty tile
 /// (no visible key) passes o = 0 and a fresh softmax: output 0, LSE -inf (the empty partial).
+/// vec16: a 16-bit output whose rows are 16-byte vectors (out 16-byte aligned, strides and
+/// v_dim multiples of 8) goes out 16 bytes a store (store_rows_vec16).
 template <typename T, int kOutRegs>
-__device__ __forceinline__ void store_tile_rows(const core::AttentionParams& p,
-                                                const core::PrefillTiles& tiles,
-                                                const PrefillTile& t, int group, int v_dim,
-                                                const int (&rows)[2], int lane,
-                                                const float (&o)[kOutRegs],
-                                                const RowPairSoftmax& softmax, float scale_log2) {
+__device__ __forceinline__ void store_tile_rows(
+    const core::AttentionParams& p, const core::PrefillTiles& tiles, const PrefillTile& t,
+    int group, int v_dim, const int (&rows)[2], int lane, const float (&o)[kOutRegs],
+    const RowPairSoftmax& softmax, float scale_log2, bool vec16) {
   float inv_sum[2], lse[2];
   softmax.finish(scale_log2, p.v_scale, inv_sum, lse);
+  if constexpr (kOutRegs % 16 == 0) {
+    if (vec16 && t.partial < 0 && !p.out_fp32) {
+      store_rows_vec16<T>(p, t, group, v_dim, rows, lane, o, inv_sum, lse);
+      return;
+    }
+  }
   const int column = (lane & 3) * 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

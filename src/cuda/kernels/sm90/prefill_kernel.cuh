@@ -76,13 +76,29 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                                     v_dim,
                                     options.diagnostic};
     uint32_t it = 0, published = 0;
-    for (int round = 0; scheduler.more(round); ++round) {
-      const int index = scheduler.item(round);
-      if (index >= tiles.num_items) continue;
+    auto run_item = [&](int index) {
       const PrefillTile t = PrefillTile::load<Tr::kKvTile>(p, tiles, index);
-      if (!t.has_rows()) continue;  // a padding item: nothing to compute or write
+      if (!t.has_rows()) return;  // a padding item: nothing to compute or write
       producer.publish_tile(t, group, published++);
       if (t.num_blocks > 0) producer.run_tile(t, it);
+    };
+    if (options.dynamic_schedule && tiles.scheduler != nullptr) {
+      const DynamicTileScheduler dynamic{tiles.scheduler};
+      const bool leader = threadIdx.x == 0;
+      uint32_t taken = 0;
+      for (int index = dynamic.first(); index < tiles.num_items; ++taken) {
+        const int next = leader ? dynamic.take() : 0;  // in flight during this item's loads
+        run_item(index);
+        if (leader) *sm.next_item(taken) = next;
+        ptx::named_barrier_sync(kProducerTable, 128);
+        index = *sm.next_item(taken);
+      }
+      if (leader) dynamic.finish();
+    } else {
+      for (int round = 0; scheduler.more(round); ++round) {
+        const int index = scheduler.item(round);
+        if (index < tiles.num_items) run_item(index);
+      }
     }
     PrefillTile end;
     end.request = -1;
@@ -107,11 +123,13 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     // The first warpgroup starts the ping-pong.
     if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
     const int rows[2] = {consumer.tile_row(0), consumer.tile_row(1)};
-    // A 16-bit output goes out through the tile's Q buffer (whole rows a store) where there are
-    // two buffers and the output's rows are 16-byte vectors.
-    const bool staged_output = Tr::kQBuffers == 2 && !p.out_fp32 && v_dim % 8 == 0 &&
-                               (reinterpret_cast<uintptr_t>(p.out) & 15u) == 0 &&
-                               p.out_stride_token % 8 == 0 && p.out_stride_head % 8 == 0;
+    // A 16-bit output whose rows are 16-byte vectors is written 16 bytes a store: staged
+    // through the tile's Q buffer (whole rows a store) where there are two buffers, else from
+    // registers after a quad transpose (store_tile_rows).
+    const bool vec16_output = !p.out_fp32 && v_dim % 8 == 0 &&
+                              (reinterpret_cast<uintptr_t>(p.out) & 15u) == 0 &&
+                              p.out_stride_token % 8 == 0 && p.out_stride_head % 8 == 0;
+    const bool staged_output = Tr::kQBuffers == 2 && vec16_output;
     using QRing = RingPosition<Tr::kQBuffers>;
     uint32_t it = 0;
     float o[Consumer::kOutRegs];
@@ -153,7 +171,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
         }
       }
       if (t.num_blocks == 0) consumer.release_q(at.stage);  // no S read the buffer
-      store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2);
+      store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2,
+                         vec16_output);
       stamp(tile_trace, kTraceStored);
     }
   }

@@ -62,6 +62,9 @@ struct SharedBuffers {
   __device__ __forceinline__ uint32_t scratch_word(int consumer_warp) const {
     return base + Tr::kScratchOffset + consumer_warp * 4;
   }
+  __device__ __forceinline__ volatile int* next_item(uint32_t tile) const {
+    return reinterpret_cast<volatile int*>(ptr + Tr::kNextItemOffset) + (tile & 1u);
+  }
   __device__ __forceinline__ uint32_t barrier(int index) const {
     return base + Tr::kBarrierOffset + index * 8;
   }

@@ -72,7 +72,10 @@ struct PrefillTraits {
   static constexpr int kTileInfoOffset = kSlotOffset + kSlotTables * kKvTile * 4;
   // One word per consumer warp: the target of ptx::pin_before_wgmma_wait (never read).
   static constexpr int kScratchOffset = kTileInfoOffset + kQBuffers * kTileInfoBytes;
-  static constexpr int kBarrierOffset = kScratchOffset + kConsumerWarpgroups * 4 * 4;
+  // Two words: the producer's next item under the dynamic schedule, alternating by tile (thread
+  // 0 writes, the warpgroup reads after a barrier).
+  static constexpr int kNextItemOffset = kScratchOffset + kConsumerWarpgroups * 4 * 4;
+  static constexpr int kBarrierOffset = kNextItemOffset + 16;
   // q_full / q_empty per Q buffer, then k_full / v_full / k_empty / v_empty per stage.
   static constexpr int kNumBarriers = 2 * kQBuffers + 4 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8;
@@ -118,6 +121,9 @@ struct LaunchOptions {
   /// KVATTN_SM90_TRACE=1): %globaltimer stamps (ns) of each consumer warpgroup's tile phases
   /// (TraceSlot), kTraceTiles tiles a warpgroup; nullptr: none.
   unsigned long long* trace = nullptr;
+  /// The dynamic tile schedule (DynamicTileScheduler; needs PrefillTiles::scheduler), else the
+  /// static one (StaticTileScheduler). KVATTN_SM90_SCHEDULE=static|dynamic overrides for A/B.
+  bool dynamic_schedule = false;
 };
 
 /// Phases a consumer warpgroup stamps per tile (KVATTN_SM90_TRACE builds).

@@ -75,4 +75,31 @@ struct StaticTileScheduler {
   }
 };
 
+/// Dynamic persistent schedule (LaunchOptions::dynamic_schedule, with the plan's counters
+/// PrefillTiles::scheduler): a CTA's first item is its own index, every later one the next ticket
+/// of a device counter, taken by the producer's thread 0 when the CTA starts its current item (so
+/// the atomic's round trip hides under that item's loads). With the items heaviest first this is
+/// greedy longest-first: a CTA that finishes early takes the next heaviest item, where the static
+/// schedule fixes every CTA's items in advance and leaves its imbalance as the kernel's tail.
+/// Every CTA takes exactly one ticket past the last item; the last CTA to finish (counted in
+/// counters[1]) sets both counters back to 0, so the next launch of the plan starts from 0.
+struct DynamicTileScheduler {
+  int* counters = nullptr;
+
+  __device__ __forceinline__ static int first() { return static_cast<int>(blockIdx.x); }
+  /// The next item (thread 0 of the producer only).
+  __device__ __forceinline__ int take() const {
+    return static_cast<int>(gridDim.x) + atomicAdd(counters, 1);
+  }
+  /// After this CTA's last take (thread 0 of the producer only).
+  __device__ __forceinline__ void finish() const {
+    __threadfence();  // this CTA's last ticket is taken before it counts itself finished
+    if (atomicAdd(counters + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      // Every CTA has taken its last ticket: no one touches the counters again this launch.
+      atomicExch(counters, 0);
+      atomicExch(counters + 1, 0);
+    }
+  }
+};
+
 }  // namespace kvattn::cuda::sm90

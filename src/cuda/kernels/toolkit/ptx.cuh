@@ -243,6 +243,42 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+/// Transposes a 4 x 4 matrix of words held by the four lanes of a quad (lane % 4 = q holds row
+/// q in w[0..3]): afterwards lane q holds column q (w[j] = old row j's word q). Two exchange
+/// rounds (xor 2 swaps the off-diagonal 2 x 2 blocks, xor 1 transposes inside them), two
+/// shuffles each; every lane of the warp must call it. Used to turn an accumulator fragment
+/// (a lane: 2 columns of each n8 block) into whole 16-byte pieces of a row (a lane: 8 columns).
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int lane) {
+  const bool hi2 = (lane & 2) != 0;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, hi2 ? w[k] : w[k + 2], 2);
+    if (hi2) {
+      w[k] = got;
+    } else {
+      w[k + 2] = got;
+    }
+  }
+  const bool hi1 = (lane & 1) != 0;
+#pragma unroll
+  for (int k = 0; k < 4; k += 2) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, hi1 ? w[k] : w[k + 1], 1);
+    if (hi1) {
+      w[k] = got;
+    } else {
+      w[k + 1] = got;
+    }
+  }
+}
+
+/// One 16-byte global store of four words (dst 16-byte aligned); the inline store keeps it one
+/// instruction whatever registers the words are in.
+__device__ __forceinline__ void store_global_v4(void* dst, const uint32_t (&w)[4]) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(w[0]), "r"(w[1]),
+               "r"(w[2]), "r"(w[3])
+               : "memory");
+}
+
 // ---- numerics ---------------------------------------------------------------------------------
 
 __device__ __forceinline__ float fast_exp2(float x) {
