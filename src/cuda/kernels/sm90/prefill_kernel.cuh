@@ -85,13 +85,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     if (options.dynamic_schedule && tiles.scheduler != nullptr) {
       const DynamicTileScheduler dynamic{tiles.scheduler};
       const bool leader = threadIdx.x == 0;
+      int next = dynamic.second();
       uint32_t taken = 0;
       for (int index = dynamic.first(); index < tiles.num_items; ++taken) {
-        const int next = leader ? dynamic.take() : 0;  // in flight during this item's loads
+        // The item after `next`, in flight during this item's loads.
+        const int after = leader && next < tiles.num_items ? dynamic.take() : tiles.num_items;
         run_item(index);
-        if (leader) *sm.next_item(taken) = next;
+        if (leader) *sm.next_item(taken) = after;
         ptx::named_barrier_sync(kProducerTable, 128);
-        index = *sm.next_item(taken);
+        index = next;
+        next = *sm.next_item(taken);
       }
       if (leader) dynamic.finish();
     } else {

@@ -581,9 +581,11 @@ struct PrefillConsumer {
 
     Ring at = Ring::of(it);
     ptx::mbarrier_wait(sm.k_full(at.stage), at.phase);
+    stamp(trace, kTraceFirstK);
     issue_scores(s, at.stage, q_buffer);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(s);
+    stamp(trace, kTraceFirstS);
     release(sm.k_empty(at.stage));
     if (free_q_early && block == 0) release_q(q_buffer);
     transform_scores(s, t, group, block, mask_base, mask_row_len);

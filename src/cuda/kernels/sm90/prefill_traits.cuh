@@ -134,6 +134,8 @@ enum TraceSlot : int {
   kTraceLoopDone = 3,   // the last P V has completed
   kTraceStored = 4,     // the output is written
   kTraceBlocks = 5,     // the tile's block count (not a time)
+  kTraceFirstK = 6,     // inside the first block: its K has arrived
+  kTraceFirstS = 7,     // inside the first block: its S is done (the softmax follows)
   kTraceSlots = 8,
 };
 constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not stamped)

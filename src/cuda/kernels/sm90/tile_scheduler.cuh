@@ -76,20 +76,26 @@ struct StaticTileScheduler {
 };
 
 /// Dynamic persistent schedule (LaunchOptions::dynamic_schedule, with the plan's counters
-/// PrefillTiles::scheduler): a CTA's first item is its own index, every later one the next ticket
-/// of a device counter, taken by the producer's thread 0 when the CTA starts its current item (so
-/// the atomic's round trip hides under that item's loads). With the items heaviest first this is
+/// PrefillTiles::scheduler): a CTA's first two items are the static schedule's (rounds 0 and 1),
+/// every later one the next ticket of a device counter, taken by the producer's thread 0 when the
+/// CTA starts the item before it (so the atomic's round trip hides under that item's loads, and
+/// CTAs ask in about the order they run out of work). With the items heaviest first this is
 /// greedy longest-first: a CTA that finishes early takes the next heaviest item, where the static
 /// schedule fixes every CTA's items in advance and leaves its imbalance as the kernel's tail.
-/// Every CTA takes exactly one ticket past the last item; the last CTA to finish (counted in
-/// counters[1]) sets both counters back to 0, so the next launch of the plan starts from 0.
+/// The last CTA to finish (counted in counters[1]) sets both counters back to 0, so the next
+/// launch of the plan starts from 0.
 struct DynamicTileScheduler {
   int* counters = nullptr;
 
   __device__ __forceinline__ static int first() { return static_cast<int>(blockIdx.x); }
+  /// Round 1 of the static schedule (the snake pairs the heaviest first item with the lightest
+  /// second one); tickets take over from item 2 G.
+  __device__ __forceinline__ static int second() {
+    return 2 * static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
+  }
   /// The next item (thread 0 of the producer only).
   __device__ __forceinline__ int take() const {
-    return static_cast<int>(gridDim.x) + atomicAdd(counters, 1);
+    return 2 * static_cast<int>(gridDim.x) + atomicAdd(counters, 1);
   }
   /// After this CTA's last take (thread 0 of the producer only).
   __device__ __forceinline__ void finish() const {
