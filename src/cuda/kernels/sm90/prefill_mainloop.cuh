@@ -504,20 +504,53 @@ struct PrefillConsumer {
                             (causal && key0 + Tr::kKvTile - 1 > diagonal + first_token) ||
                             (window >= 0 && key0 < diagonal + last_token - window);
     if (!needs_mask) return;
+    if (custom) {
+      transform_custom(s, t, group, key0, diagonal, mask_base, mask_row_len);
+      return;
+    }
+    // Causal / window / the tile's key end: a row sees one interval of keys, so a score is kept
+    // when its column offset c (a compile-time constant) lies in [lo, hi]: two compares and a
+    // select an element. The code stays small: it runs once a tile (the diagonal block) and
+    // must not spill the instruction cache (bench/NOTES.md, eleventh session).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int packed = t.row0 + tile_row(h);
+      const int token = min(packed, t.rows_total - 1) / group;
+      const int col0 = key0 + (lane & 3) * 2;  // the key of this thread's column offset 0
+      const int last = causal ? min(t.kv_end - 1, diagonal + token) : t.kv_end - 1;
+      const int hi = last - col0;
+      const int lo = window >= 0 ? diagonal + token - window - col0 : 0;
+#pragma unroll
+      for (int n = 0; n < kKeyBlocks8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = n * 8 + e;
+          if (c > hi || c < lo) s[4 * n + 2 * h + e] = -INFINITY;
+        }
+      }
+    }
+  }
+
+  /// transform_scores' custom-mask case: the key interval of the causal / window rule and the
+  /// tile's key end, then the request's mask bytes.
+  __device__ __forceinline__ void transform_custom(float (&s)[kScoreRegs], const PrefillTile& t,
+                                                   int group, int key0, int diagonal,
+                                                   const uint8_t* mask_base,
+                                                   int64_t mask_row_len) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int packed = t.row0 + tile_row(h);
       const int token = min(packed, t.rows_total - 1) / group;
       const int last_visible = causal ? diagonal + token : t.kv_end;
       const int first_visible = window >= 0 ? diagonal + token - window : 0;
-      const uint8_t* mask_row = custom ? mask_base + int64_t(token) * mask_row_len : nullptr;
+      const uint8_t* mask_row = mask_base + int64_t(token) * mask_row_len;
 #pragma unroll
       for (int n = 0; n < kKeyBlocks8; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int j = key0 + n * 8 + (lane & 3) * 2 + e;
           bool visible = j < t.kv_end && j <= last_visible && j >= first_visible;
-          if (custom && visible) visible = mask_row[j] != 0;
+          if (visible) visible = mask_row[j] != 0;
           if (!visible) s[4 * n + 2 * h + e] = -INFINITY;
         }
       }

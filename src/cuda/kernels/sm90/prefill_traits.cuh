@@ -123,7 +123,7 @@ struct LaunchOptions {
   unsigned long long* trace = nullptr;
   /// The dynamic tile schedule (DynamicTileScheduler; needs PrefillTiles::scheduler), else the
   /// static one (StaticTileScheduler). KVATTN_SM90_SCHEDULE=static|dynamic overrides for A/B.
-  bool dynamic_schedule = false;
+  bool dynamic_schedule = true;
 };
 
 /// Phases a consumer warpgroup stamps per tile (KVATTN_SM90_TRACE builds).
