@@ -33,6 +33,51 @@ struct RawTile {
   int64_t steps = 0;
 };
 
+/// The items of an unsplit plan in PrefillTileShape::l2_group_keys order. `raw` is in build
+/// order (request, row tile).
+void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int32_t> qo_indptr,
+                    std::span<const int64_t> kv_indptr, const PrefillTileShape& shape,
+                    std::vector<PrefillWorkItem>& items) {
+  struct Group {
+    int64_t heaviest;     // keys of the group's heaviest tile
+    uint32_t begin, end;  // the request's tiles in `order`
+    int head_begin, head_end;
+  };
+  std::vector<uint32_t> order(raw.size());
+  std::vector<Group> groups;
+  auto keys = [&](uint32_t i) { return raw[i].item.kv_end - raw[i].item.kv_begin; };
+  const int batch_size = static_cast<int>(qo_indptr.size()) - 1;
+  uint32_t at = 0;
+  for (int r = 0; r < batch_size; ++r) {
+    const uint32_t begin = at;
+    while (at < raw.size() && raw[at].item.request == r) {
+      order[at] = at;
+      ++at;
+    }
+    if (at == begin) continue;
+    std::stable_sort(order.begin() + begin, order.begin() + at,
+                     [&](uint32_t a, uint32_t b) { return keys(a) > keys(b); });
+    const int64_t kv_len = std::max<int64_t>(kv_indptr[r + 1] - kv_indptr[r], 1);
+    int heads = 1;
+    while (heads * 2 <= shape.num_kv_heads && kv_len * heads * 2 <= shape.l2_group_keys) heads *= 2;
+    for (int h = 0; h < shape.num_kv_heads; h += heads) {
+      groups.push_back({keys(order[begin]), begin, at, h, std::min(h + heads, shape.num_kv_heads)});
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const Group& a, const Group& b) { return a.heaviest > b.heaviest; });
+  items.reserve(raw.size() * size_t(shape.num_kv_heads));
+  for (const Group& g : groups) {
+    for (uint32_t i = g.begin; i < g.end; ++i) {
+      PrefillWorkItem item = raw[order[i]].item;
+      for (int h = g.head_begin; h < g.head_end; ++h) {
+        item.kv_head = h;
+        items.push_back(item);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
@@ -179,6 +224,10 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   const bool splits = chunk_keys > 0 && std::any_of(raw.begin(), raw.end(), [&](const RawTile& t) {
                         return tile_keys(t) > chunk_keys;
                       });
+  if (!splits && shape.l2_group_keys > 0) {
+    emit_l2_groups(raw, qo_indptr, kv_indptr, shape, plan.items);
+    return plan;
+  }
   if (!splits) {
     // No tile splits (decode at a large batch): the row tiles are sorted, the kv heads expanded
     // as they are emitted (a tile's heads are consecutive in build order and share its keys).

@@ -80,6 +80,13 @@ struct PrefillTileShape {
   /// picks it from the batch shape alone (cluster_split_size), so a CUDA graph's plan and every
   /// replay's have the same cluster. 0 or 1: the split above.
   int cluster = 0;
+  /// > 0: order the tiles for the L2 (when no tile splits): a request's kv heads in groups of
+  /// the largest power of two whose keys x heads stay within this many, each group's tiles
+  /// together (heaviest first, the group's heads consecutive), the groups heaviest first. The
+  /// K/V that the CTAs running at once read is then one or two groups' instead of every head's
+  /// at that causal depth (measured 5x the inputs read from HBM at 8 x 2048 with the plain
+  /// order; bench/NOTES.md, eleventh session). 0: every tile heaviest first (LPT).
+  int64_t l2_group_keys = 0;
 };
 
 /// The cluster of a cluster-split plan (PrefillTileShape::cluster) for a batch of batch_size

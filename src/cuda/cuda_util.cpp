@@ -66,6 +66,8 @@ const DeviceInfo& device_info(int device) {
     check_cuda(
         cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor, device),
         "cudaDeviceGetAttribute(computeCapabilityMajor)");
+    check_cuda(cudaDeviceGetAttribute(&info.l2_bytes, cudaDevAttrL2CacheSize, device),
+               "cudaDeviceGetAttribute(l2CacheSize)");
   }
   return info;
 }

@@ -36,6 +36,7 @@ struct DeviceInfo {
   int sm_count = 0;
   int max_smem_per_block_optin = 0;
   int compute_major = 0;
+  int l2_bytes = 0;
 };
 const DeviceInfo& device_info(int device);
 

@@ -324,6 +324,68 @@ TEST(PrefillTiles, RejectsBadShapes) {
   EXPECT_THROW(plan_prefill_tiles(qo, short_kv, make_shape(MaskMode::kCausal)), Error);
 }
 
+// The L2 order (PrefillTileShape::l2_group_keys): the same items as the plain order, a request's
+// kv heads in power-of-two groups within the key budget, each group's items contiguous (its tiles
+// heaviest first, a tile's heads consecutive), the groups heaviest first.
+TEST(PrefillTiles, L2GroupOrder) {
+  Batch b;
+  b.add(300, 300);     // 75 keys x 8 heads fit: one group of 8
+  b.add(1000, 5000);   // 5000 x 2 <= 10000: groups of 2 heads
+  b.add(40, 40);       // one tile
+  b.add(0, 700);       // no rows: no items
+  b.add(2000, 12000);  // over the budget alone: groups of 1
+  PrefillTileShape s = make_shape(MaskMode::kCausal);
+  const PrefillTilePlan plain = plan_and_check(b, s);
+  s.l2_group_keys = 10000;
+  const PrefillTilePlan grouped = plan_and_check(b, s);  // coverage and ranges, as any plan
+  ASSERT_EQ(grouped.items.size(), plain.items.size());
+  ASSERT_EQ(grouped.num_partials, 0);
+
+  const int expected_heads[] = {8, 2, 8, 8, 1};
+  struct Span {
+    size_t first, last;
+  };
+  std::map<std::pair<int, int>, Span> spans;  // (request, group index) -> item positions
+  for (size_t i = 0; i < grouped.items.size(); ++i) {
+    const PrefillWorkItem& it = grouped.items[i];
+    const int heads = expected_heads[it.request];
+    auto [pos, fresh] = spans.try_emplace({it.request, it.kv_head / heads}, Span{i, i});
+    if (!fresh) pos->second.last = i;
+  }
+  size_t covered = 0;
+  int64_t previous_heaviest = INT64_MAX;
+  std::vector<std::pair<size_t, std::pair<int, int>>> starts;
+  for (const auto& [key, span] : spans) starts.push_back({span.first, key});
+  std::sort(starts.begin(), starts.end());
+  for (const auto& [first, key] : starts) {
+    const Span span = spans[key];
+    const int heads = expected_heads[key.first];
+    const int head0 = key.second * heads;
+    // Contiguous: the group's items are exactly its tiles x its heads.
+    const int64_t tiles = int64_t(span.last - span.first + 1) / heads;
+    EXPECT_EQ(int64_t(span.last - span.first + 1), tiles * heads) << "request " << key.first;
+    int64_t previous_keys = INT64_MAX;
+    for (size_t i = span.first; i <= span.last; ++i) {
+      const PrefillWorkItem& it = grouped.items[i];
+      EXPECT_EQ(it.request, key.first) << "item " << i << " inside another group's span";
+      EXPECT_EQ(it.kv_head, head0 + int((i - span.first) % heads)) << "item " << i;
+      const int64_t keys = it.kv_end - it.kv_begin;
+      EXPECT_LE(keys, previous_keys) << "item " << i << ": tiles heaviest first in a group";
+      if ((i - span.first) % heads == 0)
+        previous_keys = keys;
+      else
+        EXPECT_EQ(keys, previous_keys) << "item " << i << ": a tile's heads together";
+    }
+    const PrefillWorkItem& head_item = grouped.items[span.first];
+    const int64_t heaviest = head_item.kv_end - head_item.kv_begin;
+    EXPECT_LE(heaviest, previous_heaviest) << "groups heaviest first";
+    previous_heaviest = heaviest;
+    covered += span.last - span.first + 1;
+  }
+  EXPECT_EQ(covered, grouped.items.size());
+  EXPECT_EQ(spans.size(), size_t(1 + 8 / 2 + 1 + 8)) << "groups: 8 heads, 2s, 8 heads, 1s";
+}
+
 TEST(PrefillTiles, BufferSizingAndFillingAgree) {
   Batch b;
   b.add(1, 20000);
