@@ -33,7 +33,8 @@ struct RawTile {
   int64_t steps = 0;
 };
 
-/// The items of an unsplit plan in PrefillTileShape::l2_group_keys order. `raw` is in build
+/// The items of an unsplit plan in PrefillTileShape::l2_keys order (heads in groups of at most
+/// l2_keys / 3 keys x heads). `raw` is in build
 /// order (request, row tile).
 void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int32_t> qo_indptr,
                     std::span<const int64_t> kv_indptr, const PrefillTileShape& shape,
@@ -59,7 +60,7 @@ void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int32_t> qo
                      [&](uint32_t a, uint32_t b) { return keys(a) > keys(b); });
     const int64_t kv_len = std::max<int64_t>(kv_indptr[r + 1] - kv_indptr[r], 1);
     int heads = 1;
-    while (heads * 2 <= shape.num_kv_heads && kv_len * heads * 2 <= shape.l2_group_keys) heads *= 2;
+    while (heads * 2 <= shape.num_kv_heads && kv_len * heads * 2 <= shape.l2_keys / 3) heads *= 2;
     for (int h = 0; h < shape.num_kv_heads; h += heads) {
       groups.push_back({keys(order[begin]), begin, at, h, std::min(h + heads, shape.num_kv_heads)});
     }
@@ -224,7 +225,10 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   const bool splits = chunk_keys > 0 && std::any_of(raw.begin(), raw.end(), [&](const RawTile& t) {
                         return tile_keys(t) > chunk_keys;
                       });
-  if (!splits && shape.l2_group_keys > 0) {
+  int64_t batch_keys = 0;  // keys x kv heads of the batch's K/V
+  for (int r = 0; r < batch_size; ++r) batch_keys += kv_indptr[r + 1] - kv_indptr[r];
+  batch_keys *= shape.num_kv_heads;
+  if (!splits && shape.l2_keys > 0 && batch_keys > shape.l2_keys) {
     emit_l2_groups(raw, qo_indptr, kv_indptr, shape, plan.items);
     return plan;
   }

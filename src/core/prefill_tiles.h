@@ -80,13 +80,15 @@ struct PrefillTileShape {
   /// picks it from the batch shape alone (cluster_split_size), so a CUDA graph's plan and every
   /// replay's have the same cluster. 0 or 1: the split above.
   int cluster = 0;
-  /// > 0: order the tiles for the L2 (when no tile splits): a request's kv heads in groups of
-  /// the largest power of two whose keys x heads stay within this many, each group's tiles
-  /// together (heaviest first, the group's heads consecutive), the groups heaviest first. The
-  /// K/V that the CTAs running at once read is then one or two groups' instead of every head's
-  /// at that causal depth (measured 5x the inputs read from HBM at 8 x 2048 with the plain
-  /// order; bench/NOTES.md, eleventh session). 0: every tile heaviest first (LPT).
-  int64_t l2_group_keys = 0;
+  /// The device's L2 in keys x kv heads (its bytes over a key's K and V bytes); 0: unknown.
+  /// Where the batch's K/V is larger than the L2 and no tile splits, the tiles are ordered for
+  /// it: a request's kv heads in groups (the largest power of two whose keys x heads stay within
+  /// a third of l2_keys), each group's tiles together (heaviest first, the group's heads
+  /// consecutive), the groups heaviest first. The K/V that the CTAs running at once read is then
+  /// one or two groups' instead of every head's at that causal depth (the plain order read 5x
+  /// the inputs from HBM at 8 x 2048; bench/NOTES.md, eleventh session). Otherwise every tile
+  /// heaviest first (LPT; measured faster where the K/V fits: hd256 1 x 4096).
+  int64_t l2_keys = 0;
 };
 
 /// The cluster of a cluster-split plan (PrefillTileShape::cluster) for a batch of batch_size

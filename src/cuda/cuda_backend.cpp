@@ -163,7 +163,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       setup.prefill_tile_rows = shape.tile_rows;
       setup.prefill_kv_tile = shape.kv_tile;
       setup.concurrent_prefill_ctas = dev.sm_count * shape.ctas_per_sm;
-      setup.prefill_l2_group_keys = shape.l2_group_keys;
+      setup.prefill_l2_keys = shape.l2_keys;
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kNotSupported) throw;
     }
@@ -455,7 +455,7 @@ core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const Backen
   shape.concurrent_ctas = tc ? setup.concurrent_tc_decode_ctas : setup.concurrent_prefill_ctas;
   if (config.deterministic) shape.concurrent_ctas = 0;  // no split-KV: tiles are the request's
   if (tc) shape.min_split_keys = setup.tc_decode_min_split;
-  if (!tc) shape.l2_group_keys = setup.prefill_l2_group_keys;
+  if (!tc) shape.l2_keys = setup.prefill_l2_keys;
   if (tc && batch_size > 0) {
     const int64_t rows = int64_t(q_len) * (config.num_q_heads / config.num_kv_heads);
     if (setup.tc_decode_narrow_rows > 0 &&

@@ -57,7 +57,7 @@ struct DecodeSetup {
   int concurrent_prefill_ctas = 0;
   int prefill_tile_rows = 0;
   int prefill_kv_tile = 0;
-  int64_t prefill_l2_group_keys = 0;  ///< core::PrefillTileShape::l2_group_keys of the family
+  int64_t prefill_l2_keys = 0;  ///< core::PrefillTileShape::l2_keys of the family
   /// The decode-shaped tensor-core kernel (kernels/prefill.h, kTcDecode) serves this config: calls
   /// of at most kTcDecodeMaxRows packed rows a request (verify, draft extend, tensor-core decode)
   /// run on it. KVATTN_TC_DECODE=0 turns it off (A/B runs).

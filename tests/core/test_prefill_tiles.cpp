@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <random>
 #include <tuple>
@@ -324,7 +325,7 @@ TEST(PrefillTiles, RejectsBadShapes) {
   EXPECT_THROW(plan_prefill_tiles(qo, short_kv, make_shape(MaskMode::kCausal)), Error);
 }
 
-// The L2 order (PrefillTileShape::l2_group_keys): the same items as the plain order, a request's
+// The L2 order (PrefillTileShape::l2_keys): the same items as the plain order, a request's
 // kv heads in power-of-two groups within the key budget, each group's items contiguous (its tiles
 // heaviest first, a tile's heads consecutive), the groups heaviest first.
 TEST(PrefillTiles, L2GroupOrder) {
@@ -336,7 +337,16 @@ TEST(PrefillTiles, L2GroupOrder) {
   b.add(2000, 12000);  // over the budget alone: groups of 1
   PrefillTileShape s = make_shape(MaskMode::kCausal);
   const PrefillTilePlan plain = plan_and_check(b, s);
-  s.l2_group_keys = 10000;
+  s.l2_keys = 30000;  // groups within 10000 keys x heads
+  // The batch's K/V fitting the L2: the plain order.
+  PrefillTileShape roomy = s;
+  roomy.l2_keys = (300 + 5000 + 40 + 700 + 12000) * 8;
+  const PrefillTilePlan fits = plan_prefill_tiles(b.qo_indptr, b.kv_indptr, roomy);
+  ASSERT_EQ(fits.items.size(), plain.items.size());
+  for (size_t i = 0; i < fits.items.size(); ++i) {
+    EXPECT_TRUE(std::memcmp(&fits.items[i], &plain.items[i], sizeof(PrefillWorkItem)) == 0)
+        << "item " << i;
+  }
   const PrefillTilePlan grouped = plan_and_check(b, s);  // coverage and ranges, as any plan
   ASSERT_EQ(grouped.items.size(), plain.items.size());
   ASSERT_EQ(grouped.num_partials, 0);

@@ -186,7 +186,7 @@ Row time_workload(const Workload& w) {
   ts.kv_tile = shape.kv_tile;
   ts.mask = p.mask;
   ts.concurrent_ctas = sms * shape.ctas_per_sm;
-  if (!w.tc) ts.l2_group_keys = shape.l2_group_keys;  // the backend's order (cuda_backend.cpp)
+  if (!w.tc) ts.l2_keys = shape.l2_keys;  // the backend's order (cuda_backend.cpp)
   if (w.tc) {
     const char* split = std::getenv("KVATTN_TC_DECODE_MIN_SPLIT");
     ts.min_split_keys = split != nullptr ? std::atoi(split) : 256;

@@ -402,15 +402,15 @@ bool prefill_v_head_dim_supported(int head_dim, int v_head_dim) {
 
 namespace {
 
-/// PrefillKernelShape::l2_group_keys: a third of the L2 (the K/V a wave of CTAs reads stays in
-/// it with room for Q, the output and the other partition's copies) over a key's K and V bytes.
-int64_t l2_group_keys(int head_dim, int v_head_dim, int device) {
+/// PrefillKernelShape::l2_keys: the L2 over a key's K and V bytes (the planner keeps the K/V a
+/// wave of CTAs reads within a third of it, room for Q, the output and the other partition).
+int64_t l2_keys(int head_dim, int v_head_dim, int device) {
   static const int forced = env_int("KVATTN_PREFILL_L2_KEYS", -1, -1);
   if (forced >= 0) return forced;
   if (device < 0) device = current_device();
   if (device < 0) return 0;
   const int64_t l2 = device_info(device).l2_bytes;
-  return l2 / 3 / (int64_t(head_dim + v_head_dim) * 2);
+  return l2 / (int64_t(head_dim + v_head_dim) * 2);
 }
 
 PrefillKernelShape shape_for_family(int head_dim, int v_head_dim, int device);
@@ -419,7 +419,7 @@ PrefillKernelShape shape_for_family(int head_dim, int v_head_dim, int device);
 
 PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim, int device) {
   PrefillKernelShape shape = shape_for_family(head_dim, v_head_dim, device);
-  shape.l2_group_keys = l2_group_keys(head_dim, v_head_dim, device);
+  shape.l2_keys = l2_keys(head_dim, v_head_dim, device);
   return shape;
 }
 
