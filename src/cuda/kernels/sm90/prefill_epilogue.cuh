@@ -40,10 +40,8 @@ __device__ __forceinline__ void store_rows_vec16(const core::AttentionParams& p,
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int packed = t.row0 + rows[h];
-    if (packed >= t.rows_total) continue;
-    const int token = packed / group;
-    const int head = t.kv_head * group + packed % group;
+    int token = 0, head = 0;
+    if (!t.output_row(rows[h], group, token, head)) continue;
     T* row = static_cast<T*>(p.out) + (int64_t(t.q_begin) + token) * p.out_stride_token +
              int64_t(head) * p.out_stride_head;
 #pragma unroll
@@ -78,10 +76,8 @@ __device__ __forceinline__ void store_tile_rows(
   const int column = (lane & 3) * 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int packed = t.row0 + rows[h];
-    if (packed >= t.rows_total) continue;
-    const int token = packed / group;
-    const int head = t.kv_head * group + packed % group;
+    int token = 0, head = 0;
+    if (!t.output_row(rows[h], group, token, head)) continue;
     float* lse_dst = nullptr;
     if (t.partial >= 0) {
       // A chunk of a split tile: fp32 rows of its partial slot (already normalised).
@@ -144,10 +140,8 @@ __device__ __forceinline__ void store_tile_rows_staged(
       *reinterpret_cast<uint32_t*>(row + (j / 8) * kSubTileBytes + (((j % 8) ^ (r & 7)) << 4)) =
           ptx::pack2<T>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
     }
-    const int packed = t.row0 + r;
-    if (p.lse != nullptr && (lane & 3) == 0 && packed < t.rows_total) {
-      const int token = packed / group;
-      const int head = t.kv_head * group + packed % group;
+    int token = 0, head = 0;
+    if (p.lse != nullptr && (lane & 3) == 0 && t.output_row(r, group, token, head)) {
       p.lse[(int64_t(t.q_begin) + token) * p.num_q_heads + head] = lse[h];
     }
   }
@@ -160,10 +154,8 @@ __device__ __forceinline__ void store_tile_rows_staged(
 #pragma unroll
   for (int i = 0; i < 16 / kRowsPerPass; ++i) {
     const int r = warp_row0 + lane / kChunks + i * kRowsPerPass;
-    const int packed = t.row0 + r;
-    if (column && packed < t.rows_total) {
-      const int token = packed / group;
-      const int head = t.kv_head * group + packed % group;
+    int token = 0, head = 0;
+    if (column && t.output_row(r, group, token, head)) {
       const uint4 value = *reinterpret_cast<const uint4*>(
           q_buffer + (c / 8) * kSubTileBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4));
       T* dst = static_cast<T*>(p.out) + (int64_t(t.q_begin) + token) * p.out_stride_token +

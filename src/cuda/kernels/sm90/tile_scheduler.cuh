@@ -56,6 +56,16 @@ struct PrefillTile {
 
   /// Whether this tile writes anything (a padding item writes nothing).
   __device__ __forceinline__ bool has_rows() const { return row0 < rows_total; }
+
+  /// The output row of the tile's row `row` (0 .. kTileRows - 1): the token within the request
+  /// and the q head; false past the request's rows (nothing to write).
+  __device__ __forceinline__ bool output_row(int row, int group, int& token, int& head) const {
+    const int packed = row0 + row;
+    if (packed >= rows_total) return false;
+    token = packed / group;
+    head = kv_head * group + packed % group;
+    return true;
+  }
 };
 
 /// Static persistent schedule over the plan's items, walked by the producer warpgroup alone
