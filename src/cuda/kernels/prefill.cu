@@ -202,6 +202,7 @@ void print_sm90_trace(const Sm90Trace& t) {
   // and the spread of the warpgroups' ends (the tail of the static schedule).
   double sums[4] = {0, 0, 0, 0}, gap = 0, tiles = 0, blocks = 0, q_max = 0;
   double first_k = 0, first_s = 0;  // the first block's K wait and S (the rest is its softmax)
+  double k_wait = 0, v_wait = 0;    // the loop's waits for K and V to arrive
   double span_sum = 0, span_min = 1e30, span_max = 0;
   unsigned long long launch = ~0ull, end_min = ~0ull, end_max = 0;
   int groups = 0;
@@ -223,6 +224,8 @@ void print_sm90_trace(const Sm90Trace& t) {
         for (int k = 1; k < 4; ++k) sums[k] += double(s[k + 1] - s[k]);
         first_k += double(s[sm90::kTraceFirstK] - s[sm90::kTraceQArrived]);
         first_s += double(s[sm90::kTraceFirstS] - s[sm90::kTraceFirstK]);
+        k_wait += double(s[sm90::kTraceKWait]);
+        v_wait += double(s[sm90::kTraceVWait]);
       }
       if (i > 0) gap += double(s[0] - w[(i - 1) * sm90::kTraceSlots + sm90::kTraceStored]);
       tiles += 1;
@@ -246,15 +249,16 @@ void print_sm90_trace(const Sm90Trace& t) {
                "sm90 trace: %d warpgroups, %.1f tiles and %.1f blocks each; us a warpgroup (per "
                "tile): span %.1f (min %.1f, max %.1f), Q wait %.1f (%.3f, max %.2f), first block "
                "%.1f (%.3f: K wait %.3f, S %.3f, softmax %.3f), loop %.1f (%.3f; %.3f a later "
-               "block), output %.1f (%.3f), between tiles %.1f; ends %.1f..%.1f after the first "
-               "start\n",
+               "block, of which waiting for K %.3f and V %.3f), output %.1f (%.3f), between "
+               "tiles %.1f; ends %.1f..%.1f after the first start\n",
                groups, tiles * per, blocks * per, span_sum * per * us, span_min * us, span_max * us,
                sums[0] * per * us, sums[0] / tiles * us, q_max * us, sums[1] * per * us,
                sums[1] / tiles * us, first_k / tiles * us, first_s / tiles * us,
                (sums[1] - first_k - first_s) / tiles * us, sums[2] * per * us, sums[2] / tiles * us,
-               sums[2] / std::max(1.0, blocks - tiles) * us, sums[3] * per * us,
-               sums[3] / tiles * us, gap * per * us, double(end_min - launch) * us,
-               double(end_max - launch) * us);
+               sums[2] / std::max(1.0, blocks - tiles) * us,
+               k_wait / std::max(1.0, blocks - tiles) * us, v_wait / std::max(1.0, blocks) * us,
+               sums[3] * per * us, sums[3] / tiles * us, gap * per * us,
+               double(end_min - launch) * us, double(end_max - launch) * us);
 }
 
 Sm90Trace* sm90_trace() {

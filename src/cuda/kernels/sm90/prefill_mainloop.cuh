@@ -626,12 +626,13 @@ struct PrefillConsumer {
     to_fragments(s, pf);
     stamp(trace, kTraceFirstDone);
 
+    unsigned long long k_waited = 0, v_waited = 0;  // traced tiles only (timed_wait)
     for (--block; block >= 0; --block) {
       const Ring next = Ring::of(it + 1);
-      ptx::mbarrier_wait(sm.k_full(next.stage), next.phase);
+      timed_wait(sm.k_full(next.stage), next.phase, trace, k_waited);
       schedule_wait();
       issue_scores(s, next.stage, q_buffer);
-      ptx::mbarrier_wait(sm.v_full(at.stage), at.phase);
+      timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
       issue_pv(o, pf, at.stage);
       schedule_pass();
       ptx::wgmma_wait_group<1>();  // S done; P V may still run
@@ -657,11 +658,15 @@ struct PrefillConsumer {
       at = next;
       ++it;
     }
-    ptx::mbarrier_wait(sm.v_full(at.stage), at.phase);
+    timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
     issue_pv(o, pf, at.stage);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(o);
     stamp(trace, kTraceLoopDone);
+    if (trace != nullptr) {
+      trace[kTraceKWait] = k_waited;
+      trace[kTraceVWait] = v_waited;
+    }
     release(sm.v_empty(at.stage));
     ++it;
   }

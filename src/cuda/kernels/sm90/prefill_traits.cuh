@@ -136,7 +136,9 @@ enum TraceSlot : int {
   kTraceBlocks = 5,     // the tile's block count (not a time)
   kTraceFirstK = 6,     // inside the first block: its K has arrived
   kTraceFirstS = 7,     // inside the first block: its S is done (the softmax follows)
-  kTraceSlots = 8,
+  kTraceKWait = 8,      // the later blocks' waits for K to arrive, summed (ns, not a time)
+  kTraceVWait = 9,      // the blocks' waits for V to arrive, summed (ns, not a time)
+  kTraceSlots = 10,
 };
 constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not stamped)
 
@@ -144,6 +146,18 @@ constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not 
 /// compile-time null, so the stamps fold away).
 __device__ __forceinline__ void stamp(unsigned long long* tile, int slot) {
   if (tile != nullptr) tile[slot] = ptx::global_timer();
+}
+
+/// Waits on an mbarrier phase; in a traced tile also adds the wait's duration to *waited.
+__device__ __forceinline__ void timed_wait(uint32_t mbarrier, uint32_t parity,
+                                           unsigned long long* tile, unsigned long long& waited) {
+  if (tile == nullptr) {
+    ptx::mbarrier_wait(mbarrier, parity);
+    return;
+  }
+  const unsigned long long start = ptx::global_timer();
+  ptx::mbarrier_wait(mbarrier, parity);
+  waited += ptx::global_timer() - start;
 }
 constexpr int kDiagnosticNoKvLoads = 1;
 constexpr int kDiagnosticNoSoftmax = 2;
