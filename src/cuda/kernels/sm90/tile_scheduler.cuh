@@ -1,10 +1,11 @@
 // Which work item a CTA of the Hopper prefill kernel runs next, and what every warp role
 // derives from an item (the tile's rows, its keys, its blocks, its masks).
 //
-// The plan (core/prefill_tiles.h) lists items heaviest first. The grid is persistent (at most
-// one CTA per SM): the producer warpgroup of a CTA walks its items (StaticTileScheduler) and
-// publishes each tile's description next to its Q (prefill_mainloop.cuh), so the consumers never
-// read the plan.
+// The plan (core/prefill_tiles.h) lists items heaviest first (within L2 groups of kv heads
+// where the batch's K/V exceeds the L2). The grid is persistent (at most one CTA per SM): the
+// producer warpgroup of a CTA takes its items (DynamicTileScheduler by default, else
+// StaticTileScheduler) and publishes each tile's description next to its Q
+// (prefill_mainloop.cuh), so the consumers never read the plan.
 #pragma once
 
 #include <cstdint>
