@@ -34,11 +34,9 @@ struct RawTile {
 };
 
 /// The items of an unsplit plan in PrefillTileShape::l2_keys order (heads in groups of at most
-/// l2_keys / 3 keys x heads). `raw` is in build
-/// order (request, row tile).
-void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int32_t> qo_indptr,
-                    std::span<const int64_t> kv_indptr, const PrefillTileShape& shape,
-                    std::vector<PrefillWorkItem>& items) {
+/// l2_keys / 3 keys x heads). `raw` is in build order (request, row tile).
+void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int64_t> kv_indptr,
+                    const PrefillTileShape& shape, std::vector<PrefillWorkItem>& items) {
   struct Group {
     int64_t heaviest;     // keys of the group's heaviest tile
     uint32_t begin, end;  // the request's tiles in `order`
@@ -47,7 +45,7 @@ void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int32_t> qo
   std::vector<uint32_t> order(raw.size());
   std::vector<Group> groups;
   auto keys = [&](uint32_t i) { return raw[i].item.kv_end - raw[i].item.kv_begin; };
-  const int batch_size = static_cast<int>(qo_indptr.size()) - 1;
+  const int batch_size = static_cast<int>(kv_indptr.size()) - 1;
   uint32_t at = 0;
   for (int r = 0; r < batch_size; ++r) {
     const uint32_t begin = at;
@@ -111,6 +109,7 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   // items are emitted, in head order).
   std::vector<RawTile> raw;
   int64_t total_cost = 0;
+  int64_t batch_keys = 0;  // keys of the batch (times num_kv_heads: its K/V in keys x heads)
   for (int r = 0; r < batch_size; ++r) {
     const int64_t q_len = int64_t(qo_indptr[r + 1]) - qo_indptr[r];
     const int64_t kv_len = kv_indptr[r + 1] - kv_indptr[r];
@@ -123,6 +122,7 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
       throw_error(ErrorKind::kInvalidArgument, "kv_indptr[" + std::to_string(r + 1) + "]",
                   "kv_len ", kv_len, " out of [0, 2^31)");
     }
+    batch_keys += kv_len;
     const int64_t rows = q_len * group;
     check_arg(rows <= INT32_MAX, "qo_indptr", "request ", r, " has ", rows,
               " packed rows, over 2^31");
@@ -225,11 +225,8 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
   const bool splits = chunk_keys > 0 && std::any_of(raw.begin(), raw.end(), [&](const RawTile& t) {
                         return tile_keys(t) > chunk_keys;
                       });
-  int64_t batch_keys = 0;  // keys x kv heads of the batch's K/V
-  for (int r = 0; r < batch_size; ++r) batch_keys += kv_indptr[r + 1] - kv_indptr[r];
-  batch_keys *= shape.num_kv_heads;
-  if (!splits && shape.l2_keys > 0 && batch_keys > shape.l2_keys) {
-    emit_l2_groups(raw, qo_indptr, kv_indptr, shape, plan.items);
+  if (!splits && shape.l2_keys > 0 && batch_keys * shape.num_kv_heads > shape.l2_keys) {
+    emit_l2_groups(raw, kv_indptr, shape, plan.items);
     return plan;
   }
   if (!splits) {

@@ -417,18 +417,7 @@ int64_t l2_keys(int head_dim, int v_head_dim, int device) {
   return l2 / (int64_t(head_dim + v_head_dim) * 2);
 }
 
-PrefillKernelShape shape_for_family(int head_dim, int v_head_dim, int device);
-
-}  // namespace
-
-PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim, int device) {
-  PrefillKernelShape shape = shape_for_family(head_dim, v_head_dim, device);
-  shape.l2_keys = l2_keys(head_dim, v_head_dim, device);
-  return shape;
-}
-
-namespace {
-
+/// prefill_kernel_shape without l2_keys: the family's tile shape.
 PrefillKernelShape shape_for_family(int head_dim, int v_head_dim, int device) {
   using namespace prefill_detail;
   const PrefillKernelFamily family = prefill_kernel_family(head_dim, v_head_dim, device);
@@ -468,6 +457,12 @@ PrefillKernelShape shape_for_family(int head_dim, int v_head_dim, int device) {
 }
 
 }  // namespace
+
+PrefillKernelShape prefill_kernel_shape(int head_dim, int v_head_dim, int device) {
+  PrefillKernelShape shape = shape_for_family(head_dim, v_head_dim, device);
+  shape.l2_keys = l2_keys(head_dim, v_head_dim, device);
+  return shape;
+}
 
 PrefillKernelShape prefill_kernel_shape(int head_dim) {
   return prefill_kernel_shape(head_dim, head_dim);
