@@ -115,6 +115,14 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
             " and k_scale ", p.k_scale, " must be positive");
   check_arg(p.qo_indptr != nullptr && p.kv_indptr != nullptr, "qo_indptr",
             "qo_indptr and kv_indptr are required");
+  // The kernels address a K/V row as a 32-bit row (a slot or a key) times a 32-bit pitch in
+  // bytes (one wide multiply-add a copy).
+  const int64_t kv_bytes = dtype_size(p.kv_dtype);
+  check_arg(p.k_stride_token >= 0 && p.v_stride_token >= 0 &&
+                p.k_stride_token * kv_bytes <= int64_t{UINT32_MAX} &&
+                p.v_stride_token * kv_bytes <= int64_t{UINT32_MAX},
+            "k_stride_token", "got k/v token strides ", p.k_stride_token, "/", p.v_stride_token,
+            " elements of ", kv_bytes, " bytes, expected a row pitch below 4 GiB");
   // 16-byte copies: rows must start on 16-byte boundaries.
   const int kv_vec = 16 / dtype_size(p.kv_dtype);
   const bool rows_aligned = aligned16(p.q) && aligned16(p.out) && aligned16(p.k) &&
@@ -187,7 +195,8 @@ namespace {
 // warpgroups ended (the schedule's tail).
 struct Sm90Trace {
   static constexpr int kMaxCtas = 1024;
-  static constexpr size_t kWords = size_t(kMaxCtas) * 2 * sm90::kTraceTiles * sm90::kTraceSlots;
+  static constexpr size_t kWords =
+      size_t(kMaxCtas) * sm90::kTraceWarpgroups * sm90::kTraceTiles * sm90::kTraceSlots;
   unsigned long long* buffer = nullptr;
 };
 
@@ -206,7 +215,7 @@ void print_sm90_trace(const Sm90Trace& t) {
   double span_sum = 0, span_min = 1e30, span_max = 0;
   unsigned long long launch = ~0ull, end_min = ~0ull, end_max = 0;
   int groups = 0;
-  for (int g = 0; g < Sm90Trace::kMaxCtas * 2; ++g) {
+  for (int g = 0; g < Sm90Trace::kMaxCtas * sm90::kTraceWarpgroups; ++g) {
     const unsigned long long* w = h.data() + size_t(g) * sm90::kTraceTiles * sm90::kTraceSlots;
     if (w[sm90::kTraceStored] == 0) continue;
     ++groups;
@@ -672,13 +681,6 @@ void launch_tc_decode(const core::AttentionParams& p, const core::PrefillTiles& 
     throw_error(ErrorKind::kDeviceError, "tc_decode", "no CUDA device is available");
   }
   const PrefillKernelShape shape = validate(p, tiles, device, /*tc_decode=*/true);
-  // The kernel addresses a K/V row as a 32-bit row times a 32-bit pitch in bytes.
-  const int64_t kv_bytes = dtype_size(p.kv_dtype);
-  check_arg(p.k_stride_token >= 0 && p.v_stride_token >= 0 &&
-                p.k_stride_token * kv_bytes <= int64_t{UINT32_MAX} &&
-                p.v_stride_token * kv_bytes <= int64_t{UINT32_MAX},
-            "k_stride_token", "got k/v token strides ", p.k_stride_token, "/", p.v_stride_token,
-            " elements of ", kv_bytes, " bytes, expected a row pitch below 4 GiB");
   if (tiles.num_items == 0) return;
   // A cluster-split plan (tiles.cluster > 1, the default where the batch is small: its clusters
   // merge their chunks in distributed shared memory) has no merge items. Otherwise a merge grid

@@ -1,9 +1,10 @@
 // The Hopper (sm_90a) batch prefill kernel: warp-specialised (one producer warpgroup, two
-// consumer warpgroups), wgmma for S = Q K^T (both operands in shared memory) and O += P V (P in
-// registers), an mbarrier ring of K/V stages, a persistent grid. It runs every item of a
-// core::PrefillTiles plan, like the mma.sync kernel (prefill_kernel.cuh) it replaces on sm_90:
-// paged or ragged K/V, masks none / causal / custom, window, soft-cap, LSE, split-KV partials,
-// fp32 output, fp8 K/V, v_head_dim up to head_dim (a narrow V uses the head_dim-wide instance).
+// consumer warpgroups, three at head_dim 64), wgmma for S = Q K^T (both operands in shared memory)
+// and O += P V (P in registers), an mbarrier ring of K/V stages, a persistent grid. It runs every
+// item of a core::PrefillTiles plan, like the mma.sync kernel (prefill_kernel.cuh) it replaces on
+// sm_90: paged or ragged K/V, masks none / causal / custom, window, soft-cap, LSE, split-KV
+// partials, fp32 output, fp8 K/V, v_head_dim up to head_dim (a narrow V uses the head_dim-wide
+// instance).
 //
 // Parts: sm90/prefill_traits.cuh (shapes, shared memory), sm90/tile_scheduler.cuh (which item
 // next, item geometry), sm90/prefill_mainloop.cuh (loads and products), sm90/prefill_epilogue.cuh
@@ -121,10 +122,10 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                       soft_cap,
                       scale_log2,
                       soft_cap ? qk_scale / p.logit_cap : 0.f,
-                      options.ping_pong,
+                      options.ping_pong && Tr::kConsumerWarpgroups == 2,
                       options.diagnostic};
     // The first warpgroup starts the ping-pong.
-    if (options.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
+    if (consumer.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);
     const int rows[2] = {consumer.tile_row(0), consumer.tile_row(1)};
     // A 16-bit output whose rows are 16-byte vectors is written 16 bytes a store: staged
     // through the tile's Q buffer (whole rows a store) where there are two buffers, else from
@@ -140,7 +141,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     // Thread 0 of each consumer warpgroup stamps its tiles' phases (TraceSlot).
     unsigned long long* const trace =
         options.trace != nullptr && threadIdx.x % 128 == 0
-            ? options.trace + (size_t(blockIdx.x) * 2 + consumer.wg) * kTraceTiles * kTraceSlots
+            ? options.trace +
+                  (size_t(blockIdx.x) * kTraceWarpgroups + consumer.wg) * kTraceTiles * kTraceSlots
             : nullptr;
 #else
     constexpr unsigned long long* trace = nullptr;  // every stamp below folds away

@@ -7,9 +7,10 @@
 //   producer:  the tile's description and Q (once the buffer is free), K[n_last], then for each
 //              later block: K[n], V[n + 1]; finally V[0]
 //   consumer:  wait for the tile; S = Q K[n_last]; softmax
-//              for each later block: issue S = Q K[n] and O += P V[n + 1]; wait for S; release
+//              for each later block: issue S = Q K[n]; rescale O (under that product) where
+//              the last softmax moved a row's max; issue O += P V[n + 1]; wait for S; release
 //              K; softmax of S (overlapping the P V product on the tensor cores); wait for O;
-//              release V; rescale O; P = S
+//              release V; P = S
 //              O += P V[0]; the output (staged through the tile's Q buffer where it can be);
 //              release the Q buffer (after the last S when the output does not use it)
 // Optionally (LaunchOptions::ping_pong, off by default) the two consumer warpgroups take turns
@@ -188,37 +189,60 @@ struct PrefillProducer {
     }
   }
 
-  /// The storage row of this thread's row i of a block (-1: none: past the block's keys, or a
-  /// slot outside the pool, already folded into the paged table).
-  __device__ __forceinline__ int64_t block_row(const PrefillTile& t, const int32_t* table,
-                                               int block_start, int rows_valid, int i) const {
+  /// The row of this thread's row i of a block, relative to the lane's source of row 0
+  /// (source_row0): paged, the slot (from the block's table); ragged, the key. -1: none (past
+  /// the block's keys, or a slot outside the pool, already folded into the table).
+  template <bool kPaged>
+  __device__ __forceinline__ int32_t block_row(const int32_t* table, int block_start,
+                                               int rows_valid, int i) const {
     const int r = row_in_step() + i * kRowStep;
-    if (paged) return table[r];
-    return r < rows_valid ? t.kv_base + block_start + r : int64_t(-1);
+    if constexpr (kPaged) return table[r];
+    return r < rows_valid ? block_start + r : -1;
+  }
+
+  /// This thread's 16-byte chunk of row 0 of the tile's kv head in K or V storage (`base`): the
+  /// pool's row 0 when paged (a block's rows are slots), the request's first key when ragged (a
+  /// block's rows are keys).
+  __device__ __forceinline__ const char* source_row0(const PrefillTile& t, const void* base,
+                                                     int64_t stride_token, int64_t stride_head,
+                                                     int64_t elem_bytes, int chunk_bytes) const {
+    return static_cast<const char*>(base) +
+           (int64_t(t.kv_head) * stride_head + (paged ? 0 : t.kv_base * stride_token)) *
+               elem_bytes +
+           chunk_bytes;
   }
 
   /// Copies keys [block_start, block_start + rows_valid) of K (kCols = head_dim) or V (kCols =
   /// the V width) into the swizzled tile at `dst`, as 16-bit values; columns from valid_cols on
-  /// (a narrow V) and rows without a key become zeros.
-  template <int kCols>
-  __device__ __forceinline__ void copy_rows_16bit(const PrefillTile& t, const void* base_void,
+  /// (a narrow V) and rows without a key become zeros. A row's address is one wide multiply-add
+  /// of a 32-bit row and the row pitch in bytes (< 2^32: the launch checks), so a copy is a
+  /// table load, a select and the cp.async (the 64-bit address arithmetic of a row cost ~30
+  /// instructions a copy: bench/NOTES.md, twelfth session). kPaged: the rows come from the
+  /// block's slot table (the caller branches once, so neither form issues the other's code);
+  /// kAllCols: every column exists (K), else columns from valid_cols on are zeros (V).
+  template <int kCols, bool kPaged, bool kAllCols>
+  __device__ __forceinline__ void copy_rows_16bit(const PrefillTile& t, const void* base,
                                                   int64_t stride_token, int64_t stride_head,
                                                   int valid_cols, uint32_t dst,
                                                   const int32_t* table, int block_start,
                                                   int rows_valid) const {
     constexpr int kSubTiles = kCols / 64;
-    const T* base =
-        static_cast<const T*>(base_void) + int64_t(t.kv_head) * stride_head + (tid % 8) * 8;
+    const char* const src0 =
+        source_row0(t, base, stride_token, stride_head, sizeof(T), (tid % 8) * 16);
+    const uint32_t pitch = static_cast<uint32_t>(stride_token * int64_t(sizeof(T)));
+    // A narrow V's missing columns: this thread's chunk of sub-tile `sub` exists when
+    // sub * 64 + (tid % 8) * 8 < valid_cols (always for K and a full V).
+    const int chunk_col = (tid % 8) * 8;
     dst += chunk_base();
 #pragma unroll
     for (int i = 0; i < Tr::kKvTile / kRowStep; ++i) {
-      const int64_t row = block_row(t, table, block_start, rows_valid, i);
-      const T* src = base + (row >= 0 ? row : 0) * stride_token;
+      const int32_t row = block_row<kPaged>(table, block_start, rows_valid, i);
+      const char* src = ptx::row_address(src0, static_cast<uint32_t>(max(row, 0)), pitch);
 #pragma unroll
       for (int sub = 0; sub < kSubTiles; ++sub) {
-        const bool valid = row >= 0 && sub * 64 + (tid % 8) * 8 < valid_cols;
-        ptx::cp_async_zfill<16>(dst + sub * Tr::kKvTile * 128 + i * kRowStep * 128, src + sub * 64,
-                                valid);
+        const bool col_ok = kAllCols || sub * 64 + chunk_col < valid_cols;
+        ptx::cp_async16_unless_negative(dst + sub * Tr::kKvTile * 128 + i * kRowStep * 128,
+                                        src + sub * 128, col_ok ? row : -1);
       }
     }
   }
@@ -234,17 +258,17 @@ struct PrefillProducer {
     constexpr int kSubTiles = kCols / 64;
     constexpr int kFp8RowStep = kThreads / 4;
     constexpr int kRows = Tr::kKvTile / kFp8RowStep;  // rows a thread loads per sub-tile
-    const uint8_t* base =
-        static_cast<const uint8_t*>(base_void) + int64_t(t.kv_head) * stride_head + (tid % 4) * 16;
+    const char* const src0 =
+        source_row0(t, base_void, stride_token, stride_head, 1, (tid % 4) * 16);
+    const uint32_t pitch = static_cast<uint32_t>(stride_token);
     const int r0 = tid / 4;
     const int q4 = tid % 4;
     unsigned char* tile = sm.ptr + (dst - sm.base);
-    int64_t rows[kRows];
+    int32_t rows[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = r0 + i * kFp8RowStep;
-      rows[i] =
-          paged ? int64_t(table[r]) : (r < rows_valid ? t.kv_base + block_start + r : int64_t(-1));
+      rows[i] = paged ? table[r] : (r < rows_valid ? block_start + r : -1);
     }
 #pragma unroll 1
     for (int sub = 0; sub < kSubTiles; ++sub) {
@@ -254,7 +278,8 @@ struct PrefillProducer {
       for (int i = 0; i < kRows; ++i) {
         raw[i] =
             rows[i] >= 0 && cols
-                ? __ldg(reinterpret_cast<const uint4*>(base + rows[i] * stride_token + sub * 64))
+                ? __ldg(reinterpret_cast<const uint4*>(
+                      ptx::row_address(src0, static_cast<uint32_t>(rows[i]), pitch) + sub * 64))
                 : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
@@ -292,8 +317,9 @@ struct PrefillProducer {
       }
       ptx::mbarrier_wait(sm.v_empty(at.stage), at.phase ^ 1u);
       const int block_start = t.kv_begin + block * Tr::kKvTile;
-      copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
-                                     sm.v(at.stage), nullptr, block_start, t.kv_end - block_start);
+      copy_rows_16bit<Tr::kHeadDimV, false, false>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
+                                                   sm.v(at.stage), nullptr, block_start,
+                                                   t.kv_end - block_start);
       ptx::cp_async_wait<0>();  // this thread's rows landed
       ptx::fence_proxy_async_shared();
       ptx::named_barrier_sync(kProducerTable, kThreads);
@@ -307,12 +333,21 @@ struct PrefillProducer {
     if (diagnostic & kDiagnosticNoKvLoads) {
       ptx::mbarrier_arrive(full);
     } else if (!fp8) {
-      if (is_v) {
-        copy_rows_16bit<Tr::kHeadDimV>(t, p.v, p.v_stride_token, p.v_stride_head, v_dim,
-                                       sm.v(at.stage), table, block_start, rows_valid);
+      auto copy = [&]<bool kPaged>() {
+        if (is_v) {
+          copy_rows_16bit<Tr::kHeadDimV, kPaged, false>(t, p.v, p.v_stride_token, p.v_stride_head,
+                                                        v_dim, sm.v(at.stage), table, block_start,
+                                                        rows_valid);
+        } else {
+          copy_rows_16bit<Tr::kHeadDim, kPaged, true>(t, p.k, p.k_stride_token, p.k_stride_head,
+                                                      Tr::kHeadDim, sm.k(at.stage), table,
+                                                      block_start, rows_valid);
+        }
+      };
+      if (paged) {
+        copy.template operator()<true>();
       } else {
-        copy_rows_16bit<Tr::kHeadDim>(t, p.k, p.k_stride_token, p.k_stride_head, Tr::kHeadDim,
-                                      sm.k(at.stage), table, block_start, rows_valid);
+        copy.template operator()<false>();
       }
       ptx::cp_async_mbarrier_arrive(full);
     } else {
@@ -408,7 +443,7 @@ struct PrefillConsumer {
 
   const core::AttentionParams& p;
   const SharedBuffers<Tr>& sm;
-  int wg;    // 0 or 1: which 64 rows of the tile
+  int wg;    // 0 .. kConsumerWarpgroups - 1: which 64 rows of the tile
   int warp;  // 0..3 inside the warpgroup
   int lane;
 
@@ -627,11 +662,15 @@ struct PrefillConsumer {
     stamp(trace, kTraceFirstDone);
 
     unsigned long long k_waited = 0, v_waited = 0;  // traced tiles only (timed_wait)
+    // O's rescale by the last softmax's factor is due before the P V that adds to it; it runs
+    // while the next S is on the tensor cores (FA3's order), not between P V and the next S.
+    bool rescale_due = false;
     for (--block; block >= 0; --block) {
       const Ring next = Ring::of(it + 1);
       timed_wait(sm.k_full(next.stage), next.phase, trace, k_waited);
       schedule_wait();
       issue_scores(s, next.stage, q_buffer);
+      if (rescale_due) rescale(o, factor);
       timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
       issue_pv(o, pf, at.stage);
       schedule_pass();
@@ -653,11 +692,12 @@ struct PrefillConsumer {
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(o);
       release(sm.v_empty(at.stage));
-      if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
+      rescale_due = __any_sync(0xffffffffu, moved);
       to_fragments(s, pf);
       at = next;
       ++it;
     }
+    if (rescale_due) rescale(o, factor);
     timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
     issue_pv(o, pf, at.stage);
     ptx::wgmma_wait_group<0>();

@@ -3,9 +3,9 @@
 // A CTA is three warpgroups: warpgroup 0 loads (each tile's description and Q into one of
 // kQBuffers buffers, then K and V blocks through a ring of kStages shared-memory stages, all
 // guarded by mbarriers), warpgroups 1 and 2 compute, each on 64 of the tile's 128 packed rows (a
-// wgmma is m64). One CTA per SM (the stages fill shared memory), so the tile scheduler is
-// persistent, and the producer owns it: the consumers take tiles from shared memory in the order
-// the producer publishes them.
+// wgmma is m64; at head_dim 64 a third consumer warpgroup and 192-row tiles). One CTA per SM (the
+// stages fill shared memory), so the tile scheduler is persistent, and the producer owns it: the
+// consumers take tiles from shared memory in the order the producer publishes them.
 //
 // Worked example, head_dim 128: Q 128 x 128 bf16 = 32 KiB, two buffers (the next tile's Q lands
 // while this one computes; a finished tile stages its output in its own Q buffer); a K or V
@@ -33,7 +33,10 @@ template <int kHeadDim_, int kHeadDimV_, int kStages_ = 2>
 struct PrefillTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr int kConsumerWarpgroups = 2;
+  // Consumer warpgroups, each 64 of the tile's rows: three at head_dim 64 (FA3's 192-row tile
+  // there: the softmax costs as much a block as at 128 for half the tensor work, so a third
+  // warpgroup hides its latency), two above (the registers of S, P and a wider O).
+  static constexpr int kConsumerWarpgroups = kHeadDim <= 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kTileRows = 64 * kConsumerWarpgroups;  // packed rows (GQA group x tokens)
   // Keys a block: 128 (FA3's choice for causal head_dim <= 192); head_dim 256 halves it so two
@@ -45,9 +48,14 @@ struct PrefillTraits {
   // two (bench/NOTES.md, Hopper prefill v5).
   static constexpr int kStages = kStages_;
   // Registers per thread after setmaxnreg: 128 x 72 + 256 x 216 (or 56 + 224 where O is 256
-  // wide) = 64512 of 65536. The producer's row copies spilled at 56 (~50 local loads/stores).
-  static constexpr int kProducerRegisters = kHeadDimV <= 128 ? 72 : 56;
-  static constexpr int kConsumerRegisters = kHeadDimV <= 128 ? 216 : 224;
+  // wide) = 64512 of 65536; with three consumer warpgroups 128 x 32 + 384 x 160 = 65536. The
+  // producer's hd128 row copies spilled at 56 (~50 local loads/stores); an hd64 row is half.
+  static constexpr int kProducerRegisters =
+      kConsumerWarpgroups == 3 ? 32 : (kHeadDimV <= 128 ? 72 : 56);
+  static constexpr int kConsumerRegisters =
+      kConsumerWarpgroups == 3 ? 160 : (kHeadDimV <= 128 ? 216 : 224);
+  static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <= 65536,
+                "the register file");
 
   // Shared memory (byte offsets from a 1024-byte aligned base).
   static constexpr int kQBytes = kTileRows * kHeadDim * 2;
@@ -141,6 +149,7 @@ enum TraceSlot : int {
   kTraceSlots = 10,
 };
 constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not stamped)
+constexpr int kTraceWarpgroups = 3;  // trace records a CTA keeps (its most consumer warpgroups)
 
 /// Stamps phase `slot` of a tile's trace (nothing when `tile` is null: untraced builds pass a
 /// compile-time null, so the stamps fold away).

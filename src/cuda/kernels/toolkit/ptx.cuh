@@ -30,16 +30,33 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
 template <int kBytes>
 __device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, bool valid) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
-  const int src_bytes = valid ? kBytes : 0;
+  // The ignore-src predicate (not a src-size register): ptxas turned `valid ? 16 : 0` into
+  // four instructions a copy (a sign-bit extract, a shift, an xor, a compare), one with this.
+  const uint32_t keep = valid ? 1u : 0u;
   if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
+        " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(dst),
+        "l"(src), "r"(keep)
+        : "memory");
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                 "n"(kBytes), "r"(src_bytes)
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %3, 0;\n"
+        " cp.async.ca.shared.global [%0], [%1], %2, ignore;\n}\n" ::"r"(dst),
+        "l"(src), "n"(kBytes), "r"(keep)
+        : "memory");
   }
+}
+
+/// A 16-byte cp.async that copies when `row` >= 0 and zero-fills otherwise, the predicate taken
+/// from the row itself (one compare; a bool argument cost three instructions a copy).
+__device__ __forceinline__ void cp_async16_unless_negative(uint32_t dst, const void* src,
+                                                           int32_t row) {
+  asm volatile(
+      "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
+      " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(dst),
+      "l"(src), "r"(row)
+      : "memory");
 }
 
 /// base + row * pitch in one wide multiply-add (the copy address of a K/V row: a 32-bit row
