@@ -994,6 +994,26 @@ TEST_F(PrefillKernel, RejectsUnsupported) {
   p.kv_dtype = DType::kFloat16;
   EXPECT_EQ(kind_of(), ErrorKind::kNotSupported);
   EXPECT_THROW(prefill_kernel_shape(80), Error);
+
+  // A K/V row pitch of 4 GiB or more: the kernels address a row as a 32-bit row (slot or key)
+  // times a 32-bit pitch, so the call is refused by name before any launch.
+  p.kv_dtype = DType::kBFloat16;
+  tiles.group_size = 4;
+  tiles.tile_rows = prefill_kernel_shape(128).tile_rows;
+  const int32_t qo[2] = {0, 1};
+  const int64_t kv[2] = {0, 1};
+  p.qo_indptr = qo;
+  p.kv_indptr = kv;
+  for (const int64_t stride : {int64_t{1} << 31, int64_t{3} << 30}) {
+    p.k_stride_token = p.v_stride_token = stride;  // x 2 bytes: 4 GiB, 6 GiB
+    try {
+      launch_batch_prefill(p, tiles, nullptr);
+      ADD_FAILURE() << "a " << stride << "-element row pitch was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("k_stride_token"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // ---- the decode-shaped tensor-core kernel (tc_decode_kernel.cuh) on its own plan shape -------
