@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                       soft_cap,
                       scale_log2,
                       soft_cap ? qk_scale / p.logit_cap : 0.f,
-                      options.ping_pong && Tr::kConsumerWarpgroups == 2,
+                      options.ping_pong,
                       options.diagnostic};
     // The first warpgroup starts the ping-pong.
     if (consumer.ping_pong && consumer.wg == 0) ptx::named_barrier_arrive(kScheduleFirst, 256);

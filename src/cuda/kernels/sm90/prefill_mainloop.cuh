@@ -13,8 +13,8 @@
 //              release V; P = S
 //              O += P V[0]; the output (staged through the tile's Q buffer where it can be);
 //              release the Q buffer (after the last S when the output does not use it)
-// Optionally (LaunchOptions::ping_pong, off by default) the two consumer warpgroups take turns
-// issuing their products (named barriers kScheduleFirst + wg), FA3's ping-pong.
+// Optionally (LaunchOptions::ping_pong, off by default) the consumer warpgroups take turns
+// issuing their products, round robin (named barriers kScheduleFirst + wg), FA3's ping-pong.
 //
 // Loads: paged and ragged K/V and Q are gathered row by row with 16-byte cp.async (a slot per
 // key, from kv_indices; rows past the block's keys or slots outside the pool are zero-filled,
@@ -618,7 +618,10 @@ struct PrefillConsumer {
     if (ping_pong) ptx::named_barrier_sync(kScheduleFirst + wg, 256);
   }
   __device__ __forceinline__ void schedule_pass() const {
-    if (ping_pong) ptx::named_barrier_arrive(kScheduleFirst + (wg ^ 1), 256);
+    if (ping_pong) {
+      const int next = wg + 1 < Tr::kConsumerWarpgroups ? wg + 1 : 0;
+      ptx::named_barrier_arrive(kScheduleFirst + next, 256);
+    }
   }
 
   /// The whole mainloop of one tile (num_blocks > 0) whose Q is in buffer q_buffer: on return

@@ -113,7 +113,8 @@ struct PrefillTensorMaps {
 /// tuned ones; KVATTN_SM90_PINGPONG=0 and KVATTN_SM90_CTAS=<n> override them for A/B runs).
 struct LaunchOptions {
   int max_ctas = 0;  ///< persistent grid size: min(items, max_ctas); the SM count by default
-  /// The two consumer warpgroups take turns issuing their products (FA3's scheduler barrier).
+  /// The consumer warpgroups take turns issuing their products, round robin (FA3's scheduler
+  /// barrier).
   /// Off by default: no measurable gain in any A/B run (bench/NOTES.md), and with it on the
   /// backend's hd256 8 x 2048 ragged prefill failed its check (5e-2, moving: a race not yet
   /// found) while every kernel test passed. KVATTN_SM90_PINGPONG=1 turns it on.
@@ -174,7 +175,7 @@ constexpr int kDiagnosticNoSoftmax = 2;
 // Named barriers (0 is __syncthreads).
 enum NamedBarrier : int {
   kProducerTable = 2,  // the producer warpgroup: a slot table is written
-  kScheduleFirst = 3,  // ping-pong of the two consumer warpgroups: ids 3 and 4
+  kScheduleFirst = 3,  // ping-pong of the consumer warpgroups: ids 3, 4 (and 5 with three)
 };
 
 }  // namespace kvattn::cuda::sm90
