@@ -1062,6 +1062,9 @@ class Runner:
                     pass  # a failed capture's error surfaces here once; the eager loop decides
         reps = replay_count(per_call_ms, calls, self.args.target_s)
         events = [(self.event(), self.event()) for _ in range(reps)]
+        # The host's time to enqueue the timed calls (no sync inside): about time_us when the
+        # calls are host-bound (an eager loop of short calls), far below it when the GPU is.
+        host_start = time.perf_counter()
         with self.on_stream():
             for start, end in events:
                 self.mark(start)
@@ -1071,12 +1074,14 @@ class Runner:
                     for i in range(calls):
                         call(i % sets)
                 self.mark(end)
+        host_us = (time.perf_counter() - host_start) * 1e6 / max(1, reps * calls)
         self.sync()
         times = [start.elapsed_time(end) * 1e3 / calls for start, end in events]
         del graph
         result = {"time_us": median(times), "timing": "graph" if allow_graph and not graph_error
                   else "eager", "sets": sets, "calls_per_replay": calls, "reps": reps,
-                  "spread": (max(times) - min(times)) / median(times) if times else None}
+                  "spread": (max(times) - min(times)) / median(times) if times else None,
+                  "host_us": host_us}
         if graph_error:
             result["graph_error"] = graph_error
         return result
