@@ -4,7 +4,10 @@
 //
 // Timing: the plan is built once, outside; a CUDA graph of 10 launches is replayed (2 warm-up
 // replays, median of 9 timed with CUDA events) and the time divided by 10. Inputs are random (never
-// zeros), and larger than L2 where the shape allows.
+// zeros), and larger than L2 where the shape allows. KVATTN_PREFILL_BENCH_EAGER=1 also times the
+// same launches issued eagerly, before the graph (a row's second timing runs on a GPU that has
+// been busy longer: bench/NOTES.md, twelfth session). KVATTN_PREFILL_BENCH_ONLY=<row> times one
+// row (for a profiler).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
