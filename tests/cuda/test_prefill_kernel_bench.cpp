@@ -219,9 +219,10 @@ Row time_workload(const Workload& w) {
   if (std::getenv("KVATTN_PREFILL_BENCH_EAGER") != nullptr) {
     // The same launches issued eagerly, back to back (how an engine's eager prefill runs them):
     // compares with the graph's time.
-    const double eager = median_ms([&]() {
+    auto launches = [&]() {
       for (int i = 0; i < kGraphCalls; ++i) launch();
-    }, 2, 9, stream) / kGraphCalls;
+    };
+    const double eager = median_ms(launches, 2, 9, stream) / kGraphCalls;
     std::printf("eager %s b%d q%d: %.1f us\n", w.name.c_str(), w.batch, w.q_len, eager * 1e3);
   }
   cudaGraph_t graph;
