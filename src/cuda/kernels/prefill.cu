@@ -124,7 +124,7 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
             "k_stride_token", "got k/v token strides ", p.k_stride_token, "/", p.v_stride_token,
             " elements of ", kv_bytes, " bytes, expected a row pitch below 4 GiB");
   // 16-byte copies: rows must start on 16-byte boundaries.
-  const int kv_vec = 16 / dtype_size(p.kv_dtype);
+  const int kv_vec = static_cast<int>(16 / kv_bytes);
   const bool rows_aligned = aligned16(p.q) && aligned16(p.out) && aligned16(p.k) &&
                             aligned16(p.v) && p.q_stride_token % 8 == 0 &&
                             p.q_stride_head % 8 == 0 && p.out_stride_token % 8 == 0 &&

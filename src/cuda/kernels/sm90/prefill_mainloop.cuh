@@ -189,13 +189,12 @@ struct PrefillProducer {
     }
   }
 
-  /// The row of this thread's row i of a block, relative to the lane's source of row 0
-  /// (source_row0): paged, the slot (from the block's table); ragged, the key. -1: none (past
-  /// the block's keys, or a slot outside the pool, already folded into the table).
+  /// Row r of a block, relative to the lane's source of row 0 (source_row0): paged, the slot
+  /// (from the block's table); ragged, the key. -1: none (past the block's keys, or a slot
+  /// outside the pool, already folded into the table).
   template <bool kPaged>
-  __device__ __forceinline__ int32_t block_row(const int32_t* table, int block_start,
-                                               int rows_valid, int i) const {
-    const int r = row_in_step() + i * kRowStep;
+  __device__ __forceinline__ static int32_t block_row(const int32_t* table, int block_start,
+                                                      int rows_valid, int r) {
     if constexpr (kPaged) return table[r];
     return r < rows_valid ? block_start + r : -1;
   }
@@ -236,7 +235,8 @@ struct PrefillProducer {
     dst += chunk_base();
 #pragma unroll
     for (int i = 0; i < Tr::kKvTile / kRowStep; ++i) {
-      const int32_t row = block_row<kPaged>(table, block_start, rows_valid, i);
+      const int32_t row =
+          block_row<kPaged>(table, block_start, rows_valid, row_in_step() + i * kRowStep);
       const char* src = ptx::row_address(src0, static_cast<uint32_t>(max(row, 0)), pitch);
 #pragma unroll
       for (int sub = 0; sub < kSubTiles; ++sub) {
@@ -268,7 +268,8 @@ struct PrefillProducer {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = r0 + i * kFp8RowStep;
-      rows[i] = paged ? table[r] : (r < rows_valid ? block_start + r : -1);
+      rows[i] = paged ? block_row<true>(table, block_start, rows_valid, r)
+                      : block_row<false>(table, block_start, rows_valid, r);
     }
 #pragma unroll 1
     for (int sub = 0; sub < kSubTiles; ++sub) {
