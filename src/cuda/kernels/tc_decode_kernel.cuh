@@ -71,18 +71,23 @@ struct Traits {
   static constexpr int kRawStageBytes = kStageBytes / 2;
   static constexpr int kPipeBytes16 = kWarps * kStages * kStageBytes;
   static constexpr int kPipeBytes8 = kWarps * (kStages * kRawStageBytes + kStageBytes);
-  // The end of the CTA reuses the pipeline: per warp its rows' max and sum and its O in fp32.
-  // O rows are padded by 4 floats so that a quad's float2 stores of 8 rows miss each other's banks.
+  // The end of the CTA reuses each warp's own pipeline region (so a warp leaves its state there
+  // as soon as its key steps are done, with no CTA barrier): its O in fp32 ([row][kOStride]),
+  // then its rows' max and sum; warp 0's region then holds the rows' LSE, and its O becomes the
+  // CTA's merged O in place (each element is read and written by one thread), which a
+  // cluster-split plan's CTAs read through distributed shared memory. O rows are padded by 4
+  // floats so that a quad's float2 stores of 8 rows miss each other's banks.
   static constexpr int kOStride = kHeadDim + 4;
-  // ... and after them, for a cluster-split plan, the CTA's merged O (fp32, [row][dim]) that the
-  // cluster's CTAs read through distributed shared memory.
-  static constexpr int kMergeBytes =
-      kWarps * kTileRows * (kOStride + 2) * 4 + kTileRows * 4 + kTileRows * kHeadDim * 4;
+  static constexpr int kWarpStateFloats = kTileRows * (kOStride + 2);
+  static constexpr int kWarpRegion16 = kStages * kStageBytes;
+  static constexpr int kWarpRegion8 = kStages * kRawStageBytes + kStageBytes;
+  static_assert((kWarpStateFloats + kTileRows) * 4 <= kWarpRegion8 &&
+                    (kWarpStateFloats + kTileRows) * 4 <= kWarpRegion16,
+                "a warp's merge state (and warp 0's LSE row) fits its pipeline region");
+  static_assert(kWarpRegion8 % 16 == 0 && kWarpRegion16 % 16 == 0 && kOStride % 4 == 0,
+                "16-byte aligned rows");
   static constexpr int kMaxCluster = 16;  // the cluster-split fold reads at most this many CTAs
-  static constexpr int smem_bytes(bool fp8) {
-    const int pipe = fp8 ? kPipeBytes8 : kPipeBytes16;
-    return kQBytes + (pipe > kMergeBytes ? pipe : kMergeBytes);
-  }
+  static constexpr int smem_bytes(bool fp8) { return kQBytes + (fp8 ? kPipeBytes8 : kPipeBytes16); }
   /// The opt-in the kernel needs for either KV width.
   static constexpr int max_smem_bytes() {
     return smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
@@ -272,7 +277,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const uint32_t s_q = smem_address(smem);
   const uint32_t s_pipe = s_q + Tr::kQBytes;
   const int stage_bytes = fp8 ? Tr::kRawStageBytes : Tr::kStageBytes;
-  const uint32_t s_warp = s_pipe + warp * (kStages * stage_bytes + (fp8 ? Tr::kStageBytes : 0));
+  const int warp_region = fp8 ? Tr::kWarpRegion8 : Tr::kWarpRegion16;  // bytes
+  const uint32_t s_warp = s_pipe + warp * warp_region;
   const uint32_t s_convert = s_warp + kStages * stage_bytes;  // fp8 only
 
   {  // Q: the tile's packed rows (zero past the request's rows)
@@ -644,37 +650,42 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #if defined(KVATTN_TC_DECODE_TRACE)
   if (trace != nullptr && lane == 0) trace[kTraceWarpDone + warp] = ptx::global_timer();
 #endif
-  ptx::cp_async_wait<0>();
-  // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
-  ptx::grid_launch_dependents();
-  __syncthreads();  // every warp is done with its pipeline: the memory becomes the merge area
-
   // ---- merge the four warps' states ---------------------------------------------------------
-  // [warp][row] max (raw logit units) and sum, then [warp][row][dim] unnormalized O.
-  float* red_max = reinterpret_cast<float*>(smem + Tr::kQBytes);
-  float* red_sum = red_max + Tr::kWarps * Tr::kTileRows;
-  float* row_lse = red_sum + Tr::kWarps * Tr::kTileRows;  // [row]
-  float* o_part = row_lse + Tr::kTileRows;                // (kTileRows * 4 floats: aligned)
-  float* o_warp = o_part + warp * Tr::kTileRows * Tr::kOStride;
+  // Each warp leaves its unnormalized O and its rows' max (raw logit units) and sum in its own
+  // pipeline region as soon as its copies have landed (no other warp reads that region), then
+  // one CTA barrier: a warp that finished early has run this code once before the last one does.
+  float* const state0 = reinterpret_cast<float*>(smem + Tr::kQBytes);
+  auto o_of = [&](int w) { return state0 + w * (warp_region / 4); };  // [row][kOStride]
+  auto max_of = [&](int w) { return o_of(w) + Tr::kTileRows * Tr::kOStride; };
+  auto sum_of = [&](int w) { return max_of(w) + Tr::kTileRows; };
+  float* const row_lse = sum_of(0) + Tr::kTileRows;  // [row], read by the cluster fold
+  ptx::cp_async_wait<0>();
+  __syncwarp();  // every lane's last ldmatrix of the region is done
+  {
+    float* const o_warp = o_of(warp);
 #pragma unroll
-  for (int a = 0; a < kMAtoms; ++a) {
+    for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float total = softmax[a].sum[h];
-      total += __shfl_xor_sync(0xffffffffu, total, 1);
-      total += __shfl_xor_sync(0xffffffffu, total, 2);
-      const int r = a * 16 + (lane >> 2) + 8 * h;
-      if ((lane & 3) == 0) {
-        red_max[warp * Tr::kTileRows + r] = softmax[a].max[h];
-        red_sum[warp * Tr::kTileRows + r] = total;
-      }
-      float* dst = o_warp + r * Tr::kOStride + (lane & 3) * 2;
+      for (int h = 0; h < 2; ++h) {
+        float total = softmax[a].sum[h];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        const int r = a * 16 + (lane >> 2) + 8 * h;
+        if ((lane & 3) == 0) {
+          max_of(warp)[r] = softmax[a].max[h];
+          sum_of(warp)[r] = total;
+        }
+        float* dst = o_warp + r * Tr::kOStride + (lane & 3) * 2;
 #pragma unroll
-      for (int d = 0; d < kDimTiles; ++d) {
-        *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[a][d][2 * h], o[a][d][2 * h + 1]);
+        for (int d = 0; d < kDimTiles; ++d) {
+          *reinterpret_cast<float2*>(dst + d * 8) =
+              make_float2(o[a][d][2 * h], o[a][d][2 * h + 1]);
+        }
       }
     }
   }
+  // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
+  ptx::grid_launch_dependents();
   __syncthreads();
   // The output loop below gives thread tid the rows (tid + k * kThreads) / kOutThreads, k <
   // kOutSteps: a warp's rows are known in advance, kTileRows / 4 of them. Lane j of the warp
@@ -697,7 +708,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     float top = -INFINITY;
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) {
-      row_weight[w] = mine ? red_max[w * Tr::kTileRows + r] : -INFINITY;
+      row_weight[w] = mine ? max_of(w)[r] : -INFINITY;
       top = fmaxf(top, row_weight[w]);
     }
     float total = 0.f;
@@ -705,7 +716,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     for (int w = 0; w < Tr::kWarps; ++w) {
       const float m = row_weight[w];
       row_weight[w] = m == -INFINITY ? 0.f : ptx::fast_exp2((m - top) * scale_log2);
-      total += (mine ? red_sum[w * Tr::kTileRows + r] : 0.f) * row_weight[w];
+      total += (mine ? sum_of(w)[r] : 0.f) * row_weight[w];
     }
     const bool empty = !(total > 0.f);
     const float inv_total = empty ? 0.f : p.v_scale / total;
@@ -719,11 +730,12 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   if (refused) return;  // before the first write (every CTA of the grid returns here)
 
   // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a chunk of
-  // a cluster-split tile its merged O into shared memory (cl_out) for the cluster's fold below,
+  // a cluster-split tile its merged O into shared memory (warp 0's O, in place) for the
+  // cluster's fold below,
   // a whole tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
   const int v_dim = p.v_head_dim;
   const bool in_cluster = tiles.cluster > 1;
-  float* cl_out = o_part + Tr::kWarps * Tr::kTileRows * Tr::kOStride;  // [row][kHeadDim]
+  float* const cl_out = o_of(0);  // [row][kOStride]
   auto store_out = [&](int r, int d0, const float4& acc, float lse) {
     const int packed = row0 + r;
     const int token = div_group(packed);
@@ -757,14 +769,14 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) {
       const float4 part =
-          *reinterpret_cast<const float4*>(o_part + (w * Tr::kTileRows + r) * Tr::kOStride + d0);
+          *reinterpret_cast<const float4*>(o_of(w) + r * Tr::kOStride + d0);
       acc.x = fmaf(part.x, weight[w], acc.x);
       acc.y = fmaf(part.y, weight[w], acc.y);
       acc.z = fmaf(part.z, weight[w], acc.z);
       acc.w = fmaf(part.w, weight[w], acc.w);
     }
     if (in_cluster) {
-      *reinterpret_cast<float4*>(cl_out + r * kHeadDim + d0) = acc;
+      *reinterpret_cast<float4*>(cl_out + r * Tr::kOStride + d0) = acc;
     } else if (item.partial >= 0) {
       const int64_t slot_row = int64_t(item.partial) * tiles.tile_rows + r;
       *reinterpret_cast<float4*>(tiles.partial_out + slot_row * v_dim + d0) = acc;
@@ -808,7 +820,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       for (int c = 0; c < Tr::kMaxCluster; ++c) {
         part[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (reads && c < n) {
-          part[c] = ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * kHeadDim + d0) * 4, c));
+          part[c] = ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * Tr::kOStride + d0) * 4, c));
         }
       }
       float top = lse_t;
