@@ -13,14 +13,15 @@
 namespace kvattn::cuda::detail {
 
 /// `cluster` > 1: the grid runs in thread-block clusters of that many CTAs along x (grid.x a
-/// multiple of it; above 8 the kernel must allow non-portable cluster sizes), and is launched as
-/// an ordinary dependent, not a programmatic one: clusters scheduled while the grid before them
-/// drains take the SM slots that grid leaves free (a whole cluster within one GPC), so a grid of
-/// one CTA an SM ends up with two CTAs on some SMs and none on others for its whole run. Measured
-/// (H200, bench/peers, the decode-shaped kernel's cluster split back to back, batch 1, 16 CTAs a
-/// kv head): decode x 16384 keys 29.4 us launched programmatically, 24.4 us not; x 32768 52.8 vs
-/// 42.1 us; x 4096 10.8 vs 10.4 (bench/NOTES.md, thirteenth session). Its griddepcontrol.wait
-/// then returns at once; its launch_dependents still lets the next programmatic grid start.
+/// multiple of it; above 8 the kernel must allow non-portable cluster sizes). Such a kernel
+/// should let its dependents launch (griddepcontrol.launch_dependents) only at its very end:
+/// clusters of the next grid scheduled while this one still runs take the SM slots it leaves
+/// free (a whole cluster within one GPC), so a grid of one CTA an SM ends up with two CTAs on
+/// some SMs and none on others for its whole run. Measured (H200, bench/peers, the
+/// decode-shaped kernel's cluster split back to back, batch 1, 16 CTAs a kv head; bench/NOTES.md,
+/// thirteenth session): triggered after the key steps, decode x 32768 keys 52.8 us, x 16384
+/// 29.4, verify b1 16.0; launched as an ordinary dependent 42.1, 24.4, 15.5; triggered at the end
+/// 41.3, 23.9, 14.5.
 template <typename... Params, typename... Args>
 void launch_programmatic_dependent(void (*kernel)(Params...), dim3 grid, dim3 block,
                                    size_t smem_bytes, cudaStream_t stream, const char* name,
@@ -32,8 +33,7 @@ void launch_programmatic_dependent(void (*kernel)(Params...), dim3 grid, dim3 bl
   config.stream = stream;
   cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed =
-      programmatic_launch_enabled() && cluster <= 1 ? 1 : 0;
+  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch_enabled() ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
   if (cluster > 1) {

@@ -684,8 +684,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       }
     }
   }
-  // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid.
-  ptx::grid_launch_dependents();
+  // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid. (A
+  // cluster-split grid lets the next grid in only at its end: launch.cuh.)
+  if (tiles.cluster <= 1) ptx::grid_launch_dependents();
   __syncthreads();
   // The output loop below gives thread tid the rows (tid + k * kThreads) / kOutThreads, k <
   // kOutSteps: a warp's rows are known in advance, kTileRows / 4 of them. Lane j of the warp
@@ -848,6 +849,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       if (reads) store_out(r, d0, acc, empty ? -INFINITY : top + __logf(total));
     }
     stamp(kTraceFolded);
+    ptx::grid_launch_dependents();
     // No CTA leaves before the others have read it (relaxed: nothing to publish).
     ptx::cluster_sync_relaxed();
     stamp(kTraceExit);
