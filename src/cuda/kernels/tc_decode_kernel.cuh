@@ -678,8 +678,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
         float* dst = o_warp + r * Tr::kOStride + (lane & 3) * 2;
 #pragma unroll
         for (int d = 0; d < kDimTiles; ++d) {
-          *reinterpret_cast<float2*>(dst + d * 8) =
-              make_float2(o[a][d][2 * h], o[a][d][2 * h + 1]);
+          *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[a][d][2 * h], o[a][d][2 * h + 1]);
         }
       }
     }
@@ -769,8 +768,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) {
-      const float4 part =
-          *reinterpret_cast<const float4*>(o_of(w) + r * Tr::kOStride + d0);
+      const float4 part = *reinterpret_cast<const float4*>(o_of(w) + r * Tr::kOStride + d0);
       acc.x = fmaf(part.x, weight[w], acc.x);
       acc.y = fmaf(part.y, weight[w], acc.y);
       acc.z = fmaf(part.z, weight[w], acc.z);
@@ -821,7 +819,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       for (int c = 0; c < Tr::kMaxCluster; ++c) {
         part[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (reads && c < n) {
-          part[c] = ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * Tr::kOStride + d0) * 4, c));
+          part[c] =
+              ptx::cluster_load_f32x4(ptx::cluster_map(out_local + (r * Tr::kOStride + d0) * 4, c));
         }
       }
       float top = lse_t;
