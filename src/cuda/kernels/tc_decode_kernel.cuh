@@ -659,6 +659,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   auto max_of = [&](int w) { return o_of(w) + Tr::kTileRows * Tr::kOStride; };
   auto sum_of = [&](int w) { return max_of(w) + Tr::kTileRows; };
   float* const row_lse = sum_of(0) + Tr::kTileRows;  // [row], read by the cluster fold
+  const bool in_cluster = tiles.cluster > 1;         // a cluster-split plan's chunk
   ptx::cp_async_wait<0>();
   __syncwarp();  // every lane's last ldmatrix of the region is done
   {
@@ -685,7 +686,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   }
   // The split merge (a programmatic dependent) may be scheduled now; it waits for this grid. (A
   // cluster-split grid lets the next grid in only at its end: launch.cuh.)
-  if (tiles.cluster <= 1) ptx::grid_launch_dependents();
+  if (!in_cluster) ptx::grid_launch_dependents();
   __syncthreads();
   // The output loop below gives thread tid the rows (tid + k * kThreads) / kOutThreads, k <
   // kOutSteps: a warp's rows are known in advance, kTileRows / 4 of them. Lane j of the warp
@@ -731,10 +732,9 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 
   // Output: 4 dims a thread at a time; a split chunk writes its partial state (fp32), a chunk of
   // a cluster-split tile its merged O into shared memory (warp 0's O, in place) for the
-  // cluster's fold below,
-  // a whole tile its rows of out (io dtype, or fp32 with p.out_fp32) and the LSE.
+  // cluster's fold below, a whole tile its rows of out (io dtype, or fp32 with p.out_fp32) and
+  // the LSE.
   const int v_dim = p.v_head_dim;
-  const bool in_cluster = tiles.cluster > 1;
   float* const cl_out = o_of(0);  // [row][kOStride]
   auto store_out = [&](int r, int d0, const float4& acc, float lse) {
     const int packed = row0 + r;
