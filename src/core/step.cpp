@@ -4,11 +4,20 @@
 
 namespace kvattn::core {
 
-StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device) {
+bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config,
+                         bool device_plan) {
+  return device_plan && batch.mode == ForwardMode::kDecode && !batch.seq_lens_cpu.defined() &&
+         batch.seq_lens.defined() && !batch.seq_lens.device().is_cpu() &&
+         !batch.shared_prefix_group_cpu.defined() && !config.is_encoder_decoder;
+}
+
+StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device,
+                      bool device_plan) {
   StepFacts facts;
   facts.mode = batch.mode;
   facts.batch_size = batch.batch_size;
-  facts.lens = validate_batch_lengths(batch, config, device);
+  facts.device_lengths = uses_device_lengths(batch, config, device_plan);
+  facts.lens = validate_batch_lengths(batch, config, device, facts.device_lengths);
   switch (batch.mode) {
     case ForwardMode::kIdle:
       return facts;

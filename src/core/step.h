@@ -29,11 +29,23 @@ struct StepFacts {
   /// EXTEND / MIXED on the ragged + paged-prefix path (use_ragged_extend with the config's
   /// threshold, window, encoder-decoder and deterministic settings).
   bool ragged = false;
+  /// The step is planned on the device from its device lengths (uses_device_lengths): `lens`
+  /// is empty, and no length was read on the host.
+  bool device_lengths = false;
 };
+
+/// Whether a backend that plans on the device (device_plan: the CUDA backend) takes `batch` from
+/// its device lengths: a DECODE batch whose seq_lens are on the device with no seq_lens_cpu, no
+/// declared shared-prefix groups (their checks read the lengths) and a decoder-only model. Any
+/// other batch is read on the host (and one whose lengths are on the device alone is refused,
+/// naming the *_cpu copy it needs).
+bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config, bool device_plan);
 
 /// Validates `batch` against `config` on `device` (validate_batch's checks, SPEC §5: each names
 /// the argument, the value and what was expected) and derives its facts, reading the host
-/// lengths once. Throws kvattn::Error before anything is written.
-StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device);
+/// lengths once (none where uses_device_lengths(batch, config, device_plan)). Throws
+/// kvattn::Error before anything is written.
+StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device,
+                      bool device_plan = false);
 
 }  // namespace kvattn::core

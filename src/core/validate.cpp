@@ -124,7 +124,8 @@ void validate_batch(const ForwardBatch& b, const BackendConfig& c, Device device
   (void)validate_batch_lengths(b, c, device);
 }
 
-HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c, Device device) {
+HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c, Device device,
+                                   bool device_lengths) {
   check_arg(b.batch_size >= 0, "batch_size", "got ", b.batch_size, ", expected >= 0");
   check_arg(b.kv_cache == nullptr || b.kv_cache == c.kv_cache, "kv_cache",
             "the batch names a different KV pool than the backend was made for");
@@ -146,6 +147,7 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
       }
     }
   }
+  if (device_lengths) return {};
   HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);
   const bool verify = b.mode == ForwardMode::kTargetVerify;
   if (verify) {

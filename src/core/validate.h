@@ -20,9 +20,11 @@ void validate_layer(const AttentionLayer& layer, const BackendConfig& config);
 void validate_batch(const ForwardBatch& batch, const BackendConfig& config, Device device);
 
 /// validate_batch, returning the host lengths it read and checked (read_host_lengths) so the
-/// caller does not read them again (core::derive_step); empty for IDLE.
+/// caller does not read them again (core::derive_step); empty for IDLE. With device_lengths (a
+/// DECODE step a backend plans on the device, core::derive_step) the lengths are not read: the
+/// tensors' shapes, dtypes and devices are checked, and the values are the device's to check.
 HostLengths validate_batch_lengths(const ForwardBatch& batch, const BackendConfig& config,
-                                   Device device);
+                                   Device device, bool device_lengths = false);
 
 /// q/k/v/out of one forward call: shapes, dtypes, device, contiguous last dimension, and the
 /// out_cache_loc slots within the pool (host-readable loc only; device kernels clamp).

@@ -14,6 +14,7 @@
 #include "core/step.h"
 #include "core/validate.h"
 #include "cuda/cascade.h"
+#include "cuda/kernels/device_plan.h"
 #include "cuda/kernels/index.h"
 #include "cuda/kernels/kv_write.h"
 #include "cuda/kernels/prefill.h"
@@ -224,7 +225,8 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   if (call.prefill) {
     const core::PrefillBufferLayout region =
         core::write_prefill_buffer(call.prefill_plan, v_head_dim, nullptr, 0, nullptr, nullptr);
-    copy_bytes = prefill_offset + region.metadata_bytes;
+    // A device plan's region is written by in_graph's planner: nothing of it is copied.
+    if (!call.device_plan) copy_bytes = prefill_offset + region.metadata_bytes;
     metadata_bytes = prefill_offset + region.total_bytes;
   }
   ensure_bytes(call.metadata, metadata_bytes, call.frozen, device, "call metadata");
@@ -251,13 +253,19 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   // The step's error state starts at zero (write_call_metadata zeroed it) with this step's number.
   StepState state;
   state.step = step;
+  state.plan_source = call.device_plan ? kPlanOnDevice : kPlanOnHost;
   std::memcpy(static_cast<char*>(call.staging.data()) + call.offsets.step_state, &state,
               sizeof(state));
   if (call.prefill) {
     char* base = static_cast<char*>(call.metadata.data()) + prefill_offset;
-    core::write_prefill_buffer(call.prefill_plan, v_head_dim,
-                               static_cast<char*>(call.staging.data()) + prefill_offset,
-                               call.staging.bytes() - prefill_offset, base, &call.prefill_tiles);
+    if (call.device_plan) {
+      core::write_prefill_buffer(call.prefill_plan, v_head_dim, nullptr, 0, base,
+                                 &call.prefill_tiles);
+    } else {
+      core::write_prefill_buffer(call.prefill_plan, v_head_dim,
+                                 static_cast<char*>(call.staging.data()) + prefill_offset,
+                                 call.staging.bytes() - prefill_offset, base, &call.prefill_tiles);
+    }
   }
   check_cuda(cudaMemcpyAsync(call.metadata.data(), call.staging.data(), copy_bytes,
                              cudaMemcpyHostToDevice, stream),
@@ -376,9 +384,11 @@ void run_call(const CallState& call, const core::AttentionParams& params, int de
   launch.partial_lse =
       reinterpret_cast<float*>(static_cast<char*>(call.scratch.data()) + call.offsets.partial_lse);
   // A captured graph replays later plans for the same batch size: cover the capacity.
-  launch.grid_items = capturing ? call.item_limit : int(call.decode_plan.items.size());
+  // (So does a device plan: the host does not know its item count.)
+  const bool fixed = capturing || call.device_plan;
+  launch.grid_items = fixed ? call.item_limit : int(call.decode_plan.items.size());
   launch.merge_indptr = call.meta<int32_t>(call.offsets.merge_indptr);
-  launch.has_partials = capturing || call.decode_plan.num_partials > 0;
+  launch.has_partials = fixed || call.decode_plan.num_partials > 0;
   launch_decode(launch, device, stream);
 }
 
@@ -519,8 +529,9 @@ class CudaBackend final : public AttentionBackend {
     set_device();
     step_ = Step();
     step_.id = guard_.begin_step(batch.mode, batch.batch_size);
-    const core::StepFacts facts = core::derive_step(batch, config_, device_);
+    const core::StepFacts facts = core::derive_step(batch, config_, device_, /*device_plan=*/true);
     core::validate_step_slots(batch, config_.kv_cache->num_slots(), device_);
+    if (facts.device_lengths) check_device_plan_fits(batch.batch_size);
     const core::HostLengths& lens = facts.lens;
     step_.mode = batch.mode;
     step_.batch_size = batch.batch_size;
@@ -538,6 +549,7 @@ class CudaBackend final : public AttentionBackend {
     }
     step_.ragged = facts.ragged;
     step_.num_tokens = facts.num_tokens;
+    step_.device_lengths = facts.device_lengths;
 
     // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size and token
     // count; a larger verify tree runs eagerly, and capturing it is refused.
@@ -563,6 +575,11 @@ class CudaBackend final : public AttentionBackend {
     // plans them over the whole sequence, for a forward that brings no k/v (it attends paged).
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       CallState& call = pool[s];
+      if (step_.device_lengths) {
+        plan_device_call(call, model_sets_[s], batch.batch_size);
+        continue;
+      }
+      call.device_plan = false;
       call.layout = core::make_paged_layout(batch.mode, model_sets_[s], config_.sliding_window_size,
                                             lens, batch.spec.draft_token_num,
                                             /*prefix_only=*/step_.ragged && step_.any_prefix);
@@ -617,7 +634,12 @@ class CudaBackend final : public AttentionBackend {
       cap.custom_mask = verify;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      const int64_t keys = step_.graph_pool ? graph_kv_capacity_ : call.layout.total_kv();
+      // (A device plan's keys are at most max_context_len a request.)
+      const int64_t keys = step_.graph_pool ? graph_kv_capacity_
+                           : call.device_plan
+                               ? int64_t(call.layout.batch_size) *
+                                     config_.req_to_token_pool->max_context_len()
+                               : call.layout.total_kv();
       upload_call(call, cap, keys, config_.v_head_dim, step_.id, device_, stream);
     }
     step_.ready = true;
@@ -634,6 +656,7 @@ class CudaBackend final : public AttentionBackend {
     const int max_context = config_.req_to_token_pool->max_context_len();
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       const CallState& call = pool[s];
+      if (call.device_plan) plan_on_device(call, batch, stream);
       if (call.fold_window) {
         WindowMaskFold fold;
         fold.tree_mask = call.tree_mask;
@@ -674,6 +697,9 @@ class CudaBackend final : public AttentionBackend {
     check.num_slots = config_.kv_cache->num_slots();
     check.req_to_token = config_.req_to_token_pool->table().data_as<const int32_t>();
     check.req_to_token_row_stride = config_.req_to_token_pool->table().stride(0);
+    if (step_.device_lengths) check.seq_lens = device_index_array(batch.seq_lens);
+    check.max_seq_len = max_context;
+    check.plan_source = step_.device_lengths ? kPlanOnDevice : kPlanOnHost;
     if (step_.cascade) {
       // The promise of the declared groups, checked before anything of the step is written.
       refuse_cascade_capture(capturing, "init_forward_metadata_in_graph");
@@ -798,6 +824,7 @@ class CudaBackend final : public AttentionBackend {
     bool any_prefix = false;
     bool convert_io = false;  ///< fp32 io through 16-bit copies (setup_.compute_dtype)
     bool cascade = false;     ///< full-attention layers run cascade_ (declared groups)
+    bool device_lengths = false;  ///< planned on the device (core::StepFacts::device_lengths)
     uint64_t id = 0;          ///< guard_'s number of this step
     /// The slot tensors the step-check kernel checked (a forward given others checks its own).
     DeviceIndexArray checked_loc;
@@ -894,6 +921,131 @@ class CudaBackend final : public AttentionBackend {
                                                                             graph_q_len, shape));
       call.padded = true;
     }
+  }
+
+  // ---- DECODE planned on the device (core::StepFacts::device_lengths) -------------------------
+
+  // The tile shape a device-planned DECODE call of batch_size requests plans with: the host's
+  // (prefill_shape, one query token a request) in the decode-shaped kernel's order (l2_keys 0,
+  // the order kernels/device_plan.h computes).
+  core::PrefillTileShape device_tile_shape(const core::PagedLayout& layout, bool tc,
+                                           int batch_size) const {
+    core::PrefillTileShape shape =
+        prefill_shape(layout.mask, layout.window_left, tc, batch_size, /*q_len=*/1);
+    shape.l2_keys = 0;
+    return shape;
+  }
+
+  bool device_call_tc(int group) const { return setup_.tc_decode && group <= kTcDecodeMaxRows; }
+
+  // Refuses (before anything is written) a batch larger than one planning CTA takes.
+  void check_device_plan_fits(int batch_size) const {
+    auto refuse = [&](int most) {
+      throw_error(ErrorKind::kInvalidArgument, "seq_lens_cpu",
+                  "missing: a DECODE step without host lengths is planned on the device, for at "
+                  "most ",
+                  most, " requests on this configuration; this batch has ", batch_size,
+                  ": pass seq_lens_cpu");
+    };
+    if (!setup_.tensor_cores) {
+      if (batch_size > kDevicePlanMaxBatch ||
+          core::decode_item_capacity(batch_size, setup_.plan_config) > kDevicePlanMaxItems) {
+        int most = std::min(batch_size, kDevicePlanMaxBatch);
+        while (most > 0 &&
+               core::decode_item_capacity(most, setup_.plan_config) > kDevicePlanMaxItems) {
+          --most;
+        }
+        refuse(most);
+      }
+      return;
+    }
+    const bool tc = device_call_tc(config_.num_q_heads / config_.num_kv_heads);
+    core::PagedLayout probe;
+    probe.mask = core::MaskMode::kCausal;
+    auto fits = [&](int bs) {
+      if (bs > kDevicePlanTilesMaxBatch) return false;
+      const core::PrefillPlanCapacity cap =
+          core::prefill_plan_capacity(bs, 1, device_tile_shape(probe, tc, bs));
+      return cap.items <= kDevicePlanTilesMaxKeys;
+    };
+    if (fits(batch_size)) return;
+    int most = std::min(batch_size, kDevicePlanTilesMaxBatch);
+    while (most > 0 && !fits(most)) --most;
+    refuse(most);
+  }
+
+  // out_graph's half: the layout's query rows (kv arrays zero until in_graph's planner writes
+  // them) and the plan's fixed size.
+  void plan_device_call(CallState& call, core::IndexSet set, int batch_size) {
+    core::HostLengths zeros;
+    zeros.seq_lens.assign(size_t(batch_size), 0);
+    call.layout = core::make_paged_layout(ForwardMode::kDecode, set, config_.sliding_window_size,
+                                          zeros, 0);
+    call.paged = true;
+    call.custom_mask = nullptr;
+    call.fold_window = false;
+    call.device_plan = true;
+    call.max_kv_len = config_.req_to_token_pool->max_context_len();
+    call.prefill = setup_.tensor_cores;
+    if (!call.prefill) {
+      call.item_limit = core::decode_item_capacity(batch_size, setup_.plan_config);
+      call.decode_plan = core::DecodePlan{};
+      call.decode_plan.merge_indptr.assign(size_t(batch_size) + 1, 0);
+      return;
+    }
+    call.item_limit = 0;
+    const int group = config_.num_q_heads / config_.num_kv_heads;
+    call.tc_decode = device_call_tc(group);
+    call.plan_shape = device_tile_shape(call.layout, call.tc_decode, batch_size);
+    call.plan_capacity = core::prefill_plan_capacity(batch_size, 1, call.plan_shape);
+    // Only the plan's sizes reach the buffer view (write_prefill_buffer without a host copy);
+    // the planner writes its contents.
+    core::PrefillTilePlan& plan = call.prefill_plan;
+    plan.items.resize(size_t(call.plan_capacity.items));
+    plan.merges.resize(size_t(call.plan_capacity.merges));
+    plan.num_partials = call.plan_capacity.partials;
+    plan.tile_rows = call.plan_shape.tile_rows;
+    plan.group_size = group;
+    plan.cluster = call.plan_shape.cluster > 1 ? call.plan_shape.cluster : 0;
+    call.prefill_items = call.plan_capacity.items;
+    call.prefill_merges = call.plan_capacity.merges;
+    call.padded = true;
+  }
+
+  // in_graph's half: the KV ranges and the plan from the batch's device seq_lens.
+  void plan_on_device(const CallState& call, const ForwardBatch& batch, cudaStream_t stream) const {
+    DeviceDecodeLengths lengths;
+    lengths.seq_lens = batch.seq_lens.data();
+    lengths.seq_lens_int64 = batch.seq_lens.dtype() == DType::kInt64;
+    lengths.window = call.layout.window_left;
+    lengths.max_context_len = config_.req_to_token_pool->max_context_len();
+    lengths.kv_start = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_start));
+    lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
+    int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
+    if (call.prefill) {
+      DevicePlanTiles t;
+      t.lengths = lengths;
+      t.batch_size = call.layout.batch_size;
+      t.shape = call.plan_shape;
+      t.capacity = call.plan_capacity;
+      t.kv_indptr = kv_indptr;
+      t.items = const_cast<core::PrefillWorkItem*>(call.prefill_tiles.items);
+      t.merges = const_cast<core::PrefillMergeItem*>(call.prefill_tiles.merges);
+      t.scheduler = call.prefill_tiles.scheduler;
+      launch_device_plan_tiles(t, stream);
+      return;
+    }
+    DevicePlanDecode d;
+    d.lengths = lengths;
+    d.batch_size = call.layout.batch_size;
+    d.config = setup_.plan_config;
+    d.item_capacity = call.item_limit;
+    d.kv_indptr = kv_indptr;
+    d.items = const_cast<core::DecodeWorkItem*>(
+        call.meta<core::DecodeWorkItem>(call.offsets.decode_items));
+    d.merge_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.merge_indptr));
+    d.num_items = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.num_items));
+    launch_device_plan_decode(d, stream);
   }
 
   // TARGET_VERIFY on a window layer: the window becomes part of the tree mask (tree tokens do

@@ -99,6 +99,13 @@ struct CallState {
   int prefill_merges = 0;
   core::PrefillTiles prefill_tiles;  ///< device view, filled by upload (padded counts)
   int max_kv_len = 0;
+  /// A DECODE call planned on the device (core::StepFacts::device_lengths): out_graph uploads
+  /// the query layout and the step state only; in_graph's planner (kernels/device_plan.h) writes
+  /// kv_start / kv_len / kv_indptr and the plan, padded to its fixed capacity, and every launch
+  /// covers that capacity.
+  bool device_plan = false;
+  core::PrefillTileShape plan_shape;     ///< device_plan && prefill: the planner's shape ...
+  core::PrefillPlanCapacity plan_capacity;  ///< ... and the capacity it pads to
   const uint8_t* custom_mask = nullptr;  ///< device tree mask the kernel reads (TARGET_VERIFY)
   /// TARGET_VERIFY on a window layer: in_graph folds the window into `folded_mask` from the
   /// engine's mask (tree_mask) and positions.

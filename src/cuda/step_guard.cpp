@@ -32,6 +32,21 @@ std::pair<std::string, std::string> describe_argument(const StepReport& r, int a
       return {indexed("out_cache_loc", position), "slot " + value + " " + pool};
     case kArgEncoderOutCacheLoc:
       return {indexed("encoder_out_cache_loc", position), "slot " + value + " " + pool};
+    case kArgSeqLens:
+      return {indexed("seq_lens", position),
+              "got " + value + ", expected a length in [0, max_context_len = " +
+                  std::to_string(r.row[argument]) +
+                  "] (the step was planned on the device from seq_lens: no seq_lens_cpu)"};
+    case kArgPlanSource: {
+      auto source = [](int64_t v) {
+        return std::string(v == kPlanOnDevice ? "on the device (no seq_lens_cpu)"
+                                              : "on the host (seq_lens_cpu given)");
+      };
+      return {"seq_lens_cpu", "this step was planned " + source(r.value[argument]) +
+                                  ", the replayed CUDA graph was captured for steps planned " +
+                                  source(r.row[argument]) +
+                                  ": capture and replay batches of the same kind"};
+    }
     case kArgSharedPrefix: {
       core::SharedPrefixViolation v;
       v.group = r.shared_group;

@@ -125,5 +125,57 @@ TEST(StepFacts, IdleAndBadBatches) {
   }
 }
 
+// A DECODE batch whose lengths live on the device alone (no seq_lens_cpu): a backend that plans
+// on the device takes it without reading a length (the tensors are never read here: their data
+// is host memory labelled cuda); any other backend, mode or batch reads host lengths as before.
+TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecode) {
+  auto w = ScenarioWorld::build(step_spec(ForwardMode::kDecode, 9), BackendKind::kCpu);
+  const Device gpu = Device::cuda(0);
+  ForwardBatch b = w->batch;
+  auto on_gpu = [&](const TensorView& t) {
+    return TensorView(const_cast<void*>(t.data()), t.dtype(), gpu, {t.size(0)});
+  };
+  b.req_pool_indices = on_gpu(w->batch.req_pool_indices);
+  b.seq_lens = on_gpu(w->batch.seq_lens);
+  b.seq_lens_cpu = TensorView();
+  b.out_cache_loc = TensorView();
+  EXPECT_TRUE(core::uses_device_lengths(b, w->config, /*device_plan=*/true));
+  const core::StepFacts facts = core::derive_step(b, w->config, gpu, /*device_plan=*/true);
+  EXPECT_TRUE(facts.device_lengths);
+  EXPECT_TRUE(facts.lens.seq_lens.empty());
+  EXPECT_EQ(facts.num_tokens, b.batch_size);
+  EXPECT_FALSE(facts.ragged);
+  // A backend that plans on the host: the device copy is refused, naming it.
+  try {
+    (void)core::derive_step(b, w->config, gpu, /*device_plan=*/false);
+    ADD_FAILURE() << "device-only lengths were accepted by a host planner";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "seq_lens") << e.what();
+  }
+  // With the host copy, or shared-prefix groups, or another mode: the host lengths.
+  ForwardBatch with_host = b;
+  with_host.seq_lens_cpu = w->batch.seq_lens;
+  EXPECT_FALSE(core::uses_device_lengths(with_host, w->config, true));
+  const core::StepFacts host_facts = core::derive_step(with_host, w->config, gpu, true);
+  EXPECT_FALSE(host_facts.device_lengths);
+  EXPECT_EQ(host_facts.lens.seq_lens.size(), size_t(b.batch_size));
+  ForwardBatch grouped = b;
+  grouped.shared_prefix_group_cpu = w->batch.seq_lens;
+  EXPECT_FALSE(core::uses_device_lengths(grouped, w->config, true));
+  ForwardBatch verify = b;
+  verify.mode = ForwardMode::kTargetVerify;
+  EXPECT_FALSE(core::uses_device_lengths(verify, w->config, true));
+  // The shapes are still checked.
+  ForwardBatch short_seq = b;
+  short_seq.seq_lens = TensorView(const_cast<void*>(b.seq_lens.data()), b.seq_lens.dtype(), gpu,
+                                  {b.batch_size - 1});
+  try {
+    (void)core::derive_step(short_seq, w->config, gpu, true);
+    ADD_FAILURE() << "a seq_lens of the wrong length was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "seq_lens") << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace kvattn::testing

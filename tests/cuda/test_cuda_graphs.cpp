@@ -69,6 +69,8 @@ struct WorldSpec {
   int topk = 0;             ///< multi-step draft worlds
   int num_steps = 0;
   const char* tensor_cores = nullptr;  ///< KVATTN_DECODE_TENSOR_CORES for this world's backends
+  /// DECODE batches carry no seq_lens_cpu: the backend plans them on the device (issue 15).
+  bool device_lengths = false;
   uint64_t seed = 1;
 };
 
@@ -351,8 +353,10 @@ class GraphWorld {
     b.batch_size = s.batch_size;
     b.req_pool_indices = TensorView(rpi_.data(), DType::kInt32, Device::cuda(0), {s.batch_size});
     b.seq_lens = TensorView(seq_.data(), DType::kInt32, Device::cuda(0), {s.batch_size});
-    b.seq_lens_cpu = TensorView(const_cast<int32_t*>(seq_host_.data()), DType::kInt32,
-                                Device::cpu(), {s.batch_size});
+    if (!(spec_.device_lengths && s.mode == ForwardMode::kDecode)) {
+      b.seq_lens_cpu = TensorView(const_cast<int32_t*>(seq_host_.data()), DType::kInt32,
+                                  Device::cpu(), {s.batch_size});
+    }
     if (spec_.topk == 0) {
       b.out_cache_loc = TensorView(loc_[0].data(), DType::kInt32, Device::cuda(0), {s.num_tokens});
     }
@@ -613,6 +617,11 @@ class GraphWorld {
   }
   void set_row(int64_t i, int32_t value) {
     copy_bytes(static_cast<int32_t*>(rpi_.data()) + i, Device::cuda(0), &value, Device::cpu(),
+               sizeof(value));
+  }
+  /// seq_lens[i] on the device only (the host copy keeps the step's).
+  void set_seq_on_device(int64_t i, int32_t value) {
+    copy_bytes(static_cast<int32_t*>(seq_.data()) + i, Device::cuda(0), &value, Device::cpu(),
                sizeof(value));
   }
   /// Every layer's K and V, on the host.
@@ -876,6 +885,117 @@ TEST(CudaGraphsDecode, VariantsOnBothKernels) {
   }
 }
 
+// ---- DECODE planned on the device (no seq_lens_cpu; issue 15) -----------------------------------
+
+// Capture once per bucket, replay with new lengths: every replay bitwise equal to its eager twin
+// (also planned on the device) and, first and last, within the oracle's tolerance.
+TEST(CudaGraphsDevicePlan, DecodeReplayEqualsEagerOnBothKernels) {
+  REQUIRE_GPU();
+  std::vector<WorldSpec> worlds;
+  for (const char* kernel : {"0", "1"}) {
+    const bool tensor = kernel[0] == '1';
+    WorldSpec plain = decode_world(tensor ? "device-plan tensor" : "device-plan cuda-core", kernel,
+                                   71);
+    plain.device_lengths = true;
+    worlds.push_back(plain);
+    WorldSpec window = decode_world(
+        tensor ? "device-plan window 300 page16 tensor" : "device-plan window 300 cuda-core",
+        kernel, 72);
+    window.device_lengths = true;
+    window.window = 300;
+    window.page_size = tensor ? 16 : 1;
+    window.max_context = 2048;
+    worlds.push_back(window);
+  }
+  WorldSpec fp8 = decode_world("device-plan fp8 e4m3 (auto)", nullptr, 73);
+  fp8.device_lengths = true;
+  fp8.kv = DType::kFloat8E4M3;
+  fp8.max_context = 2048;
+  worlds.push_back(fp8);
+  WorldSpec hd64 = decode_world("device-plan head_dim 64 tensor", "1", 74);
+  hd64.device_lengths = true;
+  hd64.head_dim = 64;
+  hd64.max_context = 2048;
+  worlds.push_back(hd64);
+  for (const WorldSpec& spec : worlds) {
+    SCOPED_TRACE(spec.label);
+    check_buckets(spec, ForwardMode::kDecode, {1, 3, 8}, 3);
+  }
+}
+
+// The tensor-core plan built on the device is the host's, item for item: a step planned on the
+// device computes the bits the same step planned from seq_lens_cpu computes (eager and eager).
+TEST(CudaGraphsDevicePlan, TensorCoreStepEqualsTheHostPlannedStep) {
+  REQUIRE_GPU();
+  for (int window : {-1, 300}) {
+    WorldSpec spec = decode_world("device vs host plan, tensor", "1", 75);
+    spec.window = window;
+    spec.max_context = 2048;
+    GraphWorld w(spec);
+    for (int bs : {1, 5, 8}) {
+      const Step s = w.random_step(ForwardMode::kDecode, bs, bs);
+      w.upload(s);
+      ForwardBatch host = w.batch(s);
+      ForwardBatch device = host;
+      device.seq_lens_cpu = TensorView();
+      auto a = w.make_cuda_backend();
+      a->init_forward_metadata(host);
+      w.run_layers(*a, host, s, /*eager=*/true);
+      auto b = w.make_cuda_backend();
+      b->init_forward_metadata(device);
+      w.run_layers(*b, device, s, /*eager=*/false);
+      cuda_check(cudaStreamSynchronize(w.stream()), "steps");
+      for (int l = 0; l < kLayers; ++l) {
+        EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) ==
+                    w.output_bytes(l, s.real_tokens, false))
+            << "window " << window << " batch " << bs << " layer " << l
+            << ": the device-planned step differs from the host-planned one";
+      }
+      EXPECT_NO_THROW(a->check_errors(true));
+      EXPECT_NO_THROW(b->check_errors(true));
+    }
+  }
+}
+
+// A graph captured for device-planned steps replayed after a host-planned out_graph (or the
+// reverse) would run a stale plan: the step check refuses it, naming seq_lens_cpu.
+TEST(CudaGraphsDevicePlan, ReplayOfTheOtherPlanSourceIsRefused) {
+  REQUIRE_GPU();
+  for (bool captured_on_device : {true, false}) {
+    WorldSpec spec = decode_world("plan source", "1", 76);
+    spec.max_context = 1024;
+    GraphWorld w(spec);
+    auto backend = w.make_cuda_backend();
+    backend->init_cuda_graph_state(spec.max_bs, spec.max_bs);
+    const int bs = 4;
+    Step s = w.random_step(ForwardMode::kDecode, bs, bs);
+    w.upload(s);
+    ForwardBatch captured = w.batch(s);
+    if (captured_on_device) captured.seq_lens_cpu = TensorView();
+    backend->init_forward_metadata_out_graph(captured, /*in_capture=*/true);
+    Graph graph;
+    capture(w, graph, [&] {
+      backend->init_forward_metadata_in_graph(captured);
+      w.run_layers(*backend, captured, s, /*eager=*/false);
+    });
+    s = w.random_step(ForwardMode::kDecode, bs, bs);
+    w.upload(s);
+    ForwardBatch other = w.batch(s);
+    if (!captured_on_device) other.seq_lens_cpu = TensorView();
+    const auto pool_before = w.pool_bytes();
+    backend->init_forward_metadata_out_graph(other, /*in_capture=*/false);
+    graph.launch(w.stream());
+    try {
+      backend->check_errors(/*synchronize=*/true);
+      ADD_FAILURE() << "the replay of the other plan source was not refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "seq_lens_cpu") << e.what();
+      std::printf("  refused replay: %s\n", e.what());
+    }
+    EXPECT_TRUE(w.pool_bytes() == pool_before) << "the KV pool changed";
+  }
+}
+
 // ---- TARGET_VERIFY -----------------------------------------------------------------------------
 
 WorldSpec verify_world(const char* label, uint64_t seed) {
@@ -929,12 +1049,17 @@ void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
   capture_bucket(w, *backend, w.random_step(mode, bs, bs), graph);
   EXPECT_NO_THROW(backend->check_errors(true));
   const int64_t num_slots = w.cache().num_slots();
-  for (int kind = 0; kind < 3; ++kind) {
+  // A world planned on the device also sees a seq_len past max_context_len (kArgSeqLens).
+  const int kinds = spec.device_lengths ? 4 : 3;
+  for (int kind = 0; kind < kinds; ++kind) {
     const Step s = w.random_step(mode, bs, bs);
     w.upload(s);
     std::string argument;
     std::function<void()> undo = [] {};
-    if (kind == 0) {
+    if (kind == 3) {
+      w.set_seq_on_device(2, int32_t(spec.max_context + 5));
+      argument = "seq_lens[2]";
+    } else if (kind == 0) {
       w.set_loc(0, 1, int32_t(num_slots));
       argument = "out_cache_loc[1]";
     } else if (kind == 1) {
@@ -993,6 +1118,17 @@ TEST(CudaGraphsBadInput, RefusedDecodeReplayWritesNothing) {
     WorldSpec spec = decode_world(kernel[0] == '0' ? "bad decode cuda-core" : "bad decode tensor",
                                   kernel, 61);
     spec.max_context = 1024;
+    check_bad_replays(spec, ForwardMode::kDecode);
+  }
+}
+
+TEST(CudaGraphsBadInput, RefusedDevicePlannedDecodeReplayWritesNothing) {
+  REQUIRE_GPU();
+  for (const char* kernel : {"0", "1"}) {
+    WorldSpec spec = decode_world(
+        kernel[0] == '0' ? "bad device-plan cuda-core" : "bad device-plan tensor", kernel, 62);
+    spec.max_context = 1024;
+    spec.device_lengths = true;
     check_bad_replays(spec, ForwardMode::kDecode);
   }
 }

@@ -1,8 +1,13 @@
-// The decode plan built on the device (kernels/device_plan.h) equals core::plan_decode_rule's,
-// item for item, with kv_indptr and each item's kv_offset as write_call_metadata fills them:
-// random batches of 1..kDevicePlanMaxBatch requests, empty and long requests, unsplit and split
-// plans, a capacity that forces the chunk to grow, no device size (no split). Output buffers are
-// poisoned first.
+// The DECODE plans built on the device (kernels/device_plan.h) equal the host's, item for item:
+//  - the CUDA-core decode plan equals core::plan_decode_rule's, with kv_indptr and each item's
+//    kv_offset as write_call_metadata fills them: random batches of 1..kDevicePlanMaxBatch
+//    requests, empty and long requests, unsplit and split plans, a capacity that forces the
+//    chunk to grow, no device size (no split); and from seq_lens (the layout too);
+//  - the decode-shaped kernel's plan equals core::plan_prefill_tiles + pad_prefill_plan of the
+//    host layout (core::make_paged_layout of the same seq_lens, full and window index sets):
+//    cluster, unsplit and split plans, int32 and int64 seq_lens, lengths past max_context_len
+//    (clamped, as the step check then refuses the step).
+// Output buffers are poisoned first.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -12,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "core/batch_layout.h"
 #include "core/planner.h"
+#include "core/prefill_tiles.h"
 #include "cuda/kernels/device_plan.h"
 #include "cuda_test_support.h"
 #include "kvattn/error.h"
@@ -138,6 +145,200 @@ TEST(DevicePlan, RefusesWhatOneCtaCannotPlan) {  // host-side checks: no GPU nee
   p.batch_size = 4;
   p.item_capacity = 3;  // below the batch
   EXPECT_THROW(cuda::launch_device_plan_decode(p, nullptr), Error);
+}
+
+// ---- the decode-shaped kernel's plan --------------------------------------------------------
+
+template <typename T>
+std::vector<T> from_device(const DeviceBytes& b, size_t n) {
+  std::vector<T> out(n);
+  const cudaError_t status = cudaMemcpy(out.data(), b.ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
+  EXPECT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+  return out;
+}
+
+core::PrefillTileShape h200_tile_shape(int batch_size, int window, int max_cluster) {
+  core::PrefillTileShape shape;
+  shape.num_q_heads = 32;
+  shape.num_kv_heads = 8;
+  shape.tile_rows = 16;
+  shape.kv_tile = 16;
+  shape.mask = core::MaskMode::kCausal;
+  shape.window_left = window;
+  shape.concurrent_ctas = 132 * 2;
+  shape.min_split_keys = 256;
+  shape.cluster = core::cluster_split_size(batch_size, 1, shape, max_cluster);
+  return shape;
+}
+
+// seq_lens (as given, int32 or int64, may exceed max_context) through the device planner against
+// the host: the layout of make_paged_layout over the clamped lengths, then the padded host plan.
+void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int window,
+                                  const core::PrefillTileShape& shape, bool int64,
+                                  int max_context) {
+  const int bs = int(seq_lens.size());
+  core::HostLengths lens;
+  for (int64_t v : seq_lens) lens.seq_lens.push_back(int32_t(std::clamp<int64_t>(v, 0, max_context)));
+  const core::PagedLayout layout = core::make_paged_layout(
+      ForwardMode::kDecode, window >= 0 ? core::IndexSet::kWindow : core::IndexSet::kFull, window,
+      lens, 0);
+  core::PrefillTilePlan host = core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape);
+  const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(bs, 1, shape);
+  core::pad_prefill_plan(host, capacity);
+
+  DeviceBytes seq(size_t(bs) * sizeof(int64_t));
+  if (int64) {
+    CUDA_OK(cudaMemcpy(seq.ptr, seq_lens.data(), size_t(bs) * sizeof(int64_t),
+                       cudaMemcpyHostToDevice));
+  } else {
+    std::vector<int32_t> narrow(seq_lens.begin(), seq_lens.end());
+    CUDA_OK(cudaMemcpy(seq.ptr, narrow.data(), size_t(bs) * sizeof(int32_t),
+                       cudaMemcpyHostToDevice));
+  }
+  DeviceBytes start(size_t(bs) * sizeof(int32_t)), len(size_t(bs) * sizeof(int32_t));
+  DeviceBytes indptr((size_t(bs) + 1) * sizeof(int64_t));
+  DeviceBytes items(size_t(capacity.items) * sizeof(core::PrefillWorkItem));
+  DeviceBytes merges(size_t(capacity.merges) * sizeof(core::PrefillMergeItem));
+  DeviceBytes sched(4 * sizeof(int));
+  for (const DeviceBytes* b : {&start, &len}) CUDA_OK(cudaMemset(b->ptr, 0xA5, size_t(bs) * 4));
+  CUDA_OK(cudaMemset(indptr.ptr, 0xA5, (size_t(bs) + 1) * sizeof(int64_t)));
+  CUDA_OK(cudaMemset(items.ptr, 0xA5, size_t(capacity.items) * sizeof(core::PrefillWorkItem)));
+  CUDA_OK(cudaMemset(merges.ptr, 0xA5, size_t(capacity.merges) * sizeof(core::PrefillMergeItem)));
+  CUDA_OK(cudaMemset(sched.ptr, 0xA5, 4 * sizeof(int)));
+
+  cuda::DevicePlanTiles p;
+  p.lengths.seq_lens = seq.ptr;
+  p.lengths.seq_lens_int64 = int64;
+  p.lengths.window = window;
+  p.lengths.max_context_len = max_context;
+  p.lengths.kv_start = static_cast<int32_t*>(start.ptr);
+  p.lengths.kv_len = static_cast<int32_t*>(len.ptr);
+  p.batch_size = bs;
+  p.shape = shape;
+  p.capacity = capacity;
+  p.kv_indptr = static_cast<int64_t*>(indptr.ptr);
+  p.items = static_cast<core::PrefillWorkItem*>(items.ptr);
+  p.merges = static_cast<core::PrefillMergeItem*>(merges.ptr);
+  p.scheduler = static_cast<int*>(sched.ptr);
+  cuda::launch_device_plan_tiles(p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+
+  EXPECT_EQ(from_device<int32_t>(start, size_t(bs)), layout.kv_start);
+  EXPECT_EQ(from_device<int32_t>(len, size_t(bs)), layout.kv_len);
+  EXPECT_EQ(from_device<int64_t>(indptr, size_t(bs) + 1), layout.kv_indptr);
+  EXPECT_EQ(from_device<int>(sched, 4), std::vector<int>(4, 0));
+  const auto got_items = from_device<core::PrefillWorkItem>(items, size_t(capacity.items));
+  for (size_t i = 0; i < got_items.size(); ++i) {
+    const core::PrefillWorkItem& g = got_items[i];
+    const core::PrefillWorkItem& w = host.items[i];
+    SCOPED_TRACE("item " + std::to_string(i) + " of " + std::to_string(capacity.items));
+    EXPECT_EQ(g.request, w.request);
+    EXPECT_EQ(g.kv_head, w.kv_head);
+    EXPECT_EQ(g.q_row_begin, w.q_row_begin);
+    EXPECT_EQ(g.kv_begin, w.kv_begin);
+    EXPECT_EQ(g.kv_end, w.kv_end);
+    EXPECT_EQ(g.partial, w.partial);
+    EXPECT_EQ(g.merge, w.merge);
+    EXPECT_EQ(g.kv_base, w.kv_base);
+    EXPECT_EQ(g.q_begin, w.q_begin);
+    EXPECT_EQ(g.q_end, w.q_end);
+    EXPECT_EQ(g.reserved[0], 0);
+    EXPECT_EQ(g.reserved[1], 0);
+    if (::testing::Test::HasFailure()) return;
+  }
+  const auto got_merges = from_device<core::PrefillMergeItem>(merges, size_t(capacity.merges));
+  for (size_t m = 0; m < got_merges.size(); ++m) {
+    const core::PrefillMergeItem& g = got_merges[m];
+    const core::PrefillMergeItem& w = host.merges[m];
+    SCOPED_TRACE("merge " + std::to_string(m));
+    EXPECT_EQ(g.request, w.request);
+    EXPECT_EQ(g.kv_head, w.kv_head);
+    EXPECT_EQ(g.q_row_begin, w.q_row_begin);
+    EXPECT_EQ(g.first_partial, w.first_partial);
+    EXPECT_EQ(g.num_partials, w.num_partials);
+    EXPECT_EQ(g.arrived, 0);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(DevicePlanTiles, EqualsTheHostPlanOnRandomBatches) {
+  REQUIRE_GPU();
+  std::mt19937 rng(7);
+  int split_plans = 0, cluster_plans = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int bs = trial < 30 ? 1 + int(rng() % 16) : 1 + int(rng() % 300);
+    const int window = trial % 4 == 3 ? int(rng() % 5000) : -1;
+    const int max_cluster = trial % 5 == 4 ? 0 : 16;
+    const int max_context = 70000;
+    std::vector<int64_t> seq(static_cast<size_t>(bs));
+    for (int64_t& v : seq) {
+      const int kind = int(rng() % 12);
+      v = kind == 0   ? 0
+          : kind == 1 ? 1
+          : kind < 8  ? int64_t(rng() % 4096)
+          : kind < 11 ? int64_t(4096 + rng() % 60000)
+                      : int64_t(max_context + 1 + rng() % 100);  // clamped
+    }
+    const core::PrefillTileShape shape = h200_tile_shape(bs, window, max_cluster);
+    cluster_plans += shape.cluster > 1;
+    {
+      core::HostLengths lens;
+      for (int64_t v : seq) lens.seq_lens.push_back(int32_t(std::min<int64_t>(v, max_context)));
+      const core::PagedLayout l = core::make_paged_layout(
+          ForwardMode::kDecode, window >= 0 ? core::IndexSet::kWindow : core::IndexSet::kFull,
+          window, lens, 0);
+      split_plans += !core::plan_prefill_tiles(l.qo_indptr, l.kv_indptr, shape).merges.empty();
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial) + ", batch " + std::to_string(bs) +
+                 ", window " + std::to_string(window) + ", cluster " +
+                 std::to_string(shape.cluster));
+    expect_tile_plan_equals_host(seq, window, shape, /*int64=*/trial % 2 == 1, max_context);
+    if (HasFailure()) return;
+  }
+  // The trials reach every form of the plan.
+  EXPECT_GT(cluster_plans, 5);
+  EXPECT_GT(split_plans, 5);
+}
+
+TEST(DevicePlanTiles, EdgeShapes) {
+  REQUIRE_GPU();
+  // One long request (cluster split), no split at a full batch, the largest batch one CTA takes,
+  // more rows than a tile (group 32: two 16-row tiles a request), no device size.
+  expect_tile_plan_equals_host({32768}, -1, h200_tile_shape(1, -1, 16), false, 65536);
+  expect_tile_plan_equals_host(std::vector<int64_t>(64, 4096), -1, h200_tile_shape(64, -1, 16),
+                               false, 8192);
+  std::vector<int64_t> big(cuda::kDevicePlanTilesMaxBatch);
+  for (size_t r = 0; r < big.size(); ++r) big[r] = int64_t((r * 7919) % 3000);
+  big[5] = 60000;  // one long request: the split form at the largest batch
+  core::PrefillTileShape wide = h200_tile_shape(int(big.size()), -1, 16);
+  wide.num_kv_heads = 4;  // 2048 x 4 tiles + 264 items <= the sort's 16384 keys
+  wide.num_q_heads = 16;
+  expect_tile_plan_equals_host(big, -1, wide, true, 65536);
+  core::PrefillTileShape group32 = h200_tile_shape(6, -1, 16);
+  group32.num_q_heads = 256;
+  group32.cluster = core::cluster_split_size(6, 1, group32, 16);
+  expect_tile_plan_equals_host({100, 5000, 0, 1, 17, 40000}, -1, group32, false, 65536);
+  group32.cluster = 0;
+  expect_tile_plan_equals_host({100, 5000, 0, 1, 17, 40000}, 64, group32, false, 65536);
+  core::PrefillTileShape none = h200_tile_shape(3, -1, 0);
+  none.concurrent_ctas = 0;
+  expect_tile_plan_equals_host({60000, 0, 7}, -1, none, false, 65536);
+}
+
+TEST(DevicePlanTiles, RefusesWhatOneCtaCannotPlan) {  // host-side checks: no GPU needed
+  cuda::DevicePlanTiles p;
+  p.shape = h200_tile_shape(cuda::kDevicePlanTilesMaxBatch + 1, -1, 16);
+  p.batch_size = cuda::kDevicePlanTilesMaxBatch + 1;
+  p.capacity = core::prefill_plan_capacity(p.batch_size, 1, p.shape);
+  EXPECT_THROW(cuda::launch_device_plan_tiles(p, nullptr), Error);
+  p.batch_size = 4;
+  p.shape = h200_tile_shape(4, -1, 16);
+  p.capacity = core::prefill_plan_capacity(4, 1, p.shape);
+  p.shape.l2_keys = 1 << 20;  // the prefill order: not the device planner's
+  EXPECT_THROW(cuda::launch_device_plan_tiles(p, nullptr), Error);
+  p.shape.l2_keys = 0;
+  p.capacity.items += 1;  // not the capacity of the shape
+  EXPECT_THROW(cuda::launch_device_plan_tiles(p, nullptr), Error);
 }
 
 }  // namespace

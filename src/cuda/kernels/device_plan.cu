@@ -1,8 +1,8 @@
-// core::plan_decode_rule on the device (device_plan.h). One CTA of kThreads: every step is a
-// block-wide loop, reduction or scan over at most kDevicePlanMaxBatch requests, then a bitonic
-// sort of at most kDevicePlanMaxItems keys in shared memory. The arithmetic is the host rule's
-// (the same int64 sums, the same double comparison with its 0.97 bar, the same unique keys), so
-// the two plans are equal item for item.
+// DECODE plans on the device (device_plan.h). One CTA of kThreads: every step is a block-wide
+// loop, reduction or scan over the requests, then a bitonic sort of the items' keys in shared
+// memory. The arithmetic is the host planners' (core::plan_decode_rule, core::plan_prefill_tiles:
+// the same int64 sums, the same comparisons, the same unique keys), so the plans are equal item
+// for item.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -93,6 +93,47 @@ __device__ __forceinline__ int request_of_item(const int32_t* starts, int batch_
   return lo;
 }
 
+// Ascending bitonic sort of keys[0, padded), padded a power of two (unique keys: the order is
+// the stable one of the host's sorts).
+__device__ void bitonic_sort(uint64_t* keys, int padded) {
+  __syncthreads();
+  for (int size = 2; size <= padded; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int i = threadIdx.x; i < padded; i += kThreads) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          const bool ascending = (i & size) == 0;
+          const uint64_t a = keys[i];
+          const uint64_t b = keys[partner];
+          if ((a > b) == ascending) {
+            keys[i] = b;
+            keys[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Request r's KV range of a DECODE call (make_paged_layout's): written to the call's metadata,
+// its length returned.
+__device__ int32_t decode_kv_len(const DeviceDecodeLengths& l, int r) {
+  int64_t seq = l.seq_lens_int64 ? static_cast<const int64_t*>(l.seq_lens)[r]
+                                 : int64_t(static_cast<const int32_t*>(l.seq_lens)[r]);
+  seq = min(max(seq, int64_t(0)), int64_t(l.max_context_len));
+  const int64_t len = l.window >= 0 ? min(seq, int64_t(l.window) + 1) : seq;
+  l.kv_start[r] = int32_t(seq - len);
+  l.kv_len[r] = int32_t(len);
+  return int32_t(len);
+}
+
+__device__ __forceinline__ int padded_pow2(int n) {
+  int padded = 1;
+  while (padded < n) padded *= 2;
+  return padded;
+}
+
 __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const DevicePlanDecode p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int bs = p.batch_size;
@@ -112,7 +153,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   int64_t top = 0;
   int64_t total = 0;
   for (int r = threadIdx.x; r < bs; r += kThreads) {
-    const int32_t len = max(p.kv_len[r], 0);
+    const int32_t len =
+        p.lengths.seq_lens != nullptr ? decode_kv_len(p.lengths, r) : max(p.kv_len[r], 0);
     lens[r] = len;
     lens64[r] = len;
     top = max(top, int64_t(len));
@@ -153,8 +195,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   const int num_items = starts[bs];
 
   // ---- heaviest first: keys of the items in emission order, a bitonic sort -------------------
-  int padded = 1;
-  while (padded < num_items) padded *= 2;
+  const int padded = padded_pow2(num_items);
   for (int i = threadIdx.x; i < padded; i += kThreads) {
     uint64_t key = ~uint64_t(0);  // padding sorts last
     if (i < num_items) {
@@ -166,24 +207,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
     }
     keys[i] = key;
   }
-  __syncthreads();
-  for (int size = 2; size <= padded; size *= 2) {
-    for (int stride = size / 2; stride > 0; stride /= 2) {
-      for (int i = threadIdx.x; i < padded; i += kThreads) {
-        const int partner = i ^ stride;
-        if (partner > i) {
-          const bool ascending = (i & size) == 0;
-          const uint64_t a = keys[i];
-          const uint64_t b = keys[partner];
-          if ((a > b) == ascending) {
-            keys[i] = b;
-            keys[partner] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
+  bitonic_sort(keys, padded);
 
   // ---- the plan ----------------------------------------------------------------------------
   for (int j = threadIdx.x; j < num_items; j += kThreads) {
@@ -204,6 +228,254 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
     *p.num_items = num_items;
     if (p.chunk != nullptr) *p.chunk = int32_t(chunk);
   }
+}
+
+// ---- the decode-shaped kernel's plan (core::plan_prefill_tiles, one query token a request) ----
+
+// Every request has the same row tiles (q_len 1: tokens [0, 1)), so each of them sees the same
+// keys: [kv_begin, kv_end) of the host's tile arithmetic at first_token = last_token = 0.
+struct TileKeys {
+  int32_t begin, end;
+};
+__device__ __forceinline__ TileKeys tile_keys(const core::PrefillTileShape& s, int32_t kv_len) {
+  const int32_t end = kv_len;  // causal: clamp(kv_len - 1 + 0 + 1, 0, kv_len); else kv_len
+  int32_t begin = 0;
+  if (s.window_left >= 0 && s.mask != core::MaskMode::kNone) {
+    begin = int32_t(min(max(int64_t(kv_len) - 1 - s.window_left, int64_t(0)), int64_t(end)));
+  }
+  return {begin, end};
+}
+
+__device__ __forceinline__ int32_t steps_of(TileKeys k, int kv_tile) {
+  return int32_t((uint32_t(k.end - k.begin) + uint32_t(kv_tile) - 1) / uint32_t(kv_tile));
+}
+
+// Chunk c of `chunks` of a tile of `steps` kernel steps (the host's even split in whole steps).
+__device__ __forceinline__ TileKeys chunk_keys_of(TileKeys k, int32_t steps, int c, int chunks,
+                                                  int kv_tile) {
+  const int64_t step_begin = int64_t(steps) * c / chunks;
+  const int64_t step_end = int64_t(steps) * (c + 1) / chunks;
+  TileKeys out;
+  out.begin = int32_t(min(int64_t(k.end), k.begin + step_begin * kv_tile));
+  out.end = int32_t(min(int64_t(k.end), k.begin + step_end * kv_tile));
+  return out;
+}
+
+// The last r in [0, n) with starts[r] <= i (starts non-decreasing, starts[0] = 0 <= i).
+__device__ __forceinline__ int last_start_at_or_below(const int32_t* starts, int n, int i) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const DevicePlanTiles p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int bs = p.batch_size;
+  const core::PrefillTileShape& s = p.shape;
+  const int heads = s.num_kv_heads;
+  const int group = s.num_q_heads / s.num_kv_heads;
+  const int tiles_per_request = (group + s.tile_rows - 1) / s.tile_rows;
+  int64_t* scratch = reinterpret_cast<int64_t*>(smem);                      // [kThreads / 32]
+  int64_t* partials64 = scratch + kThreads / 32;                            // [kThreads]
+  int32_t* partials32 = reinterpret_cast<int32_t*>(partials64 + kThreads);  // [kThreads]
+  int64_t* lens64 = reinterpret_cast<int64_t*>(partials32 + kThreads);      // [bs]
+  int32_t* lens = reinterpret_cast<int32_t*>(lens64 + bs);                  // [bs]
+  int32_t* built = lens + bs;                                               // [bs + 1]
+  int32_t* merge = built + bs + 1;                                          // [bs + 1]
+  int32_t* partial = merge + bs + 1;                                        // [bs + 1]
+  uint64_t* keys = reinterpret_cast<uint64_t*>(
+      (reinterpret_cast<uintptr_t>(partial + bs + 1) + 15) / 16 * 16);  // [pow2 >= items]
+
+  if (p.scheduler != nullptr && threadIdx.x < 4) p.scheduler[threadIdx.x] = 0;
+
+  // ---- lengths, kv_indptr, the step's cost ----------------------------------------------------
+  int64_t cost = 0;
+  for (int r = threadIdx.x; r < bs; r += kThreads) {
+    const int32_t len = decode_kv_len(p.lengths, r);
+    lens[r] = len;
+    lens64[r] = len;
+    const int32_t steps = steps_of(tile_keys(s, len), s.kv_tile);
+    cost += int64_t(tiles_per_request) * (int64_t(steps) + 1) * s.kv_tile * heads;
+  }
+  const int64_t total_cost = block_sum(cost, scratch);
+  block_exclusive_scan<int64_t>(lens64, p.kv_indptr, bs, partials64);
+
+  const int num_tiles = bs * tiles_per_request;  // raw tiles, build order (request, row tile)
+  auto fill_item = [&](core::PrefillWorkItem& item, int r, int row_tile, int h, TileKeys k) {
+    item.request = r;
+    item.kv_head = h;
+    item.q_row_begin = row_tile * s.tile_rows;
+    item.kv_begin = k.begin;
+    item.kv_end = k.end;
+    item.partial = -1;
+    item.merge = -1;
+    const int64_t base = p.kv_indptr[r];
+    item.kv_base = base <= INT32_MAX ? int32_t(base) : -1;
+    item.q_begin = r;  // DECODE: qo_indptr[r] = r
+    item.q_end = r + 1;
+    item.reserved[0] = item.reserved[1] = 0;
+  };
+  int num_items = 0;
+  int num_merges = 0;
+
+  if (s.cluster > 1) {
+    // Every tile in exactly `cluster` chunks, the tiles by their steps, heaviest first.
+    const int padded = padded_pow2(num_tiles);
+    for (int i = threadIdx.x; i < padded; i += kThreads) {
+      uint64_t key = ~uint64_t(0);
+      if (i < num_tiles) {
+        const int32_t steps = steps_of(tile_keys(s, lens[i / tiles_per_request]), s.kv_tile);
+        key = heaviest_first_key(steps, uint32_t(i));
+      }
+      keys[i] = key;
+    }
+    bitonic_sort(keys, padded);
+    const int per_tile = heads * s.cluster;
+    num_items = min(num_tiles * per_tile, p.capacity.items);
+    for (int j = threadIdx.x; j < num_items; j += kThreads) {
+      const int tile = int(keys[j / per_tile] & 0xffffffffu);
+      const int h = (j % per_tile) / s.cluster;
+      const int c = j % s.cluster;
+      const int r = tile / tiles_per_request;
+      const TileKeys k = tile_keys(s, lens[r]);
+      core::PrefillWorkItem item;
+      fill_item(item, r, tile % tiles_per_request, h,
+                chunk_keys_of(k, steps_of(k, s.kv_tile), c, s.cluster, s.kv_tile));
+      p.items[j] = item;
+    }
+  } else {
+    // Split-KV where a tile is much heavier than an even share of the device.
+    int64_t chunk = 0;
+    if (s.concurrent_ctas > 0 && num_tiles > 0) {
+      const int64_t share = ceil_div(total_cost, s.concurrent_ctas);
+      chunk = max(share, int64_t(max(s.min_split_keys, s.kv_tile)));
+      chunk = ceil_div(chunk, s.kv_tile) * s.kv_tile;
+    }
+    int64_t longest = 0;
+    for (int r = threadIdx.x; r < bs; r += kThreads) {
+      const TileKeys k = tile_keys(s, lens[r]);
+      longest = max(longest, int64_t(k.end - k.begin));
+    }
+    const bool splits = chunk > 0 && block_max(longest, scratch) > chunk;
+    if (!splits) {
+      // The row tiles by their keys, heaviest first; a tile's kv heads consecutive.
+      const int padded = padded_pow2(num_tiles);
+      for (int i = threadIdx.x; i < padded; i += kThreads) {
+        uint64_t key = ~uint64_t(0);
+        if (i < num_tiles) {
+          const TileKeys k = tile_keys(s, lens[i / tiles_per_request]);
+          key = heaviest_first_key(k.end - k.begin, uint32_t(i));
+        }
+        keys[i] = key;
+      }
+      bitonic_sort(keys, padded);
+      num_items = min(num_tiles * heads, p.capacity.items);
+      for (int j = threadIdx.x; j < num_items; j += kThreads) {
+        const int tile = int(keys[j / heads] & 0xffffffffu);
+        const int r = tile / tiles_per_request;
+        core::PrefillWorkItem item;
+        fill_item(item, r, tile % tiles_per_request, j % heads, tile_keys(s, lens[r]));
+        p.items[j] = item;
+      }
+    } else {
+      // Build order (request, row tile, kv head, chunk): a request's items, merges and partial
+      // slots are consecutive, so three scans over the requests number them all.
+      for (int r = threadIdx.x; r < bs; r += kThreads) {
+        const TileKeys k = tile_keys(s, lens[r]);
+        const int64_t keys_r = k.end - k.begin;
+        const int32_t chunks = keys_r > chunk ? int32_t(ceil_div(keys_r, chunk)) : 1;
+        built[r] = tiles_per_request * heads * chunks;
+        merge[r] = chunks > 1 ? tiles_per_request * heads : 0;
+        partial[r] = chunks > 1 ? tiles_per_request * heads * chunks : 0;
+      }
+      block_exclusive_scan<int32_t>(built, built, bs, partials32);
+      block_exclusive_scan<int32_t>(merge, merge, bs, partials32);
+      block_exclusive_scan<int32_t>(partial, partial, bs, partials32);
+      // (At most capacity.items by prefill_plan_capacity's bound; clamped so that the keys stay
+      // inside their shared memory whatever happens.)
+      const int total_built = min(built[bs], p.capacity.items);
+      // Where each built item sits: its request, row tile, head and chunk.
+      struct Built {
+        int r, row_tile, h, c, chunks;
+        TileKeys k, chunk;
+      };
+      auto locate = [&](int i) {
+        Built b;
+        b.r = last_start_at_or_below(built, bs, i);
+        b.k = tile_keys(s, lens[b.r]);
+        const int64_t keys_r = b.k.end - b.k.begin;
+        b.chunks = keys_r > chunk ? int(ceil_div(keys_r, chunk)) : 1;
+        const int local = i - built[b.r];
+        b.row_tile = local / (heads * b.chunks);
+        b.h = (local / b.chunks) % heads;
+        b.c = local % b.chunks;
+        b.chunk = chunk_keys_of(b.k, steps_of(b.k, s.kv_tile), b.c, b.chunks, s.kv_tile);
+        return b;
+      };
+      const int padded = padded_pow2(total_built);
+      for (int i = threadIdx.x; i < padded; i += kThreads) {
+        uint64_t key = ~uint64_t(0);
+        if (i < total_built) {
+          const Built b = locate(i);
+          key = heaviest_first_key(b.chunk.end - b.chunk.begin, uint32_t(i));
+        }
+        keys[i] = key;
+      }
+      bitonic_sort(keys, padded);
+      num_items = total_built;
+      for (int j = threadIdx.x; j < num_items; j += kThreads) {
+        const Built b = locate(int(keys[j] & 0xffffffffu));
+        core::PrefillWorkItem item;
+        fill_item(item, b.r, b.row_tile, b.h, b.chunk);
+        if (b.chunks > 1) {
+          const int tile_head = b.row_tile * heads + b.h;
+          item.partial = partial[b.r] + tile_head * b.chunks + b.c;
+          item.merge = merge[b.r] + tile_head;
+        }
+        p.items[j] = item;
+      }
+      num_merges = min(merge[bs], p.capacity.merges);
+      for (int m = threadIdx.x; m < num_merges; m += kThreads) {
+        const int r = last_start_at_or_below(merge, bs, m);
+        const int tile_head = m - merge[r];
+        const TileKeys k = tile_keys(s, lens[r]);
+        const int chunks = int(ceil_div(k.end - k.begin, chunk));
+        core::PrefillMergeItem item;
+        item.request = r;
+        item.kv_head = tile_head % heads;
+        item.q_row_begin = (tile_head / heads) * s.tile_rows;
+        item.first_partial = partial[r] + tile_head * chunks;
+        item.num_partials = chunks;
+        item.arrived = 0;
+        item.reserved1 = item.reserved2 = 0;
+        p.merges[m] = item;
+      }
+    }
+  }
+
+  // ---- the fixed-size tail: no-op items and empty merges (core::pad_prefill_plan) ------------
+  for (int j = num_items + threadIdx.x; j < p.capacity.items; j += kThreads) {
+    core::PrefillWorkItem item;
+    item.q_row_begin = core::kNoOpRow;
+    p.items[j] = item;
+  }
+  for (int m = num_merges + threadIdx.x; m < p.capacity.merges; m += kThreads) {
+    core::PrefillMergeItem item;
+    item.q_row_begin = core::kNoOpRow;
+    p.merges[m] = item;
+  }
+}
+
+size_t tiles_smem_bytes(int batch_size, int keys) {
+  size_t bytes = (kThreads / 32 + kThreads) * sizeof(int64_t) + kThreads * sizeof(int32_t);
+  bytes += size_t(batch_size) * sizeof(int64_t) + (4 * size_t(batch_size) + 3) * sizeof(int32_t);
+  return (bytes + 15) / 16 * 16 + size_t(keys) * sizeof(uint64_t);
 }
 
 size_t smem_bytes(int batch_size, int item_capacity) {
@@ -228,10 +500,14 @@ void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
             "config",
             "ctas_per_item >= 1, concurrent_ctas >= 0, chunk_align >= 1, min_chunk >= 1 "
             "expected");
-  check_arg(
-      p.batch_size == 0 || (p.kv_len != nullptr && p.kv_indptr != nullptr && p.items != nullptr &&
-                            p.merge_indptr != nullptr && p.num_items != nullptr),
-      "kv_len", "the device plan needs kv_len, kv_indptr, items, merge_indptr, num_items");
+  const bool lengths = p.lengths.seq_lens != nullptr && p.lengths.kv_start != nullptr &&
+                       p.lengths.kv_len != nullptr && p.lengths.max_context_len >= 0;
+  check_arg(p.batch_size == 0 ||
+                ((p.kv_len != nullptr || lengths) && p.kv_indptr != nullptr &&
+                 p.items != nullptr && p.merge_indptr != nullptr && p.num_items != nullptr),
+            "kv_len",
+            "the device plan needs kv_len (or seq_lens with kv_start / kv_len out), kv_indptr, "
+            "items, merge_indptr, num_items");
   if (p.batch_size == 0) return;
   const size_t smem = smem_bytes(p.batch_size, p.item_capacity);
   check_cuda(cudaFuncSetAttribute(device_plan_decode_kernel,
@@ -239,6 +515,43 @@ void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
              "cudaFuncSetAttribute(device_plan_decode_kernel)");
   device_plan_decode_kernel<<<1, kThreads, smem, stream>>>(p);
   check_launch("device_plan_decode_kernel");
+}
+
+void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
+  const core::PrefillTileShape& s = p.shape;
+  check_arg(p.batch_size >= 0 && p.batch_size <= kDevicePlanTilesMaxBatch, "batch_size", "got ",
+            p.batch_size, ", the device tile planner takes 0..", kDevicePlanTilesMaxBatch);
+  check_arg(s.num_kv_heads > 0 && s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0 &&
+                s.tile_rows > 0 && s.kv_tile > 0 && s.window_left >= -1 &&
+                s.concurrent_ctas >= 0 && s.min_split_keys >= 1 && s.cluster <= 64,
+            "shape", "a tile shape core::plan_prefill_tiles accepts expected");
+  check_arg(s.l2_keys == 0, "shape.l2_keys", "got ", s.l2_keys,
+            ", the device tile planner plans the decode-shaped kernel's order (0)");
+  const core::PrefillPlanCapacity want = core::prefill_plan_capacity(p.batch_size, 1, s);
+  check_arg(p.capacity.items == want.items && p.capacity.merges == want.merges &&
+                p.capacity.partials == want.partials,
+            "capacity", "got ", p.capacity.items, " items, ", p.capacity.merges, " merges, ",
+            p.capacity.partials, " partials; expected prefill_plan_capacity(batch_size, 1): ",
+            want.items, ", ", want.merges, ", ", want.partials);
+  int keys = 1;
+  while (keys < p.capacity.items) keys *= 2;
+  check_arg(keys <= kDevicePlanTilesMaxKeys, "batch_size", "got ", p.batch_size, ": ",
+            p.capacity.items, " items, the device tile planner sorts at most ",
+            kDevicePlanTilesMaxKeys);
+  const DeviceDecodeLengths& l = p.lengths;
+  check_arg(p.batch_size == 0 ||
+                (l.seq_lens != nullptr && l.kv_start != nullptr && l.kv_len != nullptr &&
+                 l.max_context_len >= 0 && p.kv_indptr != nullptr && p.items != nullptr &&
+                 (p.merges != nullptr || p.capacity.merges == 0)),
+            "seq_lens", "the device tile plan needs seq_lens, kv_start, kv_len, kv_indptr, items "
+            "and merges");
+  if (p.batch_size == 0) return;
+  const size_t smem = tiles_smem_bytes(p.batch_size, keys);
+  check_cuda(cudaFuncSetAttribute(device_plan_tiles_kernel,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+             "cudaFuncSetAttribute(device_plan_tiles_kernel)");
+  device_plan_tiles_kernel<<<1, kThreads, smem, stream>>>(p);
+  check_launch("device_plan_tiles_kernel");
 }
 
 }  // namespace kvattn::cuda

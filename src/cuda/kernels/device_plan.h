@@ -1,8 +1,13 @@
-// The decode plan built on the device from device lengths (issue 15): core::plan_decode_rule's
-// plan, item for item, by one CTA (block reductions for the chunk, scans for the item and
-// partial offsets, one bitonic sort for the heaviest-first order), so that a step can be planned
-// inside a CUDA graph without the host seeing its lengths. Not wired into the backend yet: the
-// GPU test (tests/cuda/test_device_plan.cpp) compares it with the host rule.
+// DECODE steps planned on the device from the engine's device seq_lens (issue 15), so that a
+// step needs no host copy of its lengths and plans inside a CUDA graph:
+//  - DeviceDecodeLengths: the call's KV ranges (core::make_paged_layout's DECODE layout);
+//  - launch_device_plan_decode: the CUDA-core decode kernel's plan, core::plan_decode_rule's
+//    item for item;
+//  - launch_device_plan_tiles: the decode-shaped tensor-core kernel's plan, core::
+//    plan_prefill_tiles's (one query token a request) item for item, padded like
+//    core::pad_prefill_plan.
+// Each is one CTA (block reductions, scans, one bitonic sort for the heaviest-first order). The
+// GPU tests (tests/cuda/test_device_plan.cpp) compare them with the host planners.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,12 +16,29 @@
 #include <cstdint>
 
 #include "core/planner.h"
+#include "core/prefill_tiles.h"
 
 namespace kvattn::cuda {
 
+/// A DECODE call's KV ranges from ForwardBatch::seq_lens on the device, as make_paged_layout
+/// lays them out on the host: kv_len = seq_len (window < 0) or min(seq_len, window + 1),
+/// kv_start = seq_len - kv_len. A seq_len outside [0, max_context_len] is clamped into it here
+/// (nothing reads outside req_to_token); the step-check kernel refuses that step (kArgSeqLens).
+struct DeviceDecodeLengths {
+  const void* seq_lens = nullptr;  ///< [batch_size] int32 or int64, device
+  bool seq_lens_int64 = false;
+  int window = -1;  ///< the window index set's W; -1: every key
+  int max_context_len = 0;
+  int32_t* kv_start = nullptr;  ///< [batch_size] out (call metadata)
+  int32_t* kv_len = nullptr;    ///< [batch_size] out (call metadata)
+};
+
 /// One decode call's plan, from kv_len on the device into the call's metadata arrays.
 struct DevicePlanDecode {
+  /// The KV lengths: given (kv_len), or derived from seq_lens first (lengths.seq_lens set: the
+  /// kernel writes lengths.kv_start / kv_len and plans from those; kv_len is then ignored).
   const int32_t* kv_len = nullptr;  ///< [batch_size] device
+  DeviceDecodeLengths lengths;
   int batch_size = 0;
   core::DecodePlanConfig config;
   int item_capacity = 0;                  ///< items the buffers hold (core::decode_item_capacity)
@@ -34,5 +56,29 @@ constexpr int kDevicePlanMaxItems = 4096;
 /// Throws kvattn::Error (kInvalidArgument naming the field) for a plan beyond those bounds or a
 /// bad config; launches one CTA on `stream` (records into a CUDA graph).
 void launch_device_plan_decode(const DevicePlanDecode& plan, cudaStream_t stream);
+
+/// The decode-shaped kernel's plan of a DECODE call (one query token a request), written where
+/// the host's padded plan would be: items [capacity.items] (the plan, then no-op items), merges
+/// [capacity.merges] (then empty merges), the scheduler counters zeroed; partial slots are
+/// numbered below capacity.partials. shape as the host plans it (l2_keys 0: the decode-shaped
+/// kernel's order), capacity = core::prefill_plan_capacity(batch_size, 1, shape).
+struct DevicePlanTiles {
+  DeviceDecodeLengths lengths;  ///< seq_lens required
+  int batch_size = 0;
+  core::PrefillTileShape shape;
+  core::PrefillPlanCapacity capacity;
+  int64_t* kv_indptr = nullptr;              ///< [batch_size + 1] out
+  core::PrefillWorkItem* items = nullptr;    ///< [capacity.items] out
+  core::PrefillMergeItem* merges = nullptr;  ///< [capacity.merges] out
+  int* scheduler = nullptr;                  ///< PrefillTiles::scheduler (4 ints) or null
+};
+
+/// Largest batch and sorted keys (items, a power of two) one tile-planning CTA takes.
+constexpr int kDevicePlanTilesMaxBatch = 2048;
+constexpr int kDevicePlanTilesMaxKeys = 16384;
+
+/// Throws kvattn::Error (kInvalidArgument naming the field) for a plan beyond those bounds or a
+/// shape it does not plan; launches one CTA on `stream` (records into a CUDA graph).
+void launch_device_plan_tiles(const DevicePlanTiles& plan, cudaStream_t stream);
 
 }  // namespace kvattn::cuda

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   const int64_t bad_loc = first_out_of_range(c.out_cache_loc, c.num_slots, &scratch);
   const int64_t bad_encoder_loc =
       first_out_of_range(c.encoder_out_cache_loc, c.num_slots, &scratch);
+  const int64_t bad_seq_len = first_out_of_range(c.seq_lens, c.max_seq_len + 1, &scratch);
   if (threadIdx.x != 0) return;
 
   StepState* state = c.state;
@@ -39,6 +40,14 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   record(kArgReqPoolIndices, c.req_pool_indices, bad_row);
   record(kArgOutCacheLoc, c.out_cache_loc, bad_loc);
   record(kArgEncoderOutCacheLoc, c.encoder_out_cache_loc, bad_encoder_loc);
+  record(kArgSeqLens, c.seq_lens, bad_seq_len);
+  if (bad_seq_len != INT64_MAX) report.row[kArgSeqLens] = c.max_seq_len;  // for the message
+  const uint32_t plan_source = __ldcg(&state->plan_source);
+  if (c.plan_source != 0 && plan_source != c.plan_source) {
+    error |= 1u << kArgPlanSource;
+    report.value[kArgPlanSource] = plan_source;
+    report.row[kArgPlanSource] = c.plan_source;
+  }
   if (error & (1u << kArgReqToToken)) {
     // The index kernels read only rows inside req_to_token, so the entry's row is valid here.
     const unsigned long long key =

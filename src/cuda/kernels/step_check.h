@@ -34,7 +34,13 @@ enum StepArgument : int {
   /// shared position differs from its group leader's, or (TARGET_VERIFY) a tree token's mask
   /// hides a shared key. Checked by the cascade check kernel (kernels/cascade.h).
   kArgSharedPrefix = 4,
-  kNumStepArguments = 5,
+  /// seq_lens[i] outside [0, max_context_len]: a DECODE step planned on the device from the
+  /// engine's device seq_lens (no *_cpu copy; kernels/device_plan.h clamps it meanwhile).
+  kArgSeqLens = 5,
+  /// The step's plan and the captured graph's disagree: a graph captured for steps planned on
+  /// the device (no seq_lens_cpu) replayed after a step planned on the host, or the reverse.
+  kArgPlanSource = 6,
+  kNumStepArguments = 7,
 };
 
 /// The step's error state on the device: kStepStateBytes (core/planner.h) at the start of call
@@ -43,7 +49,9 @@ struct alignas(16) StepState {
   /// The step error word: bit (1 << StepArgument) for each kind of bad index seen; 0 = the step
   /// may write. Kernels read it through AttentionParams::step_error.
   uint32_t error = 0;
-  uint32_t reserved = 0;
+  /// Where the step's plan comes from (kPlanOnHost / kPlanOnDevice), written by out_graph; the
+  /// step-check kernel compares it with the one its launch was made (captured) for.
+  uint32_t plan_source = 0;
   uint64_t step = 0;  ///< the host's step number (AttentionBackend::step_id)
   /// The first bad req_to_token read, as ~((batch entry << 32) | position): the index kernels
   /// keep the smallest (entry, position) with an atomicMax on the complement (0 = none).
@@ -53,6 +61,10 @@ struct alignas(16) StepState {
   uint64_t shared_prefix_key = 0;
 };
 static_assert(sizeof(StepState) == 32, "StepState must fit core::kStepStateBytes");
+
+/// StepState::plan_source values.
+constexpr uint32_t kPlanOnHost = 1;    ///< out_graph planned from the host lengths
+constexpr uint32_t kPlanOnDevice = 2;  ///< in_graph plans from the device lengths
 
 /// What the device tells the host about one refused step: a record of a ring in mapped pinned
 /// host memory, at index step % kStepReportRing. `step` is written last, after a system fence.
@@ -94,6 +106,12 @@ struct StepCheckLaunch {
   DeviceIndexArray out_cache_loc;
   DeviceIndexArray encoder_out_cache_loc;
   int64_t num_slots = 0;
+  /// A step planned on the device: its seq_lens, each checked to be in [0, max_seq_len]
+  /// (absent otherwise: the host read and checked them).
+  DeviceIndexArray seq_lens;
+  int64_t max_seq_len = 0;
+  /// The plan source in_graph was recorded for (kPlanOnHost / kPlanOnDevice); 0: not checked.
+  uint32_t plan_source = 0;
   const int32_t* req_to_token = nullptr;  ///< [max_reqs, max_context_len]: re-reads the bad slot
   int64_t req_to_token_row_stride = 0;
   /// Declared shared-prefix groups (a cascade step; null otherwise), device int32 arrays to
