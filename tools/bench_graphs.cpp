@@ -10,8 +10,12 @@
 //            one layer's kernels (K/V save, decode, split-KV merge) in a graph of many repetitions
 //            (the repetitions rotate over the 32 layers, so a layer's K/V is not in L2 from its
 //            previous repetition, as in a real step).
+//   device-plan  the same step without seq_lens_cpu: planned on the device in in_graph (issue
+//            15), captured once and replayed (graph and kernels as above), its replay equal bit
+//            for bit to its eager twin and to the host-planned eager step.
 // Issue 6 asks for graph within 1.5x of kernels at batch 1 x 1024, and replay equal to eager bit
-// for bit (checked on every layer's output of every row).
+// for bit (checked on every layer's output of every row); issue 15 asks the device-plan graph
+// within 3% of the host-planned one.
 // Host planning per step (batch 1, 64, 256): --graphs times the CUDA backend's out_graph on the
 // host (stream idle, so it never waits for an earlier copy); --planner times the host planning
 // functions it runs (validation, lengths, layout, plan, metadata) without a GPU.
@@ -56,12 +60,15 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr int kPlanningSteps = 400;
 
 struct Row {
-  std::string variant;  ///< eager-32-layers, graph-32-layers, kernels-32-layers, planner
+  /// eager-32-layers, graph-32-layers, kernels-32-layers, device-plan (the graph replay of a
+  /// step planned on the device), device-plan-kernels-32-layers, planner, device-plan-out_graph
+  std::string variant;
   int batch = 0;
   int kv_len = 0;
   double time_us = kNaN;
   double gbps = kNaN;
   double fraction = kNaN;
+  int replay_equal = -1;  ///< graph rows: 1 / 0 = the replay was / was not bitwise equal; -1 n/a
 };
 
 struct Ceilings {
@@ -97,7 +104,9 @@ void write_json(const std::string& path, const std::string& device_name, const s
         << ", \"variant\": " << json_string(r.variant)
         << ", \"time_us\": " << json_number(r.time_us) << ", \"gbps\": " << json_number(r.gbps)
         << ", \"tflops\": null"
-        << ", \"fraction\": " << json_number(r.fraction) << ", \"max_rel_err\": null}";
+        << ", \"fraction\": " << json_number(r.fraction) << ", \"max_rel_err\": null";
+    if (r.replay_equal >= 0) out << ", \"replay_equal\": " << (r.replay_equal ? "true" : "false");
+    out << "}";
   }
   out << "\n ]}\n";
 }
@@ -253,8 +262,9 @@ void cuda_ok(cudaError_t status, const char* what) {
 }
 
 /// Median host time of the CUDA backend's out_graph for a DECODE batch on its graph buffers
-/// (lengths as in host_planning_us), the stream idle before each call.
-double out_graph_us(int batch, int kv_len, uint64_t seed, cudaStream_t stream) {
+/// (lengths as in host_planning_us), the stream idle before each call. device_plan: the batch
+/// carries no seq_lens_cpu (in_graph plans it on the device; out_graph reads no length).
+double out_graph_us(int batch, int kv_len, uint64_t seed, cudaStream_t stream, bool device_plan) {
   const Device gpu = Device::cuda(0);
   KvCacheConfig kc;
   kc.num_layers = 1;
@@ -280,7 +290,7 @@ double out_graph_us(int batch, int kv_len, uint64_t seed, cudaStream_t stream) {
   b.batch_size = batch;
   b.req_pool_indices = device_rows.device_view();
   b.seq_lens = device_seq.device_view();
-  b.seq_lens_cpu = TensorView(seq.data(), DType::kInt32, Device::cpu(), {batch});
+  if (!device_plan) b.seq_lens_cpu = TensorView(seq.data(), DType::kInt32, Device::cpu(), {batch});
   b.out_cache_loc = device_loc.device_view();
 
   const BackendConfig config = model_config(cache, pool, stream);
@@ -330,9 +340,13 @@ class Graph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+/// How a step is planned: from the host lengths (seq_lens_cpu) in out_graph, or on the device
+/// from seq_lens alone in in_graph (issue 15: the batch carries no seq_lens_cpu).
+enum class Plan { kHost, kDevice };
+
 /// One decode step of 32 layers: the pool (page 1, shuffled slots), one batch of `batch`
-/// requests of kv_len tokens, per-layer inputs and outputs, a backend with graph state and one
-/// without.
+/// requests of kv_len tokens, per-layer inputs; per plan source a backend with graph state, one
+/// without, and their outputs.
 class StepWorld {
  public:
   StepWorld(int batch, int kv_len, uint64_t seed, cudaStream_t stream)
@@ -355,6 +369,8 @@ class StepWorld {
       spec.out_cache_loc.push_back(row[kv_len - 1]);
     }
     step_ = std::make_unique<StepBatch>(spec, gpu, &cache_, &pool_);
+    device_batch_ = step_->batch();
+    device_batch_.seq_lens_cpu = TensorView();
     uint64_t fill = seed * 7919;
     for (int l = 0; l < kLayers; ++l) {
       cuda::bench::fill_random(cache_.k_buffer(l), fill++, 1.f, stream);
@@ -362,17 +378,21 @@ class StepWorld {
       q_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
       k_.push_back(OwnedTensor::make(gpu, kDType, {batch, kKvHeads, kHeadDim}));
       v_.push_back(OwnedTensor::make(gpu, kDType, {batch, kKvHeads, kHeadDim}));
-      out_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
-      out_eager_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
       for (const OwnedTensor* t : {&q_.back(), &k_.back(), &v_.back()}) {
         cuda::bench::fill_random(t->view, fill++, 1.f, stream);
       }
     }
-    cuda_ok(cudaDeviceSynchronize(), "world");
     const BackendConfig config = model_config(cache_, pool_, stream);
-    eager_ = make_backend(BackendKind::kCuda, config);
-    graphed_ = make_backend(BackendKind::kCuda, config);
-    graphed_->init_cuda_graph_state(batch, batch);
+    for (Lane& lane : lanes_) {
+      for (int l = 0; l < kLayers; ++l) {
+        lane.out.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
+        lane.out_eager.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
+      }
+      lane.eager = make_backend(BackendKind::kCuda, config);
+      lane.graphed = make_backend(BackendKind::kCuda, config);
+      lane.graphed->init_cuda_graph_state(batch, batch);
+    }
+    cuda_ok(cudaDeviceSynchronize(), "world");
   }
 
   /// Device bytes a world of this size holds (the pool dominates).
@@ -381,38 +401,45 @@ class StepWorld {
     return slots * kKvHeads * 2.0 * kHeadDim * dtype_size(kDType) * kLayers;
   }
 
-  const ForwardBatch& batch() const { return step_->batch(); }
-
-  void eager_step() {
-    eager_->init_forward_metadata(batch());
-    for (int l = 0; l < kLayers; ++l) forward(*eager_, l, out_eager_[size_t(l)].view);
+  const ForwardBatch& batch(Plan plan) const {
+    return plan == Plan::kDevice ? device_batch_ : step_->batch();
   }
 
-  void capture_step(Graph& graph) {
-    graphed_->init_forward_metadata_out_graph(batch(), /*in_capture=*/true);
+  void eager_step(Plan plan) {
+    Lane& lane = lane_of(plan);
+    lane.eager->init_forward_metadata(batch(plan));
+    for (int l = 0; l < kLayers; ++l) forward(*lane.eager, plan, l, lane.out_eager[size_t(l)].view);
+  }
+
+  void capture_step(Graph& graph, Plan plan) {
+    Lane& lane = lane_of(plan);
+    lane.graphed->init_forward_metadata_out_graph(batch(plan), /*in_capture=*/true);
     graph.capture(stream_, [&] {
-      graphed_->init_forward_metadata_in_graph(batch());
-      for (int l = 0; l < kLayers; ++l) forward(*graphed_, l, out_[size_t(l)].view);
+      lane.graphed->init_forward_metadata_in_graph(batch(plan));
+      for (int l = 0; l < kLayers; ++l) forward(*lane.graphed, plan, l, lane.out[size_t(l)].view);
     });
   }
 
-  void replay_step(const Graph& graph) {
-    graphed_->init_forward_metadata_out_graph(batch(), /*in_capture=*/false);
+  void replay_step(const Graph& graph, Plan plan) {
+    lane_of(plan).graphed->init_forward_metadata_out_graph(batch(plan), /*in_capture=*/false);
     graph.launch(stream_);
   }
 
   /// Kernels' own time of one step: in_graph plus 32 x one layer's kernels, each timed in a
   /// graph of many repetitions (on the graph-state backend, so the launch sizes are the
-  /// replay's). Needs a planned step (out_graph) first.
-  double kernels_us() {
-    graphed_->init_forward_metadata_out_graph(batch(), false);
+  /// replay's). Plans the step (out_graph) first.
+  double kernels_us(Plan plan) {
+    Lane& lane = lane_of(plan);
+    lane.graphed->init_forward_metadata_out_graph(batch(plan), false);
     cuda::bench::TimingOptions options;
     options.calls_per_rep = 4 * kLayers;
     options.max_seconds = 0.5;
     const cuda::bench::Timing index = cuda::bench::time_on_stream(
-        [&](int) { graphed_->init_forward_metadata_in_graph(batch()); }, stream_, options);
+        [&](int) { lane.graphed->init_forward_metadata_in_graph(batch(plan)); }, stream_, options);
     const cuda::bench::Timing layer = cuda::bench::time_on_stream(
-        [&](int call) { forward(*graphed_, call % kLayers, out_[size_t(call % kLayers)].view); },
+        [&](int call) {
+          forward(*lane.graphed, plan, call % kLayers, lane.out[size_t(call % kLayers)].view);
+        },
         stream_, options);
     if (!index.graph || !layer.graph) {
       throw_error(ErrorKind::kDeviceError, "kernels", "the repetitions could not be captured");
@@ -420,23 +447,39 @@ class StepWorld {
     return index.median_us + kLayers * layer.median_us;
   }
 
-  /// Whether every layer's graph output equals its eager output bit for bit.
-  bool replay_equals_eager(const Graph& graph) {
-    replay_step(graph);
-    eager_step();
+  /// Whether every layer's graph output equals its eager output bit for bit (the eager step
+  /// planned the same way), and, for a device plan, the host-planned eager output too (the
+  /// tensor-core plans are equal item for item).
+  bool replay_equals_eager(const Graph& graph, Plan plan) {
+    replay_step(graph, plan);
+    eager_step(plan);
+    if (plan == Plan::kDevice) eager_step(Plan::kHost);
     cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     const size_t bytes = size_t(batch_) * kQHeads * kHeadDim * dtype_size(kDType);
     std::vector<unsigned char> a(bytes), b(bytes);
+    auto same = [&](const OwnedTensor& x, const OwnedTensor& y) {
+      copy_bytes(a.data(), Device::cpu(), x.view.data(), Device::cuda(0), bytes);
+      copy_bytes(b.data(), Device::cpu(), y.view.data(), Device::cuda(0), bytes);
+      return a == b;
+    };
     for (int l = 0; l < kLayers; ++l) {
-      copy_bytes(a.data(), Device::cpu(), out_[size_t(l)].view.data(), Device::cuda(0), bytes);
-      copy_bytes(b.data(), Device::cpu(), out_eager_[size_t(l)].view.data(), Device::cuda(0),
-                 bytes);
-      if (a != b) return false;
+      const Lane& lane = lane_of(plan);
+      if (!same(lane.out[size_t(l)], lane.out_eager[size_t(l)])) return false;
+      if (plan == Plan::kDevice &&
+          !same(lane.out[size_t(l)], lane_of(Plan::kHost).out_eager[size_t(l)])) {
+        return false;
+      }
     }
     return true;
   }
 
  private:
+  struct Lane {
+    std::vector<OwnedTensor> out, out_eager;
+    std::unique_ptr<AttentionBackend> eager;
+    std::unique_ptr<AttentionBackend> graphed;
+  };
+
   static KvCacheConfig cache_config(int batch, int kv_len) {
     KvCacheConfig c;
     c.num_layers = kLayers;
@@ -448,15 +491,18 @@ class StepWorld {
     return c;
   }
 
-  void forward(AttentionBackend& backend, int l, const TensorView& out) {
+  Lane& lane_of(Plan plan) { return lanes_[plan == Plan::kDevice ? 1 : 0]; }
+  const Lane& lane_of(Plan plan) const { return lanes_[plan == Plan::kDevice ? 1 : 0]; }
+
+  void forward(AttentionBackend& backend, Plan plan, int l, const TensorView& out) {
     AttentionLayer layer;
     layer.layer_id = l;
     layer.num_q_heads = kQHeads;
     layer.num_kv_heads = kKvHeads;
     layer.head_dim = kHeadDim;
     layer.scaling = float(1.0 / std::sqrt(double(kHeadDim)));
-    backend.forward(q_[size_t(l)].view, k_[size_t(l)].view, v_[size_t(l)].view, out, layer, batch(),
-                    /*save_kv_cache=*/true);
+    backend.forward(q_[size_t(l)].view, k_[size_t(l)].view, v_[size_t(l)].view, out, layer,
+                    batch(plan), /*save_kv_cache=*/true);
   }
 
   int batch_;
@@ -464,9 +510,9 @@ class StepWorld {
   KvCache cache_;
   ReqToTokenPool pool_;
   std::unique_ptr<StepBatch> step_;
-  std::vector<OwnedTensor> q_, k_, v_, out_, out_eager_;
-  std::unique_ptr<AttentionBackend> eager_;
-  std::unique_ptr<AttentionBackend> graphed_;
+  ForwardBatch device_batch_;  ///< step_'s batch without seq_lens_cpu
+  std::vector<OwnedTensor> q_, k_, v_;
+  Lane lanes_[2];  ///< [host plan, device plan]
 };
 
 /// Wall time per step of `step()` run back to back (the host may run ahead of the device by
@@ -556,8 +602,9 @@ int run_graph_bench(const ParsedArgs& args) {
         "decode step over %d layers (32 q / 8 kv heads, d128, bf16, page 1 shuffled); "
         "us per step\n\n",
         kLayers);
-    std::printf("%5s %6s %12s %12s %12s %13s %13s %8s\n", "batch", "kv_len", "eager", "graph",
-                "kernels", "graph/kernel", "eager/graph", "bitwise");
+    std::printf("%5s %6s %12s %12s %12s %13s %13s %8s %12s %12s %8s\n", "batch", "kv_len",
+                "eager", "graph", "kernels", "graph/kernel", "eager/graph", "bitwise",
+                "dev graph", "dev/host", "bitwise");
     for (int kv_len : {1024, 4096}) {
       for (int batch : {1, 8, 32, 64, 128}) {
         const double need = StepWorld::world_bytes(batch, kv_len);
@@ -567,20 +614,32 @@ int run_graph_bench(const ParsedArgs& args) {
         }
         try {
           StepWorld world(batch, kv_len, seed + uint64_t(batch) * 131 + uint64_t(kv_len), stream);
-          const double eager = wall_us_per_step([&] { world.eager_step(); }, stream);
+          const double eager = wall_us_per_step([&] { world.eager_step(Plan::kHost); }, stream);
           Graph graph;
-          world.capture_step(graph);
-          const double replay = wall_us_per_step([&] { world.replay_step(graph); }, stream);
-          const double kernels = world.kernels_us();
-          const bool same = world.replay_equals_eager(graph);
-          if (!same) ++failures;
-          std::printf("%5d %6d %12.1f %12.1f %12.1f %13.2f %13.2f %8s\n", batch, kv_len, eager,
-                      replay, kernels, replay / kernels, eager / replay, same ? "equal" : "DIFFER");
+          world.capture_step(graph, Plan::kHost);
+          const double replay =
+              wall_us_per_step([&] { world.replay_step(graph, Plan::kHost); }, stream);
+          const double kernels = world.kernels_us(Plan::kHost);
+          const bool same = world.replay_equals_eager(graph, Plan::kHost);
+          // The same step planned on the device (no seq_lens_cpu), captured and replayed.
+          Graph device_graph;
+          world.capture_step(device_graph, Plan::kDevice);
+          const double device_replay =
+              wall_us_per_step([&] { world.replay_step(device_graph, Plan::kDevice); }, stream);
+          const double device_kernels = world.kernels_us(Plan::kDevice);
+          const bool device_same = world.replay_equals_eager(device_graph, Plan::kDevice);
+          failures += (same ? 0 : 1) + (device_same ? 0 : 1);
+          std::printf("%5d %6d %12.1f %12.1f %12.1f %13.2f %13.2f %8s %12.1f %12.3f %8s\n",
+                      batch, kv_len, eager, replay, kernels, replay / kernels, eager / replay,
+                      same ? "equal" : "DIFFER", device_replay, device_replay / replay,
+                      device_same ? "equal" : "DIFFER");
           std::fflush(stdout);
           const double bytes = step_kv_bytes(batch, kv_len);
           for (auto [variant, us] :
                {std::pair{"eager-32-layers", eager}, std::pair{"graph-32-layers", replay},
-                std::pair{"kernels-32-layers", kernels}}) {
+                std::pair{"kernels-32-layers", kernels},
+                std::pair{"device-plan", device_replay},
+                std::pair{"device-plan-kernels-32-layers", device_kernels}}) {
             Row row;
             row.variant = variant;
             row.batch = batch;
@@ -588,6 +647,8 @@ int run_graph_bench(const ParsedArgs& args) {
             row.time_us = us;
             row.gbps = bytes / (us * 1e3);
             row.fraction = row.gbps / ceilings.read_gbps;
+            if (row.variant == std::string("graph-32-layers")) row.replay_equal = same;
+            if (row.variant == std::string("device-plan")) row.replay_equal = device_same;
             rows.push_back(row);
           }
         } catch (const std::exception& e) {
@@ -600,16 +661,21 @@ int run_graph_bench(const ParsedArgs& args) {
         "\nhost planning per step: the CUDA backend's out_graph on its graph buffers "
         "(DECODE,\nkv_len 2048..4096 growing each step, stream idle), and the planning "
         "functions alone\n");
-    std::printf("%6s %14s %14s\n", "batch", "out_graph us", "functions us");
+    std::printf("%6s %14s %14s %20s\n", "batch", "out_graph us", "functions us",
+                "device-plan out_graph");
     for (int batch : {1, 64, 256}) {
       Row row;
       row.variant = "planner";
       row.batch = batch;
       row.kv_len = 4096;
-      row.time_us = out_graph_us(batch, 4096, seed + uint64_t(batch), stream);
+      row.time_us = out_graph_us(batch, 4096, seed + uint64_t(batch), stream, false);
       const double functions = host_planning_us(batch, 4096, seed + uint64_t(batch));
-      std::printf("%6d %14.2f %14.2f\n", batch, row.time_us, functions);
+      Row device_row = row;
+      device_row.variant = "device-plan-out_graph";
+      device_row.time_us = out_graph_us(batch, 4096, seed + uint64_t(batch), stream, true);
+      std::printf("%6d %14.2f %14.2f %20.2f\n", batch, row.time_us, functions, device_row.time_us);
       rows.push_back(row);
+      rows.push_back(device_row);
     }
 #else
     throw UsageError("--graphs needs a build with the CUDA backend");

@@ -241,11 +241,16 @@ class _NativeBackendBase:
 
     # ---- batches --------------------------------------------------------------------------
 
+    # A DECODE batch without seq_lens_cpu is planned on the device by the CUDA backend
+    # (core::uses_device_lengths): no host copy of its lengths, no sync (issue 15). The draft
+    # runners plan on the host.
+    _plans_decode_on_device = False
+
     def make_native_batch(self, forward_batch: Any, mode=None) -> _kvattn.ForwardBatch:
         """kvattn.ForwardBatch of an engine's forward batch (no copy of device tensors)."""
-        batch = _kvattn.ForwardBatch(
-            mode if mode is not None else forward_mode_of(forward_batch.forward_mode),
-            int(forward_batch.batch_size))
+        if mode is None:
+            mode = forward_mode_of(forward_batch.forward_mode)
+        batch = _kvattn.ForwardBatch(mode, int(forward_batch.batch_size))
         batch.req_to_token_pool = self.native_req_to_token_pool
         batch.kv_cache = self.kv_cache
         cuda = self.device.type == "cuda"
@@ -260,7 +265,11 @@ class _NativeBackendBase:
                     value = value.cpu()
                 setattr(batch, name, _batch_value(value))
         if cuda:
+            device_lengths = (self._plans_decode_on_device and mode == _kvattn.ForwardMode.DECODE
+                              and getattr(forward_batch, "shared_prefix_group_cpu", None) is None)
             for device_name, host_name in _HOST_COPIES:
+                if device_lengths and device_name == "seq_lens":
+                    continue
                 value = getattr(forward_batch, device_name, None)
                 if getattr(forward_batch, host_name, None) is None and \
                         isinstance(value, torch.Tensor):
@@ -358,6 +367,8 @@ class KvattnAttnBackend(_NativeBackendBase):
     def __init__(self, token_to_kv_pool: Any, req_to_token_pool: Any, **options: Any):
         super().__init__(token_to_kv_pool, req_to_token_pool, **options)
         self.native = _kvattn.make_backend(self.kind, self.config)
+        self._plans_decode_on_device = (self.device.type == "cuda" and
+                                        not options.get("is_encoder_decoder", False))
 
     @classmethod
     def from_model_runner(cls, model_runner: Any, **options: Any) -> "KvattnAttnBackend":

@@ -3,9 +3,7 @@ torch.profiler's trace, not assumed (issue 15: a step planned on the device make
 
 A control (a .cpu() of a CUDA tensor) first shows that the counter sees both kinds. The step
 cases then count what init_forward_metadata and the layers' forward do, eager and as an engine
-replays a captured DECODE step. A known count (the lengths copied to the host when an engine
-gives no *_cpu) is marked xfail(strict=True) with its reason: when issue 15 removes it the test
-reports an unexpected pass, and the mark goes.
+replays a captured DECODE step, with and without host lengths (without: planned on the device).
 Skipped without CUDA."""
 
 from __future__ import annotations
@@ -110,9 +108,8 @@ def test_decode_with_host_lengths_makes_no_host_sync():
     assert syncs == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15: without *_cpu the Python class copies the "
-                   "lengths to the host (.cpu()) for the host planner")
 def test_decode_without_host_lengths_copies_nothing_to_the_host():
+    """Issue 15: a DECODE step without seq_lens_cpu is planned on the device (no .cpu())."""
     e, fb, layers, qkv = decode_world(host_lengths=False)
     eager_step(e, fb, layers, qkv)()
     syncs, d2h = net_counts(eager_step(e, fb, layers, qkv))
@@ -144,3 +141,51 @@ def test_captured_decode_replay_copies_nothing_to_the_host():
     syncs, d2h = net_counts(step)
     print(f"\nkvattn-gpu-test captured decode replay: {syncs} syncs, {d2h} DtoH copies per step")
     assert syncs == 0 and d2h == 0
+
+
+def test_captured_decode_without_host_lengths_replays_new_lengths():
+    """A DECODE graph captured without seq_lens_cpu plans each replay on the device from the
+    lengths in the (same) device tensors: grown requests, replayed, equal bit for bit to an eager
+    step planned from host lengths (the tensor-core plan is the host's, item for item), with no
+    sync and no device-to-host copy per step."""
+    e, fb, layers, qkv = decode_world(host_lengths=False)
+    e.backend.init_cuda_graph_state(8, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        with torch.cuda.graph(graph, stream=stream):
+            e.backend.init_forward_metadata_in_graph(fb)
+            outs = [e.backend.forward(*qkv, layer, fb) for layer in layers]
+    torch.cuda.current_stream().wait_stream(stream)
+
+    for grow in (37, 500, 1):
+        # Every request grows: new K/V in the pool, new lengths and slots in the captured tensors.
+        seq, new = [], []
+        for r in range(fb.batch_size):
+            if grow > 1:
+                e.fill(e.add_tokens(r, grow - 1))
+            slot = e.add_tokens(r, 1)
+            e.fill(slot)
+            new.append(slot)
+            seq.append(len(e.token_slots[r]))
+        fb.seq_lens.copy_(torch.tensor(seq, dtype=fb.seq_lens.dtype))
+        fb.out_cache_loc.copy_(torch.cat(new))
+
+        def step():
+            e.backend.init_forward_metadata_out_graph(fb)
+            graph.replay()
+
+        syncs, d2h = net_counts(step)
+        torch.cuda.synchronize()
+        e.backend.check_errors(synchronize=True)
+        assert syncs == 0 and d2h == 0, (syncs, d2h)
+        replayed = [o.clone() for o in outs]
+        host = e.batch(ForwardMode.DECODE, list(range(fb.batch_size)), seq,
+                       out_cache_loc=fb.out_cache_loc.clone())
+        e.backend.init_forward_metadata(host)
+        for layer, got in zip(layers, replayed):
+            want = e.backend.forward(*qkv, layer, host)
+            assert torch.isfinite(got).all()
+            assert torch.equal(got, want), f"grow {grow}: replay differs from the eager step"
