@@ -159,6 +159,9 @@ def test_captured_decode_without_host_lengths_replays_new_lengths():
             e.backend.init_forward_metadata_in_graph(fb)
             outs = [e.backend.forward(*qkv, layer, fb) for layer in layers]
     torch.cuda.current_stream().wait_stream(stream)
+    # Capturing ran nothing: the captured step's new tokens were never saved (an engine's
+    # capture batch is a dummy); give them K/V before later steps attend to them.
+    e.fill(fb.out_cache_loc.clone())
 
     for grow in (37, 500, 1):
         # Every request grows: new K/V in the pool, new lengths and slots in the captured tensors.
