@@ -13,6 +13,8 @@
 //   device-plan  the same step without seq_lens_cpu: planned on the device in in_graph (issue
 //            15), captured once and replayed (graph and kernels as above), its replay equal bit
 //            for bit to its eager twin and to the host-planned eager step.
+// Then the same for TARGET_VERIFY steps (8-token random trees over 4096-token prefixes; rows of
+// workload "verify").
 // Issue 6 asks for graph within 1.5x of kernels at batch 1 x 1024, and replay equal to eager bit
 // for bit (checked on every layer's output of every row); issue 15 asks the device-plan graph
 // within 3% of the host-planned one.
@@ -63,6 +65,8 @@ struct Row {
   /// eager-32-layers, graph-32-layers, kernels-32-layers, device-plan (the graph replay of a
   /// step planned on the device), device-plan-kernels-32-layers, planner, device-plan-out_graph
   std::string variant;
+  const char* workload = "decode";  ///< decode or verify (TARGET_VERIFY steps)
+  int qo_len = 1;                   ///< query tokens a request (verify: the tree's)
   int batch = 0;
   int kv_len = 0;
   double time_us = kNaN;
@@ -96,9 +100,9 @@ void write_json(const std::string& path, const std::string& device_name, const s
       << ", \"gemm_bf16_tflops\": " << json_number(ceilings.gemm_bf16_tflops) << "},\n \"rows\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    out << (i == 0 ? "\n  " : ",\n  ") << "{\"workload\": \"decode\", \"impl\": \"kvattn\""
-        << ", \"batch\": " << r.batch << ", \"kv_len\": " << r.kv_len
-        << ", \"qo_len\": 1, \"prefix_len\": 0, \"page_size\": 1, \"head_dim\": " << kHeadDim
+    out << (i == 0 ? "\n  " : ",\n  ") << "{\"workload\": " << json_string(r.workload)
+        << ", \"impl\": \"kvattn\", \"batch\": " << r.batch << ", \"kv_len\": " << r.kv_len
+        << ", \"qo_len\": " << r.qo_len << ", \"prefix_len\": 0, \"page_size\": 1, \"head_dim\": " << kHeadDim
         << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
         << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
         << ", \"variant\": " << json_string(r.variant)
@@ -349,8 +353,9 @@ enum class Plan { kHost, kDevice };
 /// without, and their outputs.
 class StepWorld {
  public:
-  StepWorld(int batch, int kv_len, uint64_t seed, cudaStream_t stream)
-      : batch_(batch),
+  /// draft > 0: a TARGET_VERIFY step of draft-token trees over prefixes of kv_len - draft keys.
+  StepWorld(int batch, int kv_len, uint64_t seed, cudaStream_t stream, int draft = 0)
+      : rows_(int64_t(batch) * std::max(draft, 1)),
         stream_(stream),
         cache_(KvCache::allocate(cache_config(batch, kv_len))),
         pool_(ReqToTokenPool::allocate(batch, kv_len, Device::cuda(0))) {
@@ -360,13 +365,19 @@ class StepWorld {
     for (size_t i = 0; i < slots.size(); ++i) slots[i] = int32_t(i + 1);  // slot 0 is padding
     for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.next() % i]);
     StepSpec spec;
-    spec.mode = ForwardMode::kDecode;
+    spec.mode = draft > 0 ? ForwardMode::kTargetVerify : ForwardMode::kDecode;
+    spec.draft_token_num = draft;
+    const int new_tokens = std::max(draft, 1);
     for (int r = 0; r < batch; ++r) {
       const int32_t* row = slots.data() + size_t(r) * kv_len;
       pool_.write(r, 0, std::span<const int32_t>(row, size_t(kv_len)));
       spec.req_pool_indices.push_back(r);
-      spec.seq_lens.push_back(kv_len);
-      spec.out_cache_loc.push_back(row[kv_len - 1]);
+      spec.seq_lens.push_back(draft > 0 ? kv_len - draft : kv_len);
+      for (int t = kv_len - new_tokens; t < kv_len; ++t) spec.out_cache_loc.push_back(row[t]);
+      if (draft > 0) {
+        append_tree_mask(kv_len - draft, random_tree_parents(draft, /*chain=*/0, rng),
+                         spec.custom_mask);
+      }
     }
     step_ = std::make_unique<StepBatch>(spec, gpu, &cache_, &pool_);
     device_batch_ = step_->batch();
@@ -375,9 +386,9 @@ class StepWorld {
     for (int l = 0; l < kLayers; ++l) {
       cuda::bench::fill_random(cache_.k_buffer(l), fill++, 1.f, stream);
       cuda::bench::fill_random(cache_.v_buffer(l), fill++, 1.f, stream);
-      q_.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
-      k_.push_back(OwnedTensor::make(gpu, kDType, {batch, kKvHeads, kHeadDim}));
-      v_.push_back(OwnedTensor::make(gpu, kDType, {batch, kKvHeads, kHeadDim}));
+      q_.push_back(OwnedTensor::make(gpu, kDType, {rows_, kQHeads, kHeadDim}));
+      k_.push_back(OwnedTensor::make(gpu, kDType, {rows_, kKvHeads, kHeadDim}));
+      v_.push_back(OwnedTensor::make(gpu, kDType, {rows_, kKvHeads, kHeadDim}));
       for (const OwnedTensor* t : {&q_.back(), &k_.back(), &v_.back()}) {
         cuda::bench::fill_random(t->view, fill++, 1.f, stream);
       }
@@ -385,12 +396,12 @@ class StepWorld {
     const BackendConfig config = model_config(cache_, pool_, stream);
     for (Lane& lane : lanes_) {
       for (int l = 0; l < kLayers; ++l) {
-        lane.out.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
-        lane.out_eager.push_back(OwnedTensor::make(gpu, kDType, {batch, kQHeads, kHeadDim}));
+        lane.out.push_back(OwnedTensor::make(gpu, kDType, {rows_, kQHeads, kHeadDim}));
+        lane.out_eager.push_back(OwnedTensor::make(gpu, kDType, {rows_, kQHeads, kHeadDim}));
       }
       lane.eager = make_backend(BackendKind::kCuda, config);
       lane.graphed = make_backend(BackendKind::kCuda, config);
-      lane.graphed->init_cuda_graph_state(batch, batch);
+      lane.graphed->init_cuda_graph_state(batch, rows_);
     }
     cuda_ok(cudaDeviceSynchronize(), "world");
   }
@@ -455,7 +466,7 @@ class StepWorld {
     eager_step(plan);
     if (plan == Plan::kDevice) eager_step(Plan::kHost);
     cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    const size_t bytes = size_t(batch_) * kQHeads * kHeadDim * dtype_size(kDType);
+    const size_t bytes = size_t(rows_) * kQHeads * kHeadDim * dtype_size(kDType);
     std::vector<unsigned char> a(bytes), b(bytes);
     auto same = [&](const OwnedTensor& x, const OwnedTensor& y) {
       copy_bytes(a.data(), Device::cpu(), x.view.data(), Device::cuda(0), bytes);
@@ -505,7 +516,7 @@ class StepWorld {
                     batch(plan), /*save_kv_cache=*/true);
   }
 
-  int batch_;
+  int64_t rows_;  ///< query rows of the step (batch x tree tokens for verify)
   cudaStream_t stream_;
   KvCache cache_;
   ReqToTokenPool pool_;
@@ -605,58 +616,67 @@ int run_graph_bench(const ParsedArgs& args) {
     std::printf("%5s %6s %12s %12s %12s %13s %13s %8s %12s %12s %8s\n", "batch", "kv_len",
                 "eager", "graph", "kernels", "graph/kernel", "eager/graph", "bitwise",
                 "dev graph", "dev/host", "bitwise");
-    for (int kv_len : {1024, 4096}) {
-      for (int batch : {1, 8, 32, 64, 128}) {
-        const double need = StepWorld::world_bytes(batch, kv_len);
-        if (need > 0.85 * double(props.global_bytes)) {
-          std::printf("%5d %6d  skipped: needs %.1f GiB\n", batch, kv_len, need / (1 << 30));
-          continue;
-        }
-        try {
-          StepWorld world(batch, kv_len, seed + uint64_t(batch) * 131 + uint64_t(kv_len), stream);
-          const double eager = wall_us_per_step([&] { world.eager_step(Plan::kHost); }, stream);
-          Graph graph;
-          world.capture_step(graph, Plan::kHost);
-          const double replay =
-              wall_us_per_step([&] { world.replay_step(graph, Plan::kHost); }, stream);
-          const double kernels = world.kernels_us(Plan::kHost);
-          const bool same = world.replay_equals_eager(graph, Plan::kHost);
-          // The same step planned on the device (no seq_lens_cpu), captured and replayed.
-          Graph device_graph;
-          world.capture_step(device_graph, Plan::kDevice);
-          const double device_replay =
-              wall_us_per_step([&] { world.replay_step(device_graph, Plan::kDevice); }, stream);
-          const double device_kernels = world.kernels_us(Plan::kDevice);
-          const bool device_same = world.replay_equals_eager(device_graph, Plan::kDevice);
-          failures += (same ? 0 : 1) + (device_same ? 0 : 1);
-          std::printf("%5d %6d %12.1f %12.1f %12.1f %13.2f %13.2f %8s %12.1f %12.3f %8s\n",
-                      batch, kv_len, eager, replay, kernels, replay / kernels, eager / replay,
-                      same ? "equal" : "DIFFER", device_replay, device_replay / replay,
-                      device_same ? "equal" : "DIFFER");
-          std::fflush(stdout);
-          const double bytes = step_kv_bytes(batch, kv_len);
-          for (auto [variant, us] :
-               {std::pair{"eager-32-layers", eager}, std::pair{"graph-32-layers", replay},
-                std::pair{"kernels-32-layers", kernels},
-                std::pair{"device-plan", device_replay},
-                std::pair{"device-plan-kernels-32-layers", device_kernels}}) {
-            Row row;
-            row.variant = variant;
-            row.batch = batch;
-            row.kv_len = kv_len;
-            row.time_us = us;
-            row.gbps = bytes / (us * 1e3);
-            row.fraction = row.gbps / ceilings.read_gbps;
-            if (row.variant == std::string("graph-32-layers")) row.replay_equal = same;
-            if (row.variant == std::string("device-plan")) row.replay_equal = device_same;
-            rows.push_back(row);
-          }
-        } catch (const std::exception& e) {
-          ++failures;
-          std::printf("%5d %6d  FAIL: %s\n", batch, kv_len, e.what());
-        }
+    // One row: the step eager, replayed from a graph planned on the host and on the device.
+    auto run_row = [&](int batch, int kv_len, int draft) {
+      const double need = StepWorld::world_bytes(batch, kv_len);
+      if (need > 0.85 * double(props.global_bytes)) {
+        std::printf("%5d %6d  skipped: needs %.1f GiB\n", batch, kv_len, need / (1 << 30));
+        return;
       }
+      try {
+        StepWorld world(batch, kv_len, seed + uint64_t(batch) * 131 + uint64_t(kv_len), stream,
+                        draft);
+        const double eager = wall_us_per_step([&] { world.eager_step(Plan::kHost); }, stream);
+        Graph graph;
+        world.capture_step(graph, Plan::kHost);
+        const double replay =
+            wall_us_per_step([&] { world.replay_step(graph, Plan::kHost); }, stream);
+        const double kernels = world.kernels_us(Plan::kHost);
+        const bool same = world.replay_equals_eager(graph, Plan::kHost);
+        // The same step planned on the device (no seq_lens_cpu), captured and replayed.
+        Graph device_graph;
+        world.capture_step(device_graph, Plan::kDevice);
+        const double device_replay =
+            wall_us_per_step([&] { world.replay_step(device_graph, Plan::kDevice); }, stream);
+        const double device_kernels = world.kernels_us(Plan::kDevice);
+        const bool device_same = world.replay_equals_eager(device_graph, Plan::kDevice);
+        failures += (same ? 0 : 1) + (device_same ? 0 : 1);
+        std::printf("%5d %6d %12.1f %12.1f %12.1f %13.2f %13.2f %8s %12.1f %12.3f %8s\n", batch,
+                    kv_len, eager, replay, kernels, replay / kernels, eager / replay,
+                    same ? "equal" : "DIFFER", device_replay, device_replay / replay,
+                    device_same ? "equal" : "DIFFER");
+        std::fflush(stdout);
+        const double bytes = step_kv_bytes(batch, kv_len);
+        for (auto [variant, us] :
+             {std::pair{"eager-32-layers", eager}, std::pair{"graph-32-layers", replay},
+              std::pair{"kernels-32-layers", kernels}, std::pair{"device-plan", device_replay},
+              std::pair{"device-plan-kernels-32-layers", device_kernels}}) {
+          Row row;
+          row.variant = variant;
+          row.workload = draft > 0 ? "verify" : "decode";
+          row.qo_len = std::max(draft, 1);
+          row.batch = batch;
+          row.kv_len = kv_len;
+          row.time_us = us;
+          row.gbps = bytes / (us * 1e3);
+          row.fraction = row.gbps / ceilings.read_gbps;
+          if (row.variant == std::string("graph-32-layers")) row.replay_equal = same;
+          if (row.variant == std::string("device-plan")) row.replay_equal = device_same;
+          rows.push_back(row);
+        }
+      } catch (const std::exception& e) {
+        ++failures;
+        std::printf("%5d %6d  FAIL: %s\n", batch, kv_len, e.what());
+      }
+    };
+    for (int kv_len : {1024, 4096}) {
+      for (int batch : {1, 8, 32, 64, 128}) run_row(batch, kv_len, 0);
     }
+    std::printf(
+        "\nTARGET_VERIFY step over %d layers (8-token random trees over a 4096-token prefix; "
+        "kv_len = prefix + tree)\n",
+        kLayers);
+    for (int batch : {1, 16, 64}) run_row(batch, 4096 + 8, 8);
     std::printf(
         "\nhost planning per step: the CUDA backend's out_graph on its graph buffers "
         "(DECODE,\nkv_len 2048..4096 growing each step, stream idle), and the planning "

@@ -241,9 +241,9 @@ class _NativeBackendBase:
 
     # ---- batches --------------------------------------------------------------------------
 
-    # A DECODE batch without seq_lens_cpu is planned on the device by the CUDA backend
-    # (core::uses_device_lengths): no host copy of its lengths, no sync (issue 15). The draft
-    # runners plan on the host.
+    # A DECODE or TARGET_VERIFY batch without seq_lens_cpu is planned on the device by the CUDA
+    # backend (core::uses_device_lengths): no host copy of its lengths, no sync (issue 15). The
+    # draft runners plan on the host.
     _plans_decode_on_device = False
 
     def make_native_batch(self, forward_batch: Any, mode=None) -> _kvattn.ForwardBatch:
@@ -265,8 +265,10 @@ class _NativeBackendBase:
                     value = value.cpu()
                 setattr(batch, name, _batch_value(value))
         if cuda:
-            device_lengths = (self._plans_decode_on_device and mode == _kvattn.ForwardMode.DECODE
-                              and getattr(forward_batch, "shared_prefix_group_cpu", None) is None)
+            device_lengths = (self._plans_decode_on_device and
+                              mode in (_kvattn.ForwardMode.DECODE,
+                                       _kvattn.ForwardMode.TARGET_VERIFY) and
+                              getattr(forward_batch, "shared_prefix_group_cpu", None) is None)
             for device_name, host_name in _HOST_COPIES:
                 if device_lengths and device_name == "seq_lens":
                     continue

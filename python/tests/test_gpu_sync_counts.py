@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import types
 
 import pytest
 
@@ -192,3 +193,46 @@ def test_captured_decode_without_host_lengths_replays_new_lengths():
             want = e.backend.forward(*qkv, layer, host)
             assert torch.isfinite(got).all()
             assert torch.equal(got, want), f"grow {grow}: replay differs from the eager step"
+
+
+def test_verify_without_host_lengths_is_planned_on_the_device():
+    """Issue 15: a TARGET_VERIFY step without seq_lens_cpu makes no sync and no device-to-host
+    copy, and computes the bits of the same step planned from host lengths."""
+    e = Engine("cuda", num_q_heads=32, num_kv_heads=8, head_dim=128, size=1 << 14, max_reqs=8,
+               max_context_len=4096, num_layers=LAYERS)
+    draft = 6
+    prefix = [90 + 250 * r for r in range(4)]
+    masks, new = [], []
+    gen = torch.Generator().manual_seed(3)
+    for r, p in enumerate(prefix):
+        e.fill(e.add_tokens(r, p))
+        new.append(e.add_tokens(r, draft))
+        tree = torch.rand(draft, draft, generator=gen) < 0.5
+        tree = tree.tril() | torch.eye(draft, dtype=torch.bool)
+        masks.append(torch.cat([torch.ones(draft, p, dtype=torch.bool), tree], dim=1).reshape(-1))
+    spec_info = types.SimpleNamespace(custom_mask=torch.cat(masks).to("cuda"),
+                                      draft_token_num=draft)
+    layers = [e.layer(i) for i in range(LAYERS)]
+    n = len(prefix) * draft
+    q, k, v = e.randn(n, 32 * 128), e.randn(n, 8, 128), e.randn(n, 8, 128)
+
+    def batch(host_lengths):
+        fb = e.batch(ForwardMode.TARGET_VERIFY, list(range(len(prefix))), prefix,
+                     out_cache_loc=torch.cat(new), spec_info=spec_info)
+        if not host_lengths:
+            fb.seq_lens_cpu = None
+        return fb
+
+    outs = {}
+    for host_lengths in (True, False):
+        fb = batch(host_lengths)
+        eager_step(e, fb, layers, (q, k, v))()  # warm-up
+        syncs, d2h = net_counts(eager_step(e, fb, layers, (q, k, v)))
+        if not host_lengths:
+            assert syncs == 0 and d2h == 0, (syncs, d2h)
+        e.backend.init_forward_metadata(fb)
+        outs[host_lengths] = [e.backend.forward(q, k, v, layer, fb) for layer in layers]
+    e.backend.check_errors(synchronize=True)
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)

@@ -6,7 +6,8 @@ namespace kvattn::core {
 
 bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config,
                          bool device_plan) {
-  return device_plan && batch.mode == ForwardMode::kDecode && !batch.seq_lens_cpu.defined() &&
+  const bool mode = batch.mode == ForwardMode::kDecode || batch.mode == ForwardMode::kTargetVerify;
+  return device_plan && mode && !batch.seq_lens_cpu.defined() &&
          batch.seq_lens.defined() && !batch.seq_lens.device().is_cpu() &&
          !batch.shared_prefix_group_cpu.defined() && !config.is_encoder_decoder;
 }

@@ -35,7 +35,8 @@ struct StepFacts {
 };
 
 /// Whether a backend that plans on the device (device_plan: the CUDA backend) takes `batch` from
-/// its device lengths: a DECODE batch whose seq_lens are on the device with no seq_lens_cpu, no
+/// its device lengths: a DECODE or TARGET_VERIFY batch whose seq_lens are on the device with no
+/// seq_lens_cpu, no
 /// declared shared-prefix groups (their checks read the lengths) and a decoder-only model. Any
 /// other batch is read on the host (and one whose lengths are on the device alone is refused,
 /// naming the *_cpu copy it needs).

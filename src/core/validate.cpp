@@ -147,9 +147,26 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
       }
     }
   }
-  if (device_lengths) return {};
-  HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);
   const bool verify = b.mode == ForwardMode::kTargetVerify;
+  if (device_lengths) {
+    // The values are the device's to check (seq_lens range, the tree mask's length); the rest
+    // here.
+    if (verify) {
+      check_arg(b.spec.draft_token_num >= 1 && b.spec.draft_token_num <= pool.max_context_len(),
+                "spec.draft_token_num", "got ", b.spec.draft_token_num,
+                ", expected 1..max_context_len for TARGET_VERIFY");
+      const TensorView& m = b.spec.custom_mask;
+      check_arg(m.defined(), "spec.custom_mask", "missing: TARGET_VERIFY needs the tree mask");
+      check_arg(m.dtype() == DType::kUInt8, "spec.custom_mask", "dtype ", dtype_name(m.dtype()),
+                ", expected uint8 (0/1)");
+      check_arg(m.ndim() == 1, "spec.custom_mask", "shape ", m,
+                ", expected 1-D: the rows of every request, request after request");
+      check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ",
+                device);
+    }
+    return {};
+  }
+  HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);
   if (verify) {
     check_arg(b.spec.draft_token_num >= 1, "spec.draft_token_num", "got ",
               b.spec.draft_token_num, ", expected >= 1 for TARGET_VERIFY");

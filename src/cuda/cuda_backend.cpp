@@ -531,7 +531,7 @@ class CudaBackend final : public AttentionBackend {
     step_.id = guard_.begin_step(batch.mode, batch.batch_size);
     const core::StepFacts facts = core::derive_step(batch, config_, device_, /*device_plan=*/true);
     core::validate_step_slots(batch, config_.kv_cache->num_slots(), device_);
-    if (facts.device_lengths) check_device_plan_fits(batch.batch_size);
+    if (facts.device_lengths) check_device_plan_fits(batch);
     const core::HostLengths& lens = facts.lens;
     step_.mode = batch.mode;
     step_.batch_size = batch.batch_size;
@@ -576,7 +576,7 @@ class CudaBackend final : public AttentionBackend {
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       CallState& call = pool[s];
       if (step_.device_lengths) {
-        plan_device_call(call, model_sets_[s], batch.batch_size);
+        plan_device_call(call, model_sets_[s], batch);
         continue;
       }
       call.device_plan = false;
@@ -697,8 +697,17 @@ class CudaBackend final : public AttentionBackend {
     check.num_slots = config_.kv_cache->num_slots();
     check.req_to_token = config_.req_to_token_pool->table().data_as<const int32_t>();
     check.req_to_token_row_stride = config_.req_to_token_pool->table().stride(0);
-    if (step_.device_lengths) check.seq_lens = device_index_array(batch.seq_lens);
-    check.max_seq_len = max_context;
+    if (step_.device_lengths) {
+      const bool verify = step_.mode == ForwardMode::kTargetVerify;
+      check.seq_lens = device_index_array(batch.seq_lens);
+      check.max_seq_len = max_context - (verify ? batch.spec.draft_token_num : 0);
+      if (verify) {
+        const CallState& first = pool[0];
+        check.mask_rows_end =
+            first.meta<int64_t>(first.offsets.mask_indptr) + first.layout.batch_size;
+        check.mask_elems = batch.spec.custom_mask.numel();
+      }
+    }
     check.plan_source = step_.device_lengths ? kPlanOnDevice : kPlanOnHost;
     if (step_.cascade) {
       // The promise of the declared groups, checked before anything of the step is written.
@@ -923,31 +932,41 @@ class CudaBackend final : public AttentionBackend {
     }
   }
 
-  // ---- DECODE planned on the device (core::StepFacts::device_lengths) -------------------------
+  // ---- DECODE / TARGET_VERIFY planned on the device (core::StepFacts::device_lengths) --------
 
-  // The tile shape a device-planned DECODE call of batch_size requests plans with: the host's
-  // (prefill_shape, one query token a request) in the decode-shaped kernel's order (l2_keys 0,
-  // the order kernels/device_plan.h computes).
-  core::PrefillTileShape device_tile_shape(const core::PagedLayout& layout, bool tc,
+  // Query tokens a request of a device-planned step: 1 (DECODE) or the tree's.
+  static int device_q_len(const ForwardBatch& batch) {
+    return batch.mode == ForwardMode::kTargetVerify ? batch.spec.draft_token_num : 1;
+  }
+
+  // Whether a device-planned call of q_len tokens a request runs the decode-shaped kernel.
+  bool device_call_tc(int q_len) const {
+    return setup_.tc_decode &&
+           int64_t(q_len) * (config_.num_q_heads / config_.num_kv_heads) <= kTcDecodeMaxRows;
+  }
+
+  // The tile shape a device-planned call plans with: the host's (prefill_shape) in the
+  // decode-shaped kernel's order (l2_keys 0, the order kernels/device_plan.h computes).
+  core::PrefillTileShape device_tile_shape(const core::PagedLayout& layout, int q_len,
                                            int batch_size) const {
-    core::PrefillTileShape shape =
-        prefill_shape(layout.mask, layout.window_left, tc, batch_size, /*q_len=*/1);
+    core::PrefillTileShape shape = prefill_shape(layout.mask, layout.window_left,
+                                                 device_call_tc(q_len), batch_size, q_len);
     shape.l2_keys = 0;
     return shape;
   }
 
-  bool device_call_tc(int group) const { return setup_.tc_decode && group <= kTcDecodeMaxRows; }
-
   // Refuses (before anything is written) a batch larger than one planning CTA takes.
-  void check_device_plan_fits(int batch_size) const {
+  void check_device_plan_fits(const ForwardBatch& batch) const {
+    const int batch_size = batch.batch_size;
+    const int q_len = device_q_len(batch);
     auto refuse = [&](int most) {
-      throw_error(ErrorKind::kInvalidArgument, "seq_lens_cpu",
-                  "missing: a DECODE step without host lengths is planned on the device, for at "
-                  "most ",
-                  most, " requests on this configuration; this batch has ", batch_size,
+      throw_error(ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a ",
+                  forward_mode_name(batch.mode),
+                  " step without host lengths is planned on the device, for at most ", most,
+                  " requests on this configuration; this batch has ", batch_size,
                   ": pass seq_lens_cpu");
     };
-    if (!setup_.tensor_cores) {
+    if (batch.mode == ForwardMode::kDecode && !setup_.tensor_cores) {
       if (batch_size > kDevicePlanMaxBatch ||
           core::decode_item_capacity(batch_size, setup_.plan_config) > kDevicePlanMaxItems) {
         int most = std::min(batch_size, kDevicePlanMaxBatch);
@@ -959,14 +978,15 @@ class CudaBackend final : public AttentionBackend {
       }
       return;
     }
-    const bool tc = device_call_tc(config_.num_q_heads / config_.num_kv_heads);
     core::PagedLayout probe;
-    probe.mask = core::MaskMode::kCausal;
+    probe.mask = q_len > 1 ? core::MaskMode::kCustom : core::MaskMode::kCausal;
     auto fits = [&](int bs) {
       if (bs > kDevicePlanTilesMaxBatch) return false;
       const core::PrefillPlanCapacity cap =
-          core::prefill_plan_capacity(bs, 1, device_tile_shape(probe, tc, bs));
-      return cap.items <= kDevicePlanTilesMaxKeys;
+          core::prefill_plan_capacity(bs, q_len, device_tile_shape(probe, q_len, bs));
+      int keys = 1;
+      while (keys < cap.items) keys *= 2;
+      return keys <= kDevicePlanTilesMaxKeys;
     };
     if (fits(batch_size)) return;
     int most = std::min(batch_size, kDevicePlanTilesMaxBatch);
@@ -974,19 +994,23 @@ class CudaBackend final : public AttentionBackend {
     refuse(most);
   }
 
-  // out_graph's half: the layout's query rows (kv arrays zero until in_graph's planner writes
-  // them) and the plan's fixed size.
-  void plan_device_call(CallState& call, core::IndexSet set, int batch_size) {
+  // out_graph's half: the layout's query rows (its kv arrays are zeros until in_graph's planner
+  // writes them) and the plan's fixed size.
+  void plan_device_call(CallState& call, core::IndexSet set, const ForwardBatch& batch) {
+    const int batch_size = batch.batch_size;
+    const bool verify = batch.mode == ForwardMode::kTargetVerify;
+    const int q_len = device_q_len(batch);
     core::HostLengths zeros;
     zeros.seq_lens.assign(size_t(batch_size), 0);
-    call.layout = core::make_paged_layout(ForwardMode::kDecode, set, config_.sliding_window_size,
-                                          zeros, 0);
+    call.layout = core::make_paged_layout(batch.mode, set, config_.sliding_window_size, zeros,
+                                          verify ? q_len : 0);
     call.paged = true;
-    call.custom_mask = nullptr;
-    call.fold_window = false;
+    call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
+    call.fold_window = verify && set == core::IndexSet::kWindow;
+    if (call.fold_window) prepare_window_fold(call, batch);
     call.device_plan = true;
     call.max_kv_len = config_.req_to_token_pool->max_context_len();
-    call.prefill = setup_.tensor_cores;
+    call.prefill = verify || setup_.tensor_cores;
     if (!call.prefill) {
       call.item_limit = core::decode_item_capacity(batch_size, setup_.plan_config);
       call.decode_plan = core::DecodePlan{};
@@ -994,10 +1018,9 @@ class CudaBackend final : public AttentionBackend {
       return;
     }
     call.item_limit = 0;
-    const int group = config_.num_q_heads / config_.num_kv_heads;
-    call.tc_decode = device_call_tc(group);
-    call.plan_shape = device_tile_shape(call.layout, call.tc_decode, batch_size);
-    call.plan_capacity = core::prefill_plan_capacity(batch_size, 1, call.plan_shape);
+    call.tc_decode = device_call_tc(q_len);
+    call.plan_shape = device_tile_shape(call.layout, q_len, batch_size);
+    call.plan_capacity = core::prefill_plan_capacity(batch_size, q_len, call.plan_shape);
     // Only the plan's sizes reach the buffer view (write_prefill_buffer without a host copy);
     // the planner writes its contents.
     core::PrefillTilePlan& plan = call.prefill_plan;
@@ -1005,7 +1028,7 @@ class CudaBackend final : public AttentionBackend {
     plan.merges.resize(size_t(call.plan_capacity.merges));
     plan.num_partials = call.plan_capacity.partials;
     plan.tile_rows = call.plan_shape.tile_rows;
-    plan.group_size = group;
+    plan.group_size = config_.num_q_heads / config_.num_kv_heads;
     plan.cluster = call.plan_shape.cluster > 1 ? call.plan_shape.cluster : 0;
     call.prefill_items = call.plan_capacity.items;
     call.prefill_merges = call.plan_capacity.merges;
@@ -1014,13 +1037,20 @@ class CudaBackend final : public AttentionBackend {
 
   // in_graph's half: the KV ranges and the plan from the batch's device seq_lens.
   void plan_on_device(const CallState& call, const ForwardBatch& batch, cudaStream_t stream) const {
-    DeviceDecodeLengths lengths;
+    const bool verify = batch.mode == ForwardMode::kTargetVerify;
+    DeviceLengths lengths;
     lengths.seq_lens = batch.seq_lens.data();
     lengths.seq_lens_int64 = batch.seq_lens.dtype() == DType::kInt64;
     lengths.window = call.layout.window_left;
     lengths.max_context_len = config_.req_to_token_pool->max_context_len();
+    lengths.q_len = device_q_len(batch);
+    lengths.tree_tokens = verify ? batch.spec.draft_token_num : 0;
     lengths.kv_start = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_start));
     lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
+    if (verify) {
+      lengths.mask_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.mask_indptr));
+      lengths.mask_elems = batch.spec.custom_mask.numel();
+    }
     int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
     if (call.prefill) {
       DevicePlanTiles t;

@@ -37,6 +37,10 @@ std::pair<std::string, std::string> describe_argument(const StepReport& r, int a
               "got " + value + ", expected a length in [0, max_context_len = " +
                   std::to_string(r.row[argument]) +
                   "] (the step was planned on the device from seq_lens: no seq_lens_cpu)"};
+    case kArgCustomMask:
+      return {"spec.custom_mask", "has " + std::to_string(r.row[argument]) +
+                                      " elements, the step's requests need " + value +
+                                      " = sum of draft_token_num * (seq_len + draft_token_num)"};
     case kArgPlanSource: {
       auto source = [](int64_t v) {
         return std::string(v == kPlanOnDevice ? "on the device (no seq_lens_cpu)"

@@ -125,10 +125,11 @@ TEST(StepFacts, IdleAndBadBatches) {
   }
 }
 
-// A DECODE batch whose lengths live on the device alone (no seq_lens_cpu): a backend that plans
-// on the device takes it without reading a length (the tensors are never read here: their data
-// is host memory labelled cuda); any other backend, mode or batch reads host lengths as before.
-TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecode) {
+// A DECODE (or TARGET_VERIFY) batch whose lengths live on the device alone (no seq_lens_cpu): a
+// backend that plans on the device takes it without reading a length (the tensors are never read
+// here: their data is host memory labelled cuda); any other backend, mode or batch reads host
+// lengths as before.
+TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecodeAndVerify) {
   auto w = ScenarioWorld::build(step_spec(ForwardMode::kDecode, 9), BackendKind::kCpu);
   const Device gpu = Device::cuda(0);
   ForwardBatch b = w->batch;
@@ -162,9 +163,12 @@ TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecode) {
   ForwardBatch grouped = b;
   grouped.shared_prefix_group_cpu = w->batch.seq_lens;
   EXPECT_FALSE(core::uses_device_lengths(grouped, w->config, true));
-  ForwardBatch verify = b;
+  ForwardBatch verify = b;  // TARGET_VERIFY too; EXTEND-like modes read host lengths
   verify.mode = ForwardMode::kTargetVerify;
-  EXPECT_FALSE(core::uses_device_lengths(verify, w->config, true));
+  EXPECT_TRUE(core::uses_device_lengths(verify, w->config, true));
+  ForwardBatch extend = b;
+  extend.mode = ForwardMode::kExtend;
+  EXPECT_FALSE(core::uses_device_lengths(extend, w->config, true));
   // The shapes are still checked.
   ForwardBatch short_seq = b;
   short_seq.seq_lens = TensorView(const_cast<void*>(b.seq_lens.data()), b.seq_lens.dtype(), gpu,

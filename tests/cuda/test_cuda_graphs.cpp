@@ -69,7 +69,8 @@ struct WorldSpec {
   int topk = 0;             ///< multi-step draft worlds
   int num_steps = 0;
   const char* tensor_cores = nullptr;  ///< KVATTN_DECODE_TENSOR_CORES for this world's backends
-  /// DECODE batches carry no seq_lens_cpu: the backend plans them on the device (issue 15).
+  /// DECODE and TARGET_VERIFY batches carry no seq_lens_cpu: the backend plans them on the
+  /// device (issue 15).
   bool device_lengths = false;
   uint64_t seed = 1;
 };
@@ -353,7 +354,9 @@ class GraphWorld {
     b.batch_size = s.batch_size;
     b.req_pool_indices = TensorView(rpi_.data(), DType::kInt32, Device::cuda(0), {s.batch_size});
     b.seq_lens = TensorView(seq_.data(), DType::kInt32, Device::cuda(0), {s.batch_size});
-    if (!(spec_.device_lengths && s.mode == ForwardMode::kDecode)) {
+    const bool planned_on_device = spec_.device_lengths && (s.mode == ForwardMode::kDecode ||
+                                                            s.mode == ForwardMode::kTargetVerify);
+    if (!planned_on_device) {
       b.seq_lens_cpu = TensorView(const_cast<int32_t*>(seq_host_.data()), DType::kInt32,
                                   Device::cpu(), {s.batch_size});
     }
@@ -887,6 +890,8 @@ TEST(CudaGraphsDecode, VariantsOnBothKernels) {
 
 // ---- DECODE planned on the device (no seq_lens_cpu; issue 15) -----------------------------------
 
+WorldSpec verify_world(const char* label, uint64_t seed);  // (TARGET_VERIFY, below)
+
 // Capture once per bucket, replay with new lengths: every replay bitwise equal to its eager twin
 // (also planned on the device) and, first and last, within the oracle's tolerance.
 TEST(CudaGraphsDevicePlan, DecodeReplayEqualsEagerOnBothKernels) {
@@ -924,16 +929,20 @@ TEST(CudaGraphsDevicePlan, DecodeReplayEqualsEagerOnBothKernels) {
 }
 
 // The tensor-core plan built on the device is the host's, item for item: a step planned on the
-// device computes the bits the same step planned from seq_lens_cpu computes (eager and eager).
+// device computes the bits the same step planned from seq_lens_cpu computes (eager and eager),
+// DECODE with and without a window, TARGET_VERIFY on the decode-shaped kernel.
 TEST(CudaGraphsDevicePlan, TensorCoreStepEqualsTheHostPlannedStep) {
   REQUIRE_GPU();
-  for (int window : {-1, 300}) {
-    WorldSpec spec = decode_world("device vs host plan, tensor", "1", 75);
-    spec.window = window;
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool verify = variant == 2;
+    WorldSpec spec = verify ? verify_world("device vs host plan, verify", 77)
+                            : decode_world("device vs host plan, tensor", "1", 75);
+    spec.window = variant == 1 ? 300 : -1;
     spec.max_context = 2048;
+    const ForwardMode mode = verify ? ForwardMode::kTargetVerify : ForwardMode::kDecode;
     GraphWorld w(spec);
     for (int bs : {1, 5, 8}) {
-      const Step s = w.random_step(ForwardMode::kDecode, bs, bs);
+      const Step s = w.random_step(mode, bs, bs);
       w.upload(s);
       ForwardBatch host = w.batch(s);
       ForwardBatch device = host;
@@ -948,8 +957,8 @@ TEST(CudaGraphsDevicePlan, TensorCoreStepEqualsTheHostPlannedStep) {
       for (int l = 0; l < kLayers; ++l) {
         EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) ==
                     w.output_bytes(l, s.real_tokens, false))
-            << "window " << window << " batch " << bs << " layer " << l
-            << ": the device-planned step differs from the host-planned one";
+            << forward_mode_name(mode) << " window " << spec.window << " batch " << bs
+            << " layer " << l << ": the device-planned step differs from the host-planned one";
       }
       EXPECT_NO_THROW(a->check_errors(true));
       EXPECT_NO_THROW(b->check_errors(true));
@@ -1012,6 +1021,30 @@ TEST(CudaGraphsVerify, ReplayWithOtherLengthsAndMasks) {
   check_buckets(verify_world("verify bf16", 31), ForwardMode::kTargetVerify, {1, 4, 8}, 4);
 }
 
+// TARGET_VERIFY planned on the device (no seq_lens_cpu): every replay bitwise equal to its eager
+// twin (also planned on the device) and, first and last, within the oracle's tolerance; the
+// decode-shaped kernel (6-token trees), the window fold, fp8 and the prefill family (40-token
+// trees: two tiles a request).
+TEST(CudaGraphsDevicePlan, VerifyReplayEqualsEager) {
+  REQUIRE_GPU();
+  std::vector<WorldSpec> worlds;
+  worlds.push_back(verify_world("device-plan verify bf16", 81));
+  WorldSpec window = verify_world("device-plan verify window 200", 82);
+  window.window = 200;
+  worlds.push_back(window);
+  WorldSpec fp8 = verify_world("device-plan verify fp8 e5m2", 83);
+  fp8.kv = DType::kFloat8E5M2;
+  worlds.push_back(fp8);
+  WorldSpec big_tree = verify_world("device-plan verify 40-token trees", 84);
+  big_tree.draft_token_num = 40;
+  worlds.push_back(big_tree);
+  for (WorldSpec& spec : worlds) {
+    spec.device_lengths = true;
+    SCOPED_TRACE(spec.label);
+    check_buckets(spec, ForwardMode::kTargetVerify, {1, 4, 8}, 2);
+  }
+}
+
 TEST(CudaGraphsVerify, Variants) {
   REQUIRE_GPU();
   std::vector<WorldSpec> worlds;
@@ -1049,8 +1082,10 @@ void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
   capture_bucket(w, *backend, w.random_step(mode, bs, bs), graph);
   EXPECT_NO_THROW(backend->check_errors(true));
   const int64_t num_slots = w.cache().num_slots();
-  // A world planned on the device also sees a seq_len past max_context_len (kArgSeqLens).
-  const int kinds = spec.device_lengths ? 4 : 3;
+  // A world planned on the device also sees a seq_len past max_context_len (kArgSeqLens) and,
+  // TARGET_VERIFY, a tree mask shorter than its rows (kArgCustomMask).
+  const bool verify = mode == ForwardMode::kTargetVerify;
+  const int kinds = !spec.device_lengths ? 3 : verify ? 5 : 4;
   for (int kind = 0; kind < kinds; ++kind) {
     const Step s = w.random_step(mode, bs, bs);
     w.upload(s);
@@ -1059,6 +1094,8 @@ void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
     if (kind == 3) {
       w.set_seq_on_device(2, int32_t(spec.max_context + 5));
       argument = "seq_lens[2]";
+    } else if (kind == 4) {
+      argument = "spec.custom_mask";  // the batch's mask view is cut short below
     } else if (kind == 0) {
       w.set_loc(0, 1, int32_t(num_slots));
       argument = "out_cache_loc[1]";
@@ -1081,7 +1118,12 @@ void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
     std::vector<std::vector<uint8_t>> outs_before;
     for (int l = 0; l < kLayers; ++l) outs_before.push_back(w.output_bytes(l, s.num_tokens, false));
 
-    const ForwardBatch b = w.batch(s);
+    ForwardBatch b = w.batch(s);
+    if (kind == 4) {
+      const TensorView& m = b.spec.custom_mask;
+      b.spec.custom_mask = TensorView(const_cast<void*>(m.data()), m.dtype(), m.device(),
+                                      {m.size(0) - 1});
+    }
     backend->init_forward_metadata_out_graph(b, /*in_capture=*/false);
     const uint64_t step = backend->step_id();
     graph.launch(w.stream());
@@ -1137,6 +1179,14 @@ TEST(CudaGraphsBadInput, RefusedVerifyReplayWritesNothing) {
   REQUIRE_GPU();
   WorldSpec spec = verify_world("bad verify", 62);
   spec.max_context = 1024;
+  check_bad_replays(spec, ForwardMode::kTargetVerify);
+}
+
+TEST(CudaGraphsBadInput, RefusedDevicePlannedVerifyReplayWritesNothing) {
+  REQUIRE_GPU();
+  WorldSpec spec = verify_world("bad device-plan verify", 63);
+  spec.max_context = 1024;
+  spec.device_lengths = true;
   check_bad_replays(spec, ForwardMode::kTargetVerify);
 }
 

@@ -173,17 +173,27 @@ core::PrefillTileShape h200_tile_shape(int batch_size, int window, int max_clust
 
 // seq_lens (as given, int32 or int64, may exceed max_context) through the device planner against
 // the host: the layout of make_paged_layout over the clamped lengths, then the padded host plan.
+// draft > 0: a TARGET_VERIFY call of draft-token trees (custom mask, mask_indptr compared too);
+// mask_short: the tree mask one element short (every length zeroed, nothing planned to read).
 void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int window,
                                   const core::PrefillTileShape& shape, bool int64,
-                                  int max_context) {
+                                  int max_context, int draft = 0, bool mask_short = false) {
   const int bs = int(seq_lens.size());
+  const int q_len = draft > 0 ? draft : 1;
   core::HostLengths lens;
-  for (int64_t v : seq_lens) lens.seq_lens.push_back(int32_t(std::clamp<int64_t>(v, 0, max_context)));
-  const core::PagedLayout layout = core::make_paged_layout(
-      ForwardMode::kDecode, window >= 0 ? core::IndexSet::kWindow : core::IndexSet::kFull, window,
-      lens, 0);
+  for (int64_t v : seq_lens) {
+    lens.seq_lens.push_back(int32_t(std::clamp<int64_t>(v, 0, max_context - draft)));
+  }
+  core::PagedLayout layout = core::make_paged_layout(
+      draft > 0 ? ForwardMode::kTargetVerify : ForwardMode::kDecode,
+      window >= 0 ? core::IndexSet::kWindow : core::IndexSet::kFull, window, lens, draft);
+  const int64_t mask_elems = layout.mask_indptr.empty() ? 0 : layout.mask_indptr.back();
+  if (mask_short) {
+    for (int32_t& len : layout.kv_len) len = 0;
+    std::fill(layout.kv_indptr.begin(), layout.kv_indptr.end(), 0);
+  }
   core::PrefillTilePlan host = core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape);
-  const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(bs, 1, shape);
+  const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(bs, q_len, shape);
   core::pad_prefill_plan(host, capacity);
 
   DeviceBytes seq(size_t(bs) * sizeof(int64_t));
@@ -205,6 +215,8 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   CUDA_OK(cudaMemset(items.ptr, 0xA5, size_t(capacity.items) * sizeof(core::PrefillWorkItem)));
   CUDA_OK(cudaMemset(merges.ptr, 0xA5, size_t(capacity.merges) * sizeof(core::PrefillMergeItem)));
   CUDA_OK(cudaMemset(sched.ptr, 0xA5, 4 * sizeof(int)));
+  DeviceBytes mask((size_t(bs) + 1) * sizeof(int64_t));
+  CUDA_OK(cudaMemset(mask.ptr, 0xA5, (size_t(bs) + 1) * sizeof(int64_t)));
 
   cuda::DevicePlanTiles p;
   p.lengths.seq_lens = seq.ptr;
@@ -213,6 +225,12 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   p.lengths.max_context_len = max_context;
   p.lengths.kv_start = static_cast<int32_t*>(start.ptr);
   p.lengths.kv_len = static_cast<int32_t*>(len.ptr);
+  p.lengths.q_len = q_len;
+  p.lengths.tree_tokens = draft;
+  if (draft > 0) {
+    p.lengths.mask_indptr = static_cast<int64_t*>(mask.ptr);
+    p.lengths.mask_elems = mask_short ? mask_elems - 1 : mask_elems;
+  }
   p.batch_size = bs;
   p.shape = shape;
   p.capacity = capacity;
@@ -226,6 +244,11 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   EXPECT_EQ(from_device<int32_t>(start, size_t(bs)), layout.kv_start);
   EXPECT_EQ(from_device<int32_t>(len, size_t(bs)), layout.kv_len);
   EXPECT_EQ(from_device<int64_t>(indptr, size_t(bs) + 1), layout.kv_indptr);
+  if (draft > 0) {
+    const auto got_mask = from_device<int64_t>(mask, size_t(bs) + 1);
+    EXPECT_EQ(got_mask.back(), mask_elems);  // what the step check compares
+    if (!mask_short) EXPECT_EQ(got_mask, layout.mask_indptr);
+  }
   EXPECT_EQ(from_device<int>(sched, 4), std::vector<int>(4, 0));
   const auto got_items = from_device<core::PrefillWorkItem>(items, size_t(capacity.items));
   for (size_t i = 0; i < got_items.size(); ++i) {
@@ -298,6 +321,32 @@ TEST(DevicePlanTiles, EqualsTheHostPlanOnRandomBatches) {
   // The trials reach every form of the plan.
   EXPECT_GT(cluster_plans, 5);
   EXPECT_GT(split_plans, 5);
+}
+
+// TARGET_VERIFY: trees of 1..12 tokens on the decode-shaped kernel's 16- and 32-row tiles,
+// cluster and split plans, and a tree mask one element short.
+TEST(DevicePlanTiles, VerifyEqualsTheHostPlan) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int bs = trial < 20 ? 1 + int(rng() % 8) : 1 + int(rng() % 120);
+    const int draft = 1 + int(rng() % 12);
+    const int max_context = 40000;
+    std::vector<int64_t> seq(static_cast<size_t>(bs));
+    for (int64_t& v : seq) {
+      const int kind = int(rng() % 8);
+      v = kind == 0 ? 0 : kind < 6 ? int64_t(rng() % 4096) : int64_t(4096 + rng() % 30000);
+    }
+    core::PrefillTileShape shape = h200_tile_shape(bs, -1, 16);
+    shape.mask = core::MaskMode::kCustom;
+    shape.tile_rows = draft * 4 <= 16 ? 16 : 32;
+    shape.cluster = core::cluster_split_size(bs, draft, shape, 16);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ", batch " + std::to_string(bs) + ", draft " +
+                 std::to_string(draft) + ", cluster " + std::to_string(shape.cluster));
+    expect_tile_plan_equals_host(seq, -1, shape, trial % 2 == 0, max_context, draft,
+                                 /*mask_short=*/trial % 10 == 9);
+    if (HasFailure()) return;
+  }
 }
 
 TEST(DevicePlanTiles, EdgeShapes) {

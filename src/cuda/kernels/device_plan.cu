@@ -116,16 +116,38 @@ __device__ void bitonic_sort(uint64_t* keys, int padded) {
   }
 }
 
-// Request r's KV range of a DECODE call (make_paged_layout's): written to the call's metadata,
-// its length returned.
-__device__ int32_t decode_kv_len(const DeviceDecodeLengths& l, int r) {
+// Request r's KV range (make_paged_layout's DECODE / TARGET_VERIFY layout): written to the
+// call's metadata, its length returned.
+__device__ int32_t step_kv_len(const DeviceLengths& l, int r) {
   int64_t seq = l.seq_lens_int64 ? static_cast<const int64_t*>(l.seq_lens)[r]
                                  : int64_t(static_cast<const int32_t*>(l.seq_lens)[r]);
-  seq = min(max(seq, int64_t(0)), int64_t(l.max_context_len));
-  const int64_t len = l.window >= 0 ? min(seq, int64_t(l.window) + 1) : seq;
-  l.kv_start[r] = int32_t(seq - len);
+  seq = min(max(seq, int64_t(0)), int64_t(l.max_context_len) - l.tree_tokens);
+  int64_t len = seq + l.tree_tokens;
+  if (l.window >= 0) len = min(seq, int64_t(l.window) + 1);
+  l.kv_start[r] = int32_t(seq + l.tree_tokens - len);
   l.kv_len[r] = int32_t(len);
   return int32_t(len);
+}
+
+// The tree mask's rows (custom-mask calls): mask_indptr from the lengths; a mask too short for
+// them zeroes every length, so that no later kernel of the step reads past it (the step check
+// refuses the step). lens / lens64 are the block's copies; returns whether they were zeroed.
+__device__ bool mask_rows(const DeviceLengths& l, int bs, int32_t* lens, int64_t* lens64,
+                          int64_t* partials64) {
+  if (l.mask_indptr == nullptr) return false;
+  // q_len x kv_len a request, scanned through lens64 (restored after).
+  for (int r = threadIdx.x; r < bs; r += kThreads) lens64[r] = int64_t(l.q_len) * lens[r];
+  block_exclusive_scan<int64_t>(lens64, l.mask_indptr, bs, partials64);
+  const bool too_short = l.mask_indptr[bs] > l.mask_elems;
+  for (int r = threadIdx.x; r < bs; r += kThreads) {
+    if (too_short) {
+      lens[r] = 0;
+      l.kv_len[r] = 0;
+    }
+    lens64[r] = lens[r];
+  }
+  __syncthreads();
+  return too_short;
 }
 
 __device__ __forceinline__ int padded_pow2(int n) {
@@ -154,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   int64_t total = 0;
   for (int r = threadIdx.x; r < bs; r += kThreads) {
     const int32_t len =
-        p.lengths.seq_lens != nullptr ? decode_kv_len(p.lengths, r) : max(p.kv_len[r], 0);
+        p.lengths.seq_lens != nullptr ? step_kv_len(p.lengths, r) : max(p.kv_len[r], 0);
     lens[r] = len;
     lens64[r] = len;
     top = max(top, int64_t(len));
@@ -232,8 +254,9 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
 
 // ---- the decode-shaped kernel's plan (core::plan_prefill_tiles, one query token a request) ----
 
-// Every request has the same row tiles (q_len 1: tokens [0, 1)), so each of them sees the same
-// keys: [kv_begin, kv_end) of the host's tile arithmetic at first_token = last_token = 0.
+// Every row tile of a request sees the same keys: [kv_begin, kv_end) of the host's tile
+// arithmetic at first_token = last_token = 0 for q_len 1 (DECODE), and all kv_len keys for a
+// custom mask without a window (TARGET_VERIFY; launch_device_plan_tiles admits nothing else).
 struct TileKeys {
   int32_t begin, end;
 };
@@ -280,7 +303,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
   const core::PrefillTileShape& s = p.shape;
   const int heads = s.num_kv_heads;
   const int group = s.num_q_heads / s.num_kv_heads;
-  const int tiles_per_request = (group + s.tile_rows - 1) / s.tile_rows;
+  const int q_len = p.lengths.q_len;
+  const int tiles_per_request = int((int64_t(q_len) * group + s.tile_rows - 1) / s.tile_rows);
   int64_t* scratch = reinterpret_cast<int64_t*>(smem);                      // [kThreads / 32]
   int64_t* partials64 = scratch + kThreads / 32;                            // [kThreads]
   int32_t* partials32 = reinterpret_cast<int32_t*>(partials64 + kThreads);  // [kThreads]
@@ -294,13 +318,16 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
 
   if (p.scheduler != nullptr && threadIdx.x < 4) p.scheduler[threadIdx.x] = 0;
 
-  // ---- lengths, kv_indptr, the step's cost ----------------------------------------------------
-  int64_t cost = 0;
+  // ---- lengths, mask rows, kv_indptr, the step's cost ------------------------------------------
   for (int r = threadIdx.x; r < bs; r += kThreads) {
-    const int32_t len = decode_kv_len(p.lengths, r);
+    const int32_t len = step_kv_len(p.lengths, r);
     lens[r] = len;
     lens64[r] = len;
-    const int32_t steps = steps_of(tile_keys(s, len), s.kv_tile);
+  }
+  mask_rows(p.lengths, bs, lens, lens64, partials64);
+  int64_t cost = 0;
+  for (int r = threadIdx.x; r < bs; r += kThreads) {
+    const int32_t steps = steps_of(tile_keys(s, lens[r]), s.kv_tile);
     cost += int64_t(tiles_per_request) * (int64_t(steps) + 1) * s.kv_tile * heads;
   }
   const int64_t total_cost = block_sum(cost, scratch);
@@ -317,8 +344,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
     item.merge = -1;
     const int64_t base = p.kv_indptr[r];
     item.kv_base = base <= INT32_MAX ? int32_t(base) : -1;
-    item.q_begin = r;  // DECODE: qo_indptr[r] = r
-    item.q_end = r + 1;
+    item.q_begin = r * q_len;  // qo_indptr[r]: q_len tokens every request
+    item.q_end = (r + 1) * q_len;
     item.reserved[0] = item.reserved[1] = 0;
   };
   int num_items = 0;
@@ -527,21 +554,32 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
             "shape", "a tile shape core::plan_prefill_tiles accepts expected");
   check_arg(s.l2_keys == 0, "shape.l2_keys", "got ", s.l2_keys,
             ", the device tile planner plans the decode-shaped kernel's order (0)");
-  const core::PrefillPlanCapacity want = core::prefill_plan_capacity(p.batch_size, 1, s);
+  check_arg(p.lengths.q_len >= 1 && p.lengths.tree_tokens >= 0, "q_len", "got ",
+            p.lengths.q_len, " query and ", p.lengths.tree_tokens,
+            " tree tokens a request, expected >= 1 and >= 0");
+  check_arg(p.lengths.q_len == 1 || (s.mask != core::MaskMode::kCausal && s.window_left < 0),
+            "q_len", "got ", p.lengths.q_len,
+            ": the device tile planner takes several query tokens a request only without a "
+            "causal mask or a window (TARGET_VERIFY)");
+  check_arg((s.mask == core::MaskMode::kCustom) == (p.lengths.mask_indptr != nullptr),
+            "mask_indptr", "a custom-mask call needs mask_indptr (and only it)");
+  const core::PrefillPlanCapacity want =
+      core::prefill_plan_capacity(p.batch_size, p.lengths.q_len, s);
   check_arg(p.capacity.items == want.items && p.capacity.merges == want.merges &&
                 p.capacity.partials == want.partials,
             "capacity", "got ", p.capacity.items, " items, ", p.capacity.merges, " merges, ",
-            p.capacity.partials, " partials; expected prefill_plan_capacity(batch_size, 1): ",
+            p.capacity.partials, " partials; expected prefill_plan_capacity(batch_size, q_len): ",
             want.items, ", ", want.merges, ", ", want.partials);
   int keys = 1;
   while (keys < p.capacity.items) keys *= 2;
   check_arg(keys <= kDevicePlanTilesMaxKeys, "batch_size", "got ", p.batch_size, ": ",
             p.capacity.items, " items, the device tile planner sorts at most ",
             kDevicePlanTilesMaxKeys);
-  const DeviceDecodeLengths& l = p.lengths;
+  const DeviceLengths& l = p.lengths;
   check_arg(p.batch_size == 0 ||
                 (l.seq_lens != nullptr && l.kv_start != nullptr && l.kv_len != nullptr &&
-                 l.max_context_len >= 0 && p.kv_indptr != nullptr && p.items != nullptr &&
+                 l.max_context_len >= l.tree_tokens && p.kv_indptr != nullptr &&
+                 p.items != nullptr &&
                  (p.merges != nullptr || p.capacity.merges == 0)),
             "seq_lens", "the device tile plan needs seq_lens, kv_start, kv_len, kv_indptr, items "
             "and merges");

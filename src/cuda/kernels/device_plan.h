@@ -1,11 +1,10 @@
-// DECODE steps planned on the device from the engine's device seq_lens (issue 15), so that a
-// step needs no host copy of its lengths and plans inside a CUDA graph:
-//  - DeviceDecodeLengths: the call's KV ranges (core::make_paged_layout's DECODE layout);
+// DECODE and TARGET_VERIFY steps planned on the device from the engine's device seq_lens (issue
+// 15), so that a step needs no host copy of its lengths and plans inside a CUDA graph:
+//  - DeviceLengths: the call's KV ranges (core::make_paged_layout's layout) and tree-mask rows;
 //  - launch_device_plan_decode: the CUDA-core decode kernel's plan, core::plan_decode_rule's
 //    item for item;
-//  - launch_device_plan_tiles: the decode-shaped tensor-core kernel's plan, core::
-//    plan_prefill_tiles's (one query token a request) item for item, padded like
-//    core::pad_prefill_plan.
+//  - launch_device_plan_tiles: the tensor-core kernels' plan, core::plan_prefill_tiles's (the
+//    same query tokens every request) item for item, padded like core::pad_prefill_plan.
 // Each is one CTA (block reductions, scans, one bitonic sort for the heaviest-first order). The
 // GPU tests (tests/cuda/test_device_plan.cpp) compare them with the host planners.
 #pragma once
@@ -20,17 +19,27 @@
 
 namespace kvattn::cuda {
 
-/// A DECODE call's KV ranges from ForwardBatch::seq_lens on the device, as make_paged_layout
-/// lays them out on the host: kv_len = seq_len (window < 0) or min(seq_len, window + 1),
-/// kv_start = seq_len - kv_len. A seq_len outside [0, max_context_len] is clamped into it here
-/// (nothing reads outside req_to_token); the step-check kernel refuses that step (kArgSeqLens).
-struct DeviceDecodeLengths {
+/// A DECODE or TARGET_VERIFY call's KV ranges from ForwardBatch::seq_lens on the device, as
+/// make_paged_layout lays them out on the host:
+///  - DECODE (q_len 1, tree_tokens 0): kv_len = seq_len (window < 0) or min(seq_len, window + 1),
+///    kv_start = seq_len - kv_len;
+///  - TARGET_VERIFY (q_len = tree_tokens = draft_token_num): kv_len = seq_len + tree_tokens,
+///    kv_start 0, and mask_indptr the prefix sums of q_len x kv_len (the tree mask's rows).
+/// A seq_len outside [0, max_context_len - tree_tokens] is clamped into it here (nothing reads
+/// outside req_to_token); the step-check kernel refuses that step (kArgSeqLens). A tree mask
+/// shorter than mask_indptr[batch_size] zeroes every kv_len (nothing reads past the mask; the
+/// step check refuses the step: kArgCustomMask).
+struct DeviceLengths {
   const void* seq_lens = nullptr;  ///< [batch_size] int32 or int64, device
   bool seq_lens_int64 = false;
-  int window = -1;  ///< the window index set's W; -1: every key
+  int window = -1;  ///< DECODE on the window index set: W; -1: every key
   int max_context_len = 0;
-  int32_t* kv_start = nullptr;  ///< [batch_size] out (call metadata)
-  int32_t* kv_len = nullptr;    ///< [batch_size] out (call metadata)
+  int q_len = 1;        ///< query tokens a request
+  int tree_tokens = 0;  ///< TARGET_VERIFY: keys a request has after seq_len (its tree tokens)
+  int32_t* kv_start = nullptr;      ///< [batch_size] out (call metadata)
+  int32_t* kv_len = nullptr;        ///< [batch_size] out (call metadata)
+  int64_t* mask_indptr = nullptr;   ///< [batch_size + 1] out, custom mask only (else null)
+  int64_t mask_elems = 0;           ///< the tree mask's length (custom mask only)
 };
 
 /// One decode call's plan, from kv_len on the device into the call's metadata arrays.
@@ -38,7 +47,7 @@ struct DevicePlanDecode {
   /// The KV lengths: given (kv_len), or derived from seq_lens first (lengths.seq_lens set: the
   /// kernel writes lengths.kv_start / kv_len and plans from those; kv_len is then ignored).
   const int32_t* kv_len = nullptr;  ///< [batch_size] device
-  DeviceDecodeLengths lengths;
+  DeviceLengths lengths;
   int batch_size = 0;
   core::DecodePlanConfig config;
   int item_capacity = 0;                  ///< items the buffers hold (core::decode_item_capacity)
@@ -57,13 +66,14 @@ constexpr int kDevicePlanMaxItems = 4096;
 /// bad config; launches one CTA on `stream` (records into a CUDA graph).
 void launch_device_plan_decode(const DevicePlanDecode& plan, cudaStream_t stream);
 
-/// The decode-shaped kernel's plan of a DECODE call (one query token a request), written where
-/// the host's padded plan would be: items [capacity.items] (the plan, then no-op items), merges
+/// The tensor-core plan of a DECODE or TARGET_VERIFY call (lengths.q_len query tokens every
+/// request), written where the host's padded plan would be: items [capacity.items] (the plan, then no-op items), merges
 /// [capacity.merges] (then empty merges), the scheduler counters zeroed; partial slots are
 /// numbered below capacity.partials. shape as the host plans it (l2_keys 0: the decode-shaped
-/// kernel's order), capacity = core::prefill_plan_capacity(batch_size, 1, shape).
+/// kernel's order; q_len > 1 only without a causal mask or a window: every row tile of a request
+/// sees all its keys), capacity = core::prefill_plan_capacity(batch_size, q_len, shape).
 struct DevicePlanTiles {
-  DeviceDecodeLengths lengths;  ///< seq_lens required
+  DeviceLengths lengths;  ///< seq_lens required
   int batch_size = 0;
   core::PrefillTileShape shape;
   core::PrefillPlanCapacity capacity;

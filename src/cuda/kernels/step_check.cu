@@ -42,6 +42,14 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   record(kArgEncoderOutCacheLoc, c.encoder_out_cache_loc, bad_encoder_loc);
   record(kArgSeqLens, c.seq_lens, bad_seq_len);
   if (bad_seq_len != INT64_MAX) report.row[kArgSeqLens] = c.max_seq_len;  // for the message
+  if (c.mask_rows_end != nullptr) {
+    const int64_t needed = __ldcg(reinterpret_cast<const long long*>(c.mask_rows_end));
+    if (needed > c.mask_elems) {
+      error |= 1u << kArgCustomMask;
+      report.value[kArgCustomMask] = needed;
+      report.row[kArgCustomMask] = c.mask_elems;
+    }
+  }
   const uint32_t plan_source = __ldcg(&state->plan_source);
   if (c.plan_source != 0 && plan_source != c.plan_source) {
     error |= 1u << kArgPlanSource;

@@ -40,7 +40,10 @@ enum StepArgument : int {
   /// The step's plan and the captured graph's disagree: a graph captured for steps planned on
   /// the device (no seq_lens_cpu) replayed after a step planned on the host, or the reverse.
   kArgPlanSource = 6,
-  kNumStepArguments = 7,
+  /// spec.custom_mask shorter than the rows a TARGET_VERIFY step planned on the device needs
+  /// (sum of draft_token_num x (seq_len + draft_token_num)).
+  kArgCustomMask = 7,
+  kNumStepArguments = 8,
 };
 
 /// The step's error state on the device: kStepStateBytes (core/planner.h) at the start of call
@@ -112,6 +115,10 @@ struct StepCheckLaunch {
   int64_t max_seq_len = 0;
   /// The plan source in_graph was recorded for (kPlanOnHost / kPlanOnDevice); 0: not checked.
   uint32_t plan_source = 0;
+  /// A TARGET_VERIFY step planned on the device: the tree mask rows it needs (the device-written
+  /// mask_indptr[batch_size]) against the mask's length (null: not checked).
+  const int64_t* mask_rows_end = nullptr;
+  int64_t mask_elems = 0;
   const int32_t* req_to_token = nullptr;  ///< [max_reqs, max_context_len]: re-reads the bad slot
   int64_t req_to_token_row_stride = 0;
   /// Declared shared-prefix groups (a cascade step; null otherwise), device int32 arrays to
