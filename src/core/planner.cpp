@@ -331,6 +331,7 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
   out.kv_len = meta.take(bs * sizeof(int32_t));
   out.mask_indptr = capacity.custom_mask ? meta.take((bs + 1) * sizeof(int64_t)) : 0;
   out.mask_dense = capacity.custom_mask ? meta.take(bs * sizeof(int32_t)) : 0;
+  out.mask_elems = capacity.custom_mask ? meta.take(sizeof(int64_t)) : 0;
   if (capacity.decode_items > 0) {
     out.decode_items = meta.take(size_t(capacity.decode_items) * sizeof(DecodeWorkItem));
     out.merge_indptr = meta.take((bs + 1) * sizeof(int32_t));
@@ -356,7 +357,11 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
   write_array(host, out.kv_indptr, layout->kv_indptr);
   write_array(host, out.kv_start, layout->kv_start);
   write_array(host, out.kv_len, layout->kv_len);
-  if (capacity.custom_mask) write_array(host, out.mask_indptr, layout->mask_indptr);
+  if (capacity.custom_mask) {
+    write_array(host, out.mask_indptr, layout->mask_indptr);
+    const int64_t elems = layout->mask_indptr.empty() ? 0 : layout->mask_indptr.back();
+    std::memcpy(static_cast<char*>(host) + out.mask_elems, &elems, sizeof(elems));
+  }
   if (plan != nullptr) {
     check_arg(capacity.decode_items > 0, "plan", "given, but the buffer has no decode plan");
     check_arg(int64_t(plan->items.size()) <= capacity.decode_items, "plan", "has ",

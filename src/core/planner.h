@@ -130,6 +130,10 @@ struct CallMetadataLayout {
   size_t mask_indptr = 0;   ///< int64 [batch_size + 1] (custom mask only)
   size_t mask_dense = 0;    ///< int32 [batch_size] (custom mask only; zeros, a device kernel
                             ///< may raise them: AttentionParams::mask_dense)
+  /// int64 [1] (custom mask only): the tree mask's length, mask_indptr[batch_size] of the host
+  /// layout; a step planned on the device writes the batch's mask length here instead, which
+  /// its planner and step check read (a captured graph's replays bring masks of other lengths).
+  size_t mask_elems = 0;
   size_t decode_items = 0;  ///< DecodeWorkItem [decode_items]
   size_t merge_indptr = 0;  ///< int32 [batch_size + 1]
   size_t num_items = 0;     ///< int32 [1]: items of the current plan (graph grids are larger)

@@ -251,6 +251,10 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   core::write_call_metadata(capacity, &call.layout, call.prefill ? nullptr : &call.decode_plan,
                             call.staging.data(), call.staging.bytes());
   // The step's error state starts at zero (write_call_metadata zeroed it) with this step's number.
+  if (call.device_plan && capacity.custom_mask) {  // the batch's tree mask, not the layout's
+    std::memcpy(static_cast<char*>(call.staging.data()) + call.offsets.mask_elems,
+                &call.mask_elems, sizeof(call.mask_elems));
+  }
   StepState state;
   state.step = step;
   state.plan_source = call.device_plan ? kPlanOnDevice : kPlanOnHost;
@@ -705,7 +709,7 @@ class CudaBackend final : public AttentionBackend {
         const CallState& first = pool[0];
         check.mask_rows_end =
             first.meta<int64_t>(first.offsets.mask_indptr) + first.layout.batch_size;
-        check.mask_elems = batch.spec.custom_mask.numel();
+        check.mask_elems = first.meta<int64_t>(first.offsets.mask_elems);
       }
     }
     check.plan_source = step_.device_lengths ? kPlanOnDevice : kPlanOnHost;
@@ -1006,6 +1010,7 @@ class CudaBackend final : public AttentionBackend {
                                           verify ? q_len : 0);
     call.paged = true;
     call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
+    call.mask_elems = verify ? batch.spec.custom_mask.numel() : 0;
     call.fold_window = verify && set == core::IndexSet::kWindow;
     if (call.fold_window) prepare_window_fold(call, batch);
     call.device_plan = true;
@@ -1049,7 +1054,7 @@ class CudaBackend final : public AttentionBackend {
     lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
     if (verify) {
       lengths.mask_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.mask_indptr));
-      lengths.mask_elems = batch.spec.custom_mask.numel();
+      lengths.mask_elems = call.meta<int64_t>(call.offsets.mask_elems);
     }
     int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
     if (call.prefill) {

@@ -217,6 +217,9 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   CUDA_OK(cudaMemset(sched.ptr, 0xA5, 4 * sizeof(int)));
   DeviceBytes mask((size_t(bs) + 1) * sizeof(int64_t));
   CUDA_OK(cudaMemset(mask.ptr, 0xA5, (size_t(bs) + 1) * sizeof(int64_t)));
+  const int64_t given_elems = mask_short ? mask_elems - 1 : mask_elems;
+  DeviceBytes elems(sizeof(int64_t));
+  CUDA_OK(cudaMemcpy(elems.ptr, &given_elems, sizeof(given_elems), cudaMemcpyHostToDevice));
 
   cuda::DevicePlanTiles p;
   p.lengths.seq_lens = seq.ptr;
@@ -229,7 +232,7 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   p.lengths.tree_tokens = draft;
   if (draft > 0) {
     p.lengths.mask_indptr = static_cast<int64_t*>(mask.ptr);
-    p.lengths.mask_elems = mask_short ? mask_elems - 1 : mask_elems;
+    p.lengths.mask_elems = static_cast<const int64_t*>(elems.ptr);
   }
   p.batch_size = bs;
   p.shape = shape;

@@ -138,7 +138,7 @@ __device__ bool mask_rows(const DeviceLengths& l, int bs, int32_t* lens, int64_t
   // q_len x kv_len a request, scanned through lens64 (restored after).
   for (int r = threadIdx.x; r < bs; r += kThreads) lens64[r] = int64_t(l.q_len) * lens[r];
   block_exclusive_scan<int64_t>(lens64, l.mask_indptr, bs, partials64);
-  const bool too_short = l.mask_indptr[bs] > l.mask_elems;
+  const bool too_short = l.mask_indptr[bs] > *l.mask_elems;
   for (int r = threadIdx.x; r < bs; r += kThreads) {
     if (too_short) {
       lens[r] = 0;
@@ -561,8 +561,9 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
             "q_len", "got ", p.lengths.q_len,
             ": the device tile planner takes several query tokens a request only without a "
             "causal mask or a window (TARGET_VERIFY)");
-  check_arg((s.mask == core::MaskMode::kCustom) == (p.lengths.mask_indptr != nullptr),
-            "mask_indptr", "a custom-mask call needs mask_indptr (and only it)");
+  check_arg((s.mask == core::MaskMode::kCustom) == (p.lengths.mask_indptr != nullptr) &&
+                (p.lengths.mask_indptr == nullptr || p.lengths.mask_elems != nullptr),
+            "mask_indptr", "a custom-mask call needs mask_indptr and mask_elems (and only it)");
   const core::PrefillPlanCapacity want =
       core::prefill_plan_capacity(p.batch_size, p.lengths.q_len, s);
   check_arg(p.capacity.items == want.items && p.capacity.merges == want.merges &&

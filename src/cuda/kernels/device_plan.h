@@ -38,8 +38,8 @@ struct DeviceLengths {
   int tree_tokens = 0;  ///< TARGET_VERIFY: keys a request has after seq_len (its tree tokens)
   int32_t* kv_start = nullptr;      ///< [batch_size] out (call metadata)
   int32_t* kv_len = nullptr;        ///< [batch_size] out (call metadata)
-  int64_t* mask_indptr = nullptr;   ///< [batch_size + 1] out, custom mask only (else null)
-  int64_t mask_elems = 0;           ///< the tree mask's length (custom mask only)
+  int64_t* mask_indptr = nullptr;       ///< [batch_size + 1] out, custom mask only (else null)
+  const int64_t* mask_elems = nullptr;  ///< [1] device: the tree mask's length (custom mask)
 };
 
 /// One decode call's plan, from kv_len on the device into the call's metadata arrays.

@@ -44,10 +44,11 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   if (bad_seq_len != INT64_MAX) report.row[kArgSeqLens] = c.max_seq_len;  // for the message
   if (c.mask_rows_end != nullptr) {
     const int64_t needed = __ldcg(reinterpret_cast<const long long*>(c.mask_rows_end));
-    if (needed > c.mask_elems) {
+    const int64_t elems = __ldcg(reinterpret_cast<const long long*>(c.mask_elems));
+    if (needed > elems) {
       error |= 1u << kArgCustomMask;
       report.value[kArgCustomMask] = needed;
-      report.row[kArgCustomMask] = c.mask_elems;
+      report.row[kArgCustomMask] = elems;
     }
   }
   const uint32_t plan_source = __ldcg(&state->plan_source);
