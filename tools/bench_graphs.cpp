@@ -102,7 +102,8 @@ void write_json(const std::string& path, const std::string& device_name, const s
     const Row& r = rows[i];
     out << (i == 0 ? "\n  " : ",\n  ") << "{\"workload\": " << json_string(r.workload)
         << ", \"impl\": \"kvattn\", \"batch\": " << r.batch << ", \"kv_len\": " << r.kv_len
-        << ", \"qo_len\": " << r.qo_len << ", \"prefix_len\": 0, \"page_size\": 1, \"head_dim\": " << kHeadDim
+        << ", \"qo_len\": " << r.qo_len
+        << ", \"prefix_len\": 0, \"page_size\": 1, \"head_dim\": " << kHeadDim
         << ", \"q_heads\": " << kQHeads << ", \"kv_heads\": " << kKvHeads
         << ", \"kv_dtype\": " << json_string(dtype_name(kDType))
         << ", \"variant\": " << json_string(r.variant)
@@ -613,9 +614,9 @@ int run_graph_bench(const ParsedArgs& args) {
         "decode step over %d layers (32 q / 8 kv heads, d128, bf16, page 1 shuffled); "
         "us per step\n\n",
         kLayers);
-    std::printf("%5s %6s %12s %12s %12s %13s %13s %8s %12s %12s %8s\n", "batch", "kv_len",
-                "eager", "graph", "kernels", "graph/kernel", "eager/graph", "bitwise",
-                "dev graph", "dev/host", "bitwise");
+    std::printf("%5s %6s %12s %12s %12s %13s %13s %8s %12s %12s %8s\n", "batch", "kv_len", "eager",
+                "graph", "kernels", "graph/kernel", "eager/graph", "bitwise", "dev graph",
+                "dev/host", "bitwise");
     // One row: the step eager, replayed from a graph planned on the host and on the device.
     auto run_row = [&](int batch, int kv_len, int draft) {
       const double need = StepWorld::world_bytes(batch, kv_len);

@@ -4,12 +4,11 @@
 
 namespace kvattn::core {
 
-bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config,
-                         bool device_plan) {
+bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config, bool device_plan) {
   const bool mode = batch.mode == ForwardMode::kDecode || batch.mode == ForwardMode::kTargetVerify;
-  return device_plan && mode && !batch.seq_lens_cpu.defined() &&
-         batch.seq_lens.defined() && !batch.seq_lens.device().is_cpu() &&
-         !batch.shared_prefix_group_cpu.defined() && !config.is_encoder_decoder;
+  return device_plan && mode && !batch.seq_lens_cpu.defined() && batch.seq_lens.defined() &&
+         !batch.seq_lens.device().is_cpu() && !batch.shared_prefix_group_cpu.defined() &&
+         !config.is_encoder_decoder;
 }
 
 StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device,

@@ -161,8 +161,7 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
                 ", expected uint8 (0/1)");
       check_arg(m.ndim() == 1, "spec.custom_mask", "shape ", m,
                 ", expected 1-D: the rows of every request, request after request");
-      check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ",
-                device);
+      check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ", device);
     }
     return {};
   }

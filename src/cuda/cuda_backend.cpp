@@ -250,11 +250,11 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
   }
   core::write_call_metadata(capacity, &call.layout, call.prefill ? nullptr : &call.decode_plan,
                             call.staging.data(), call.staging.bytes());
-  // The step's error state starts at zero (write_call_metadata zeroed it) with this step's number.
   if (call.device_plan && capacity.custom_mask) {  // the batch's tree mask, not the layout's
-    std::memcpy(static_cast<char*>(call.staging.data()) + call.offsets.mask_elems,
-                &call.mask_elems, sizeof(call.mask_elems));
+    std::memcpy(static_cast<char*>(call.staging.data()) + call.offsets.mask_elems, &call.mask_elems,
+                sizeof(call.mask_elems));
   }
+  // The step's error state starts at zero (write_call_metadata zeroed it) with this step's number.
   StepState state;
   state.step = step;
   state.plan_source = call.device_plan ? kPlanOnDevice : kPlanOnHost;
@@ -639,11 +639,10 @@ class CudaBackend final : public AttentionBackend {
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
       // (A device plan's keys are at most max_context_len a request.)
-      const int64_t keys = step_.graph_pool ? graph_kv_capacity_
-                           : call.device_plan
-                               ? int64_t(call.layout.batch_size) *
-                                     config_.req_to_token_pool->max_context_len()
-                               : call.layout.total_kv();
+      const int64_t keys = step_.graph_pool   ? graph_kv_capacity_
+                           : call.device_plan ? int64_t(call.layout.batch_size) *
+                                                    config_.req_to_token_pool->max_context_len()
+                                              : call.layout.total_kv();
       upload_call(call, cap, keys, config_.v_head_dim, step_.id, device_, stream);
     }
     step_.ready = true;
@@ -953,8 +952,8 @@ class CudaBackend final : public AttentionBackend {
   // decode-shaped kernel's order (l2_keys 0, the order kernels/device_plan.h computes).
   core::PrefillTileShape device_tile_shape(const core::PagedLayout& layout, int q_len,
                                            int batch_size) const {
-    core::PrefillTileShape shape = prefill_shape(layout.mask, layout.window_left,
-                                                 device_call_tc(q_len), batch_size, q_len);
+    core::PrefillTileShape shape =
+        prefill_shape(layout.mask, layout.window_left, device_call_tc(q_len), batch_size, q_len);
     shape.l2_keys = 0;
     return shape;
   }
@@ -964,11 +963,10 @@ class CudaBackend final : public AttentionBackend {
     const int batch_size = batch.batch_size;
     const int q_len = device_q_len(batch);
     auto refuse = [&](int most) {
-      throw_error(ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a ",
-                  forward_mode_name(batch.mode),
-                  " step without host lengths is planned on the device, for at most ", most,
-                  " requests on this configuration; this batch has ", batch_size,
-                  ": pass seq_lens_cpu");
+      throw_error(
+          ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a ", forward_mode_name(batch.mode),
+          " step without host lengths is planned on the device, for at most ", most,
+          " requests on this configuration; this batch has ", batch_size, ": pass seq_lens_cpu");
     };
     if (batch.mode == ForwardMode::kDecode && !setup_.tensor_cores) {
       if (batch_size > kDevicePlanMaxBatch ||

@@ -105,7 +105,7 @@ struct CallState {
   /// covers that capacity.
   bool device_plan = false;
   int64_t mask_elems = 0;  ///< device_plan && TARGET_VERIFY: the batch's tree mask length
-  core::PrefillTileShape plan_shape;     ///< device_plan && prefill: the planner's shape ...
+  core::PrefillTileShape plan_shape;        ///< device_plan && prefill: the planner's shape ...
   core::PrefillPlanCapacity plan_capacity;  ///< ... and the capacity it pads to
   const uint8_t* custom_mask = nullptr;  ///< device tree mask the kernel reads (TARGET_VERIFY)
   /// TARGET_VERIFY on a window layer: in_graph folds the window into `folded_mask` from the

@@ -171,8 +171,8 @@ TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecodeAndVerify) {
   EXPECT_FALSE(core::uses_device_lengths(extend, w->config, true));
   // The shapes are still checked.
   ForwardBatch short_seq = b;
-  short_seq.seq_lens = TensorView(const_cast<void*>(b.seq_lens.data()), b.seq_lens.dtype(), gpu,
-                                  {b.batch_size - 1});
+  short_seq.seq_lens =
+      TensorView(const_cast<void*>(b.seq_lens.data()), b.seq_lens.dtype(), gpu, {b.batch_size - 1});
   try {
     (void)core::derive_step(short_seq, w->config, gpu, true);
     ADD_FAILURE() << "a seq_lens of the wrong length was accepted";

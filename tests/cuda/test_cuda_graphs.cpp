@@ -899,8 +899,8 @@ TEST(CudaGraphsDevicePlan, DecodeReplayEqualsEagerOnBothKernels) {
   std::vector<WorldSpec> worlds;
   for (const char* kernel : {"0", "1"}) {
     const bool tensor = kernel[0] == '1';
-    WorldSpec plain = decode_world(tensor ? "device-plan tensor" : "device-plan cuda-core", kernel,
-                                   71);
+    WorldSpec plain =
+        decode_world(tensor ? "device-plan tensor" : "device-plan cuda-core", kernel, 71);
     plain.device_lengths = true;
     worlds.push_back(plain);
     WorldSpec window = decode_world(
@@ -957,8 +957,8 @@ TEST(CudaGraphsDevicePlan, TensorCoreStepEqualsTheHostPlannedStep) {
       for (int l = 0; l < kLayers; ++l) {
         EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) ==
                     w.output_bytes(l, s.real_tokens, false))
-            << forward_mode_name(mode) << " window " << spec.window << " batch " << bs
-            << " layer " << l << ": the device-planned step differs from the host-planned one";
+            << forward_mode_name(mode) << " window " << spec.window << " batch " << bs << " layer "
+            << l << ": the device-planned step differs from the host-planned one";
       }
       EXPECT_NO_THROW(a->check_errors(true));
       EXPECT_NO_THROW(b->check_errors(true));
@@ -1121,8 +1121,8 @@ void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
     ForwardBatch b = w.batch(s);
     if (kind == 4) {
       const TensorView& m = b.spec.custom_mask;
-      b.spec.custom_mask = TensorView(const_cast<void*>(m.data()), m.dtype(), m.device(),
-                                      {m.size(0) - 1});
+      b.spec.custom_mask =
+          TensorView(const_cast<void*>(m.data()), m.dtype(), m.device(), {m.size(0) - 1});
     }
     backend->init_forward_metadata_out_graph(b, /*in_capture=*/false);
     const uint64_t step = backend->step_id();

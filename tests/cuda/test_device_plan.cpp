@@ -176,8 +176,8 @@ core::PrefillTileShape h200_tile_shape(int batch_size, int window, int max_clust
 // draft > 0: a TARGET_VERIFY call of draft-token trees (custom mask, mask_indptr compared too);
 // mask_short: the tree mask one element short (every length zeroed, nothing planned to read).
 void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int window,
-                                  const core::PrefillTileShape& shape, bool int64,
-                                  int max_context, int draft = 0, bool mask_short = false) {
+                                  const core::PrefillTileShape& shape, bool int64, int max_context,
+                                  int draft = 0, bool mask_short = false) {
   const int bs = int(seq_lens.size());
   const int q_len = draft > 0 ? draft : 1;
   core::HostLengths lens;
@@ -198,12 +198,12 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
 
   DeviceBytes seq(size_t(bs) * sizeof(int64_t));
   if (int64) {
-    CUDA_OK(cudaMemcpy(seq.ptr, seq_lens.data(), size_t(bs) * sizeof(int64_t),
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(
+        cudaMemcpy(seq.ptr, seq_lens.data(), size_t(bs) * sizeof(int64_t), cudaMemcpyHostToDevice));
   } else {
     std::vector<int32_t> narrow(seq_lens.begin(), seq_lens.end());
-    CUDA_OK(cudaMemcpy(seq.ptr, narrow.data(), size_t(bs) * sizeof(int32_t),
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(
+        cudaMemcpy(seq.ptr, narrow.data(), size_t(bs) * sizeof(int32_t), cudaMemcpyHostToDevice));
   }
   DeviceBytes start(size_t(bs) * sizeof(int32_t)), len(size_t(bs) * sizeof(int32_t));
   DeviceBytes indptr((size_t(bs) + 1) * sizeof(int64_t));
@@ -315,9 +315,8 @@ TEST(DevicePlanTiles, EqualsTheHostPlanOnRandomBatches) {
           window, lens, 0);
       split_plans += !core::plan_prefill_tiles(l.qo_indptr, l.kv_indptr, shape).merges.empty();
     }
-    SCOPED_TRACE("trial " + std::to_string(trial) + ", batch " + std::to_string(bs) +
-                 ", window " + std::to_string(window) + ", cluster " +
-                 std::to_string(shape.cluster));
+    SCOPED_TRACE("trial " + std::to_string(trial) + ", batch " + std::to_string(bs) + ", window " +
+                 std::to_string(window) + ", cluster " + std::to_string(shape.cluster));
     expect_tile_plan_equals_host(seq, window, shape, /*int64=*/trial % 2 == 1, max_context);
     if (HasFailure()) return;
   }

@@ -530,8 +530,8 @@ void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
   const bool lengths = p.lengths.seq_lens != nullptr && p.lengths.kv_start != nullptr &&
                        p.lengths.kv_len != nullptr && p.lengths.max_context_len >= 0;
   check_arg(p.batch_size == 0 ||
-                ((p.kv_len != nullptr || lengths) && p.kv_indptr != nullptr &&
-                 p.items != nullptr && p.merge_indptr != nullptr && p.num_items != nullptr),
+                ((p.kv_len != nullptr || lengths) && p.kv_indptr != nullptr && p.items != nullptr &&
+                 p.merge_indptr != nullptr && p.num_items != nullptr),
             "kv_len",
             "the device plan needs kv_len (or seq_lens with kv_start / kv_len out), kv_indptr, "
             "items, merge_indptr, num_items");
@@ -549,14 +549,13 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
   check_arg(p.batch_size >= 0 && p.batch_size <= kDevicePlanTilesMaxBatch, "batch_size", "got ",
             p.batch_size, ", the device tile planner takes 0..", kDevicePlanTilesMaxBatch);
   check_arg(s.num_kv_heads > 0 && s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0 &&
-                s.tile_rows > 0 && s.kv_tile > 0 && s.window_left >= -1 &&
-                s.concurrent_ctas >= 0 && s.min_split_keys >= 1 && s.cluster <= 64,
+                s.tile_rows > 0 && s.kv_tile > 0 && s.window_left >= -1 && s.concurrent_ctas >= 0 &&
+                s.min_split_keys >= 1 && s.cluster <= 64,
             "shape", "a tile shape core::plan_prefill_tiles accepts expected");
   check_arg(s.l2_keys == 0, "shape.l2_keys", "got ", s.l2_keys,
             ", the device tile planner plans the decode-shaped kernel's order (0)");
-  check_arg(p.lengths.q_len >= 1 && p.lengths.tree_tokens >= 0, "q_len", "got ",
-            p.lengths.q_len, " query and ", p.lengths.tree_tokens,
-            " tree tokens a request, expected >= 1 and >= 0");
+  check_arg(p.lengths.q_len >= 1 && p.lengths.tree_tokens >= 0, "q_len", "got ", p.lengths.q_len,
+            " query and ", p.lengths.tree_tokens, " tree tokens a request, expected >= 1 and >= 0");
   check_arg(p.lengths.q_len == 1 || (s.mask != core::MaskMode::kCausal && s.window_left < 0),
             "q_len", "got ", p.lengths.q_len,
             ": the device tile planner takes several query tokens a request only without a "
@@ -569,21 +568,22 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
   check_arg(p.capacity.items == want.items && p.capacity.merges == want.merges &&
                 p.capacity.partials == want.partials,
             "capacity", "got ", p.capacity.items, " items, ", p.capacity.merges, " merges, ",
-            p.capacity.partials, " partials; expected prefill_plan_capacity(batch_size, q_len): ",
-            want.items, ", ", want.merges, ", ", want.partials);
+            p.capacity.partials,
+            " partials; expected prefill_plan_capacity(batch_size, q_len): ", want.items, ", ",
+            want.merges, ", ", want.partials);
   int keys = 1;
   while (keys < p.capacity.items) keys *= 2;
   check_arg(keys <= kDevicePlanTilesMaxKeys, "batch_size", "got ", p.batch_size, ": ",
             p.capacity.items, " items, the device tile planner sorts at most ",
             kDevicePlanTilesMaxKeys);
   const DeviceLengths& l = p.lengths;
-  check_arg(p.batch_size == 0 ||
-                (l.seq_lens != nullptr && l.kv_start != nullptr && l.kv_len != nullptr &&
-                 l.max_context_len >= l.tree_tokens && p.kv_indptr != nullptr &&
-                 p.items != nullptr &&
-                 (p.merges != nullptr || p.capacity.merges == 0)),
-            "seq_lens", "the device tile plan needs seq_lens, kv_start, kv_len, kv_indptr, items "
-            "and merges");
+  check_arg(
+      p.batch_size == 0 || (l.seq_lens != nullptr && l.kv_start != nullptr && l.kv_len != nullptr &&
+                            l.max_context_len >= l.tree_tokens && p.kv_indptr != nullptr &&
+                            p.items != nullptr && (p.merges != nullptr || p.capacity.merges == 0)),
+      "seq_lens",
+      "the device tile plan needs seq_lens, kv_start, kv_len, kv_indptr, items "
+      "and merges");
   if (p.batch_size == 0) return;
   const size_t smem = tiles_smem_bytes(p.batch_size, keys);
   check_cuda(cudaFuncSetAttribute(device_plan_tiles_kernel,

@@ -36,8 +36,8 @@ struct DeviceLengths {
   int max_context_len = 0;
   int q_len = 1;        ///< query tokens a request
   int tree_tokens = 0;  ///< TARGET_VERIFY: keys a request has after seq_len (its tree tokens)
-  int32_t* kv_start = nullptr;      ///< [batch_size] out (call metadata)
-  int32_t* kv_len = nullptr;        ///< [batch_size] out (call metadata)
+  int32_t* kv_start = nullptr;          ///< [batch_size] out (call metadata)
+  int32_t* kv_len = nullptr;            ///< [batch_size] out (call metadata)
   int64_t* mask_indptr = nullptr;       ///< [batch_size + 1] out, custom mask only (else null)
   const int64_t* mask_elems = nullptr;  ///< [1] device: the tree mask's length (custom mask)
 };
@@ -67,11 +67,12 @@ constexpr int kDevicePlanMaxItems = 4096;
 void launch_device_plan_decode(const DevicePlanDecode& plan, cudaStream_t stream);
 
 /// The tensor-core plan of a DECODE or TARGET_VERIFY call (lengths.q_len query tokens every
-/// request), written where the host's padded plan would be: items [capacity.items] (the plan, then no-op items), merges
-/// [capacity.merges] (then empty merges), the scheduler counters zeroed; partial slots are
-/// numbered below capacity.partials. shape as the host plans it (l2_keys 0: the decode-shaped
-/// kernel's order; q_len > 1 only without a causal mask or a window: every row tile of a request
-/// sees all its keys), capacity = core::prefill_plan_capacity(batch_size, q_len, shape).
+/// request), written where the host's padded plan would be: items [capacity.items] (the plan, then
+/// no-op items), merges [capacity.merges] (then empty merges), the scheduler counters zeroed;
+/// partial slots are numbered below capacity.partials. shape as the host plans it (l2_keys 0: the
+/// decode-shaped kernel's order; q_len > 1 only without a causal mask or a window: every row tile
+/// of a request sees all its keys), capacity = core::prefill_plan_capacity(batch_size, q_len,
+/// shape).
 struct DevicePlanTiles {
   DeviceLengths lengths;  ///< seq_lens required
   int batch_size = 0;

@@ -118,7 +118,7 @@ struct StepCheckLaunch {
   /// A TARGET_VERIFY step planned on the device: the tree mask rows it needs (the device-written
   /// mask_indptr[batch_size]) against the mask's length (null: not checked).
   const int64_t* mask_rows_end = nullptr;
-  const int64_t* mask_elems = nullptr;  ///< device, written by out_graph for each step
+  const int64_t* mask_elems = nullptr;    ///< device, written by out_graph for each step
   const int32_t* req_to_token = nullptr;  ///< [max_reqs, max_context_len]: re-reads the bad slot
   int64_t req_to_token_row_stride = 0;
   /// Declared shared-prefix groups (a cascade step; null otherwise), device int32 arrays to
