@@ -685,6 +685,44 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.page_size = 16;
     s.sinks = true;
   });
+
+  // ---- planned on the device (issue 15): no seq_lens_cpu -----------------------------------
+  // The CUDA backend plans these from the device seq_lens (the CPU backend reads them as
+  // always); the oracle judges both.
+  add("decode device-plan", decode, [](ScenarioSpec& s) { s.device_lengths = true; });
+  add("decode device-plan window page16", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.sliding_window = 24;
+    s.page_size = 16;
+  });
+  add("decode device-plan GQA4 fp8 e4m3", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.num_q_heads = 16;
+    s.num_kv_heads = 4;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.8f;
+  });
+  add("decode device-plan MHA sinks", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.num_q_heads = 4;
+    s.num_kv_heads = 4;
+    s.sinks = true;
+  });
+  add("verify device-plan", verify, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.draft_token_num = 5;
+  });
+  add("verify device-plan window layer fp8", verify, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.draft_token_num = 6;
+    s.sliding_window = 10;
+    s.kv_dtype = DType::kFloat8E4M3;
+  });
+  add("verify device-plan 20-token trees page16", verify, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.draft_token_num = 20;
+    s.page_size = 16;
+  });
   return rows;
 }
 

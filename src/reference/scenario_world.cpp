@@ -620,6 +620,7 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
   if (!idle) {
     b.req_pool_indices = w.index_tensor(pool_rows, idx, w.device);
     lengths(seq_lens, b.seq_lens, b.seq_lens_cpu);
+    if (s.device_lengths) b.seq_lens_cpu = TensorView();
     const int64_t sum = std::accumulate(seq_lens.begin(), seq_lens.end(), int64_t(0));
     b.seq_lens_sum = rng.coin() ? sum : -1;
     if (is_extend_like(s.mode)) {
