@@ -85,6 +85,22 @@ def eager_step(e, fb, layers, qkv):
     return run
 
 
+def capture_step(e, fb, layers, qkv):
+    """As an engine captures a bucket: graph state, out_graph(in_capture) outside, in_graph and
+    every layer's forward inside. Returns the graph and the layers' captured outputs."""
+    e.backend.init_cuda_graph_state(8, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        with torch.cuda.graph(graph, stream=stream):
+            e.backend.init_forward_metadata_in_graph(fb)
+            outs = [e.backend.forward(*qkv, layer, fb) for layer in layers]
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, outs
+
+
 def test_the_counter_sees_syncs_and_device_to_host_copies():
     x = torch.ones(1 << 20, device="cuda")
     syncs, d2h = net_counts(lambda: x.cpu())
@@ -122,17 +138,7 @@ def test_captured_decode_replay_copies_nothing_to_the_host():
     """As an engine runs decode: a graph captured once (in_graph + every layer's forward), then
     per step the host plan (out_graph) and a replay."""
     e, fb, layers, qkv = decode_world()
-    e.backend.init_cuda_graph_state(8, 8)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        with torch.cuda.graph(graph, stream=stream):
-            e.backend.init_forward_metadata_in_graph(fb)
-            for layer in layers:
-                e.backend.forward(*qkv, layer, fb)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = capture_step(e, fb, layers, qkv)
 
     def step():
         e.backend.init_forward_metadata_out_graph(fb)
@@ -150,16 +156,7 @@ def test_captured_decode_without_host_lengths_replays_new_lengths():
     step planned from host lengths (the tensor-core plan is the host's, item for item), with no
     sync and no device-to-host copy per step."""
     e, fb, layers, qkv = decode_world(host_lengths=False)
-    e.backend.init_cuda_graph_state(8, 8)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        with torch.cuda.graph(graph, stream=stream):
-            e.backend.init_forward_metadata_in_graph(fb)
-            outs = [e.backend.forward(*qkv, layer, fb) for layer in layers]
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, outs = capture_step(e, fb, layers, qkv)
     # Capturing ran nothing: the captured step's new tokens were never saved (an engine's
     # capture batch is a dummy); give them K/V before later steps attend to them.
     e.fill(fb.out_cache_loc.clone())

@@ -79,8 +79,9 @@ __device__ __forceinline__ uint64_t heaviest_first_key(int64_t weight, uint32_t 
   return (uint64_t(INT32_MAX - weight) << 32) | uint64_t(index);
 }
 
-// The request of emission index i: the last r with starts[r] <= i (starts strictly increasing:
-// every request has at least one item).
+// The request of emission index i: the last r in [0, batch_size) with starts[r] <= i (starts
+// non-decreasing from starts[0] = 0 <= i: a request with no items shares its start with the
+// next, and the last of them is the one that has items).
 __device__ __forceinline__ int request_of_item(const int32_t* starts, int batch_size, int i) {
   int lo = 0, hi = batch_size - 1;
   while (lo < hi) {
@@ -284,19 +285,6 @@ __device__ __forceinline__ TileKeys chunk_keys_of(TileKeys k, int32_t steps, int
   return out;
 }
 
-// The last r in [0, n) with starts[r] <= i (starts non-decreasing, starts[0] = 0 <= i).
-__device__ __forceinline__ int last_start_at_or_below(const int32_t* starts, int n, int i) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (starts[mid] <= i)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const DevicePlanTiles p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int bs = p.batch_size;
@@ -434,7 +422,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       };
       auto locate = [&](int i) {
         Built b;
-        b.r = last_start_at_or_below(built, bs, i);
+        b.r = request_of_item(built, bs, i);
         b.k = tile_keys(s, lens[b.r]);
         const int64_t keys_r = b.k.end - b.k.begin;
         b.chunks = keys_r > chunk ? int(ceil_div(keys_r, chunk)) : 1;
@@ -469,7 +457,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       }
       num_merges = min(merge[bs], p.capacity.merges);
       for (int m = threadIdx.x; m < num_merges; m += kThreads) {
-        const int r = last_start_at_or_below(merge, bs, m);
+        const int r = request_of_item(merge, bs, m);
         const int tile_head = m - merge[r];
         const TileKeys k = tile_keys(s, lens[r]);
         const int chunks = int(ceil_div(k.end - k.begin, chunk));
