@@ -119,6 +119,12 @@ PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
                                    std::span<const int64_t> kv_indptr,
                                    const PrefillTileShape& shape);
 
+/// The same plan into `plan`, whose vectors keep their storage: a caller that plans every step
+/// (out_graph) allocates nothing once they are large enough (at batch 256 a fresh ~100 KB vector
+/// a step cost more in page faults than the planning itself; bench/NOTES.md).
+void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int64_t> kv_indptr,
+                        const PrefillTileShape& shape, PrefillTilePlan& plan);
+
 /// The plan as the kernel sees it: pointers into one device buffer.
 struct PrefillTiles {
   const PrefillWorkItem* items = nullptr;  ///< [num_items]

@@ -924,8 +924,9 @@ class CudaBackend final : public AttentionBackend {
     const core::PrefillTileShape shape =
         prefill_shape(call.layout.mask, call.layout.window_left, call.tc_decode,
                       call.layout.batch_size, max_q_len);
-    call.prefill_plan =
-        core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape);
+    // Into the call's own plan: its vectors keep their storage from step to step.
+    core::plan_prefill_tiles(call.layout.qo_indptr, call.layout.kv_indptr, shape,
+                             call.prefill_plan);
     call.prefill_items = int(call.prefill_plan.items.size());
     call.prefill_merges = int(call.prefill_plan.merges.size());
     if (graph_q_len > 0) {

@@ -311,7 +311,7 @@ class CudaDraftRunner final : public core::DraftRunner {
       call.custom_mask = static_cast<const uint8_t*>(branch_masks_.data()) + mask_offsets_[size_t(s)];
       call.item_limit = 0;
       call.max_kv_len = max_kv_len_;
-      call.prefill_plan = core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape);
+      core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape, call.prefill_plan);
       call.prefill_items = int(call.prefill_plan.items.size());
       call.prefill_merges = int(call.prefill_plan.merges.size());
       call.padded = graph_pool_;

@@ -267,6 +267,46 @@ TEST(PrefillTiles, ClusterOrderIsTheStableLongestFirstOrder) {
   }
 }
 
+// A plan made into a reused PrefillTilePlan (as out_graph does every step) equals a fresh one,
+// whatever the reused plan held before: a split plan with merges, a cluster plan, a padded one.
+TEST(PrefillTiles, PlanIntoAReusedPlanEqualsAFreshPlan) {
+  auto same = [](const PrefillTilePlan& a, const PrefillTilePlan& b) {
+    if (a.items.size() != b.items.size() || a.merges.size() != b.merges.size() ||
+        a.num_partials != b.num_partials || a.tile_rows != b.tile_rows ||
+        a.group_size != b.group_size || a.cluster != b.cluster) {
+      return false;
+    }
+    for (size_t i = 0; i < a.items.size(); ++i) {
+      if (std::memcmp(&a.items[i], &b.items[i], sizeof(PrefillWorkItem)) != 0) return false;
+    }
+    for (size_t i = 0; i < a.merges.size(); ++i) {
+      if (std::memcmp(&a.merges[i], &b.merges[i], sizeof(PrefillMergeItem)) != 0) return false;
+    }
+    return true;
+  };
+  Batch split;  // decode-like: one long request splits (merges, partials)
+  split.add(1, 60000);
+  split.add(1, 100);
+  Batch plain;
+  for (int r = 0; r < 5; ++r) plain.add(1 + 30 * r, 200 + 500 * r);
+  PrefillTileShape split_shape = make_shape(MaskMode::kCausal, -1, 264);
+  PrefillTileShape cluster_shape = make_shape(MaskMode::kNone, -1, 264);
+  cluster_shape.tile_rows = 16;
+  cluster_shape.cluster = 8;
+  PrefillTilePlan reused;
+  plan_prefill_tiles(split.qo_indptr, split.kv_indptr, split_shape, reused);
+  ASSERT_FALSE(reused.merges.empty()) << "the first plan must split";
+  ASSERT_TRUE(same(reused, plan_prefill_tiles(split.qo_indptr, split.kv_indptr, split_shape)));
+  for (const PrefillTileShape& shape :
+       {make_shape(MaskMode::kCausal), cluster_shape, split_shape}) {
+    plan_prefill_tiles(plain.qo_indptr, plain.kv_indptr, shape, reused);
+    EXPECT_TRUE(same(reused, plan_prefill_tiles(plain.qo_indptr, plain.kv_indptr, shape)));
+    pad_prefill_plan(reused, prefill_plan_capacity(5, 121, shape));  // the next plan reuses this
+  }
+  plan_prefill_tiles(split.qo_indptr, split.kv_indptr, split_shape, reused);
+  EXPECT_TRUE(same(reused, plan_prefill_tiles(split.qo_indptr, split.kv_indptr, split_shape)));
+}
+
 TEST(PrefillTiles, DecodeLikeBatchSplitsKv) {
   Batch b;
   b.add(1, 32768);
