@@ -898,6 +898,12 @@ class CudaBackend final : public AttentionBackend {
     return prefill_tile_shape(setup_, config_, mask, window_left, tc, batch_size, q_len);
   }
 
+  // Whether a call of at most q_len query tokens a request runs the decode-shaped kernel.
+  bool tc_decode_for(int q_len) const {
+    return setup_.tc_decode &&
+           int64_t(q_len) * (config_.num_q_heads / config_.num_kv_heads) <= kTcDecodeMaxRows;
+  }
+
   // graph_q_len > 0 (the graph pool): a prefill plan is padded to the capacity of its batch
   // size with graph_q_len query tokens per request, so captured grids cover every later plan.
   void plan_call(CallState& call, bool cuda_core_decode, int graph_q_len) {
@@ -919,8 +925,7 @@ class CudaBackend final : public AttentionBackend {
         max_q_len = std::max(max_q_len, call.layout.qo_indptr[r + 1] - call.layout.qo_indptr[r]);
       }
     }
-    const int group = config_.num_q_heads / config_.num_kv_heads;
-    call.tc_decode = setup_.tc_decode && int64_t(max_q_len) * group <= kTcDecodeMaxRows;
+    call.tc_decode = tc_decode_for(max_q_len);
     const core::PrefillTileShape shape =
         prefill_shape(call.layout.mask, call.layout.window_left, call.tc_decode,
                       call.layout.batch_size, max_q_len);
@@ -943,18 +948,12 @@ class CudaBackend final : public AttentionBackend {
     return batch.mode == ForwardMode::kTargetVerify ? batch.spec.draft_token_num : 1;
   }
 
-  // Whether a device-planned call of q_len tokens a request runs the decode-shaped kernel.
-  bool device_call_tc(int q_len) const {
-    return setup_.tc_decode &&
-           int64_t(q_len) * (config_.num_q_heads / config_.num_kv_heads) <= kTcDecodeMaxRows;
-  }
-
   // The tile shape a device-planned call plans with: the host's (prefill_shape) in the
   // decode-shaped kernel's order (l2_keys 0, the order kernels/device_plan.h computes).
   core::PrefillTileShape device_tile_shape(const core::PagedLayout& layout, int q_len,
                                            int batch_size) const {
     core::PrefillTileShape shape =
-        prefill_shape(layout.mask, layout.window_left, device_call_tc(q_len), batch_size, q_len);
+        prefill_shape(layout.mask, layout.window_left, tc_decode_for(q_len), batch_size, q_len);
     shape.l2_keys = 0;
     return shape;
   }
@@ -969,30 +968,21 @@ class CudaBackend final : public AttentionBackend {
           " step without host lengths is planned on the device, for at most ", most,
           " requests on this configuration; this batch has ", batch_size, ": pass seq_lens_cpu");
     };
-    if (batch.mode == ForwardMode::kDecode && !setup_.tensor_cores) {
-      if (batch_size > kDevicePlanMaxBatch ||
-          core::decode_item_capacity(batch_size, setup_.plan_config) > kDevicePlanMaxItems) {
-        int most = std::min(batch_size, kDevicePlanMaxBatch);
-        while (most > 0 &&
-               core::decode_item_capacity(most, setup_.plan_config) > kDevicePlanMaxItems) {
-          --most;
-        }
-        refuse(most);
-      }
-      return;
-    }
+    // The planner's own bounds (kernels/device_plan.h), for the CUDA-core plan or the tiles.
     core::PagedLayout probe;
     probe.mask = q_len > 1 ? core::MaskMode::kCustom : core::MaskMode::kCausal;
+    const bool cuda_core = batch.mode == ForwardMode::kDecode && !setup_.tensor_cores;
     auto fits = [&](int bs) {
-      if (bs > kDevicePlanTilesMaxBatch) return false;
-      const core::PrefillPlanCapacity cap =
-          core::prefill_plan_capacity(bs, q_len, device_tile_shape(probe, q_len, bs));
-      int keys = 1;
-      while (keys < cap.items) keys *= 2;
-      return keys <= kDevicePlanTilesMaxKeys;
+      if (cuda_core) {
+        return device_plan_decode_fits(bs, core::decode_item_capacity(bs, setup_.plan_config));
+      }
+      return bs <= kDevicePlanTilesMaxBatch &&
+             device_plan_tiles_fit(
+                 bs,
+                 core::prefill_plan_capacity(bs, q_len, device_tile_shape(probe, q_len, bs)).items);
     };
     if (fits(batch_size)) return;
-    int most = std::min(batch_size, kDevicePlanTilesMaxBatch);
+    int most = std::min(batch_size - 1, std::max(kDevicePlanMaxBatch, kDevicePlanTilesMaxBatch));
     while (most > 0 && !fits(most)) --most;
     refuse(most);
   }
@@ -1022,7 +1012,7 @@ class CudaBackend final : public AttentionBackend {
       return;
     }
     call.item_limit = 0;
-    call.tc_decode = device_call_tc(q_len);
+    call.tc_decode = tc_decode_for(q_len);
     call.plan_shape = device_tile_shape(call.layout, q_len, batch_size);
     call.plan_capacity = core::prefill_plan_capacity(batch_size, q_len, call.plan_shape);
     // Only the plan's sizes reach the buffer view (write_prefill_buffer without a host copy);

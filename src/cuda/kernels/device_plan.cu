@@ -487,6 +487,13 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
   }
 }
 
+// The bitonic sort's keys for n items: the power of two at or above n.
+int sort_keys(int n) {
+  int keys = 1;
+  while (keys < n) keys *= 2;
+  return keys;
+}
+
 size_t tiles_smem_bytes(int batch_size, int keys) {
   size_t bytes = (kThreads / 32 + kThreads) * sizeof(int64_t) + kThreads * sizeof(int32_t);
   bytes += size_t(batch_size) * sizeof(int64_t) + (4 * size_t(batch_size) + 3) * sizeof(int32_t);
@@ -494,8 +501,7 @@ size_t tiles_smem_bytes(int batch_size, int keys) {
 }
 
 size_t smem_bytes(int batch_size, int item_capacity) {
-  int padded = 1;
-  while (padded < item_capacity) padded *= 2;
+  const int padded = sort_keys(item_capacity);
   size_t bytes = (kThreads / 32 + kThreads) * sizeof(int64_t) + kThreads * sizeof(int32_t);
   bytes += (5 * size_t(batch_size) + 2) * sizeof(int32_t);
   bytes = (bytes + 15) / 16 * 16 + size_t(batch_size) * sizeof(int64_t);
@@ -504,12 +510,21 @@ size_t smem_bytes(int batch_size, int item_capacity) {
 
 }  // namespace
 
+bool device_plan_decode_fits(int batch_size, int item_capacity) {
+  return batch_size <= kDevicePlanMaxBatch && item_capacity <= kDevicePlanMaxItems;
+}
+
+bool device_plan_tiles_fit(int batch_size, int items) {
+  return batch_size <= kDevicePlanTilesMaxBatch && sort_keys(items) <= kDevicePlanTilesMaxKeys;
+}
+
 void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
   check_arg(p.batch_size >= 0 && p.batch_size <= kDevicePlanMaxBatch, "batch_size", "got ",
             p.batch_size, ", the device planner takes 0..", kDevicePlanMaxBatch);
-  check_arg(p.item_capacity >= p.batch_size && p.item_capacity <= kDevicePlanMaxItems,
-            "item_capacity", "got ", p.item_capacity, ", expected batch_size (", p.batch_size,
-            ")..", kDevicePlanMaxItems);
+  check_arg(
+      p.item_capacity >= p.batch_size && device_plan_decode_fits(p.batch_size, p.item_capacity),
+      "item_capacity", "got ", p.item_capacity, ", expected batch_size (", p.batch_size, ")..",
+      kDevicePlanMaxItems);
   check_arg(p.config.ctas_per_item >= 1 && p.config.concurrent_ctas >= 0 &&
                 p.config.chunk_align >= 1 && p.config.min_chunk >= 1,
             "config",
@@ -559,10 +574,8 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
             p.capacity.partials,
             " partials; expected prefill_plan_capacity(batch_size, q_len): ", want.items, ", ",
             want.merges, ", ", want.partials);
-  int keys = 1;
-  while (keys < p.capacity.items) keys *= 2;
-  check_arg(keys <= kDevicePlanTilesMaxKeys, "batch_size", "got ", p.batch_size, ": ",
-            p.capacity.items, " items, the device tile planner sorts at most ",
+  check_arg(device_plan_tiles_fit(p.batch_size, p.capacity.items), "batch_size", "got ",
+            p.batch_size, ": ", p.capacity.items, " items, the device tile planner sorts at most ",
             kDevicePlanTilesMaxKeys);
   const DeviceLengths& l = p.lengths;
   check_arg(
@@ -573,7 +586,7 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
       "the device tile plan needs seq_lens, kv_start, kv_len, kv_indptr, items "
       "and merges");
   if (p.batch_size == 0) return;
-  const size_t smem = tiles_smem_bytes(p.batch_size, keys);
+  const size_t smem = tiles_smem_bytes(p.batch_size, sort_keys(p.capacity.items));
   check_cuda(cudaFuncSetAttribute(device_plan_tiles_kernel,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute(device_plan_tiles_kernel)");

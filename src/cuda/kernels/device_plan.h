@@ -62,6 +62,10 @@ struct DevicePlanDecode {
 constexpr int kDevicePlanMaxBatch = 4096;
 constexpr int kDevicePlanMaxItems = 4096;
 
+/// Whether one planning CTA takes a decode plan of batch_size requests in item_capacity items
+/// (the bounds launch_device_plan_decode checks; a caller refuses a step before writing it).
+bool device_plan_decode_fits(int batch_size, int item_capacity);
+
 /// Throws kvattn::Error (kInvalidArgument naming the field) for a plan beyond those bounds or a
 /// bad config; launches one CTA on `stream` (records into a CUDA graph).
 void launch_device_plan_decode(const DevicePlanDecode& plan, cudaStream_t stream);
@@ -87,6 +91,10 @@ struct DevicePlanTiles {
 /// Largest batch and sorted keys (items, a power of two) one tile-planning CTA takes.
 constexpr int kDevicePlanTilesMaxBatch = 2048;
 constexpr int kDevicePlanTilesMaxKeys = 16384;
+
+/// Whether one tile-planning CTA takes a plan of batch_size requests in `items` items (the
+/// bounds launch_device_plan_tiles checks; a caller refuses a step before writing it).
+bool device_plan_tiles_fit(int batch_size, int items);
 
 /// Throws kvattn::Error (kInvalidArgument naming the field) for a plan beyond those bounds or a
 /// shape it does not plan; launches one CTA on `stream` (records into a CUDA graph).
