@@ -262,14 +262,12 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
               sizeof(state));
   if (call.prefill) {
     char* base = static_cast<char*>(call.metadata.data()) + prefill_offset;
-    if (call.device_plan) {
-      core::write_prefill_buffer(call.prefill_plan, v_head_dim, nullptr, 0, base,
-                                 &call.prefill_tiles);
-    } else {
-      core::write_prefill_buffer(call.prefill_plan, v_head_dim,
-                                 static_cast<char*>(call.staging.data()) + prefill_offset,
-                                 call.staging.bytes() - prefill_offset, base, &call.prefill_tiles);
-    }
+    // (A device plan's contents come from in_graph's planner: only its view is set here.)
+    char* host =
+        call.device_plan ? nullptr : static_cast<char*>(call.staging.data()) + prefill_offset;
+    core::write_prefill_buffer(call.prefill_plan, v_head_dim, host,
+                               host != nullptr ? call.staging.bytes() - prefill_offset : 0, base,
+                               &call.prefill_tiles);
   }
   check_cuda(cudaMemcpyAsync(call.metadata.data(), call.staging.data(), copy_bytes,
                              cudaMemcpyHostToDevice, stream),
