@@ -386,10 +386,9 @@ CallMetadataLayout write_call_metadata(const CallCapacity& capacity, const Paged
 
 // ---- fixed-size prefill plans ----------------------------------------------------------------
 
-PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len,
-                                          const PrefillTileShape& shape) {
-  check_arg(batch_size >= 0, "batch_size", "got ", batch_size, ", expected >= 0");
-  check_arg(q_len >= 0, "q_len", "got ", q_len, ", expected >= 0");
+namespace {
+
+void check_capacity_shape(const PrefillTileShape& shape) {
   check_arg(shape.num_kv_heads > 0 && shape.num_q_heads > 0 &&
                 shape.num_q_heads % shape.num_kv_heads == 0,
             "num_q_heads", "got ", shape.num_q_heads, " q heads over ", shape.num_kv_heads,
@@ -397,23 +396,55 @@ PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len,
   check_arg(shape.tile_rows > 0, "tile_rows", "got ", shape.tile_rows, ", expected > 0");
   check_arg(shape.concurrent_ctas >= 0, "concurrent_ctas", "got ", shape.concurrent_ctas,
             ", expected >= 0");
-  const int64_t rows = int64_t(q_len) * (shape.num_q_heads / shape.num_kv_heads);
-  // No-op items start at kNoOpRow: a request must have fewer packed rows.
-  check_arg(rows <= kNoOpRow, "q_len", "got ", q_len, ": ", rows,
-            " packed rows a request, a fixed-size plan holds at most ", kNoOpRow);
-  const int64_t tiles = int64_t(batch_size) * shape.num_kv_heads * ceil_div(rows, shape.tile_rows);
+}
+
+// The bounds of prefill_plan_capacity from the (request, row tile) pairs: T = row_tiles x
+// num_kv_heads.
+PrefillPlanCapacity capacity_of_tiles(int64_t row_tiles, const PrefillTileShape& shape) {
+  const int64_t tiles = row_tiles * shape.num_kv_heads;
   const int64_t ctas = shape.concurrent_ctas;
   const bool cluster = shape.cluster > 1;  // every tile exactly `cluster` chunks, no merges
   const int64_t items = cluster ? tiles * shape.cluster : tiles + ctas;
   const int64_t merges = cluster ? 0 : std::min(tiles, ctas);
   const int64_t partials = cluster ? 0 : std::min(items, 2 * ctas);
-  check_arg(items <= INT32_MAX, "batch_size", "got ", batch_size, ": ", items,
-            " prefill items, over 2^31");
+  check_arg(items <= INT32_MAX, "batch_size", items, " prefill items, over 2^31");
   PrefillPlanCapacity capacity;
   capacity.items = int(items);
   capacity.merges = int(merges);
   capacity.partials = int(partials);
+  capacity.row_tiles = int(row_tiles);
   return capacity;
+}
+
+}  // namespace
+
+PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len,
+                                          const PrefillTileShape& shape) {
+  check_arg(batch_size >= 0, "batch_size", "got ", batch_size, ", expected >= 0");
+  check_arg(q_len >= 0, "q_len", "got ", q_len, ", expected >= 0");
+  check_capacity_shape(shape);
+  const int64_t rows = int64_t(q_len) * (shape.num_q_heads / shape.num_kv_heads);
+  // No-op items start at kNoOpRow: a request must have fewer packed rows.
+  check_arg(rows <= kNoOpRow, "q_len", "got ", q_len, ": ", rows,
+            " packed rows a request, a fixed-size plan holds at most ", kNoOpRow);
+  return capacity_of_tiles(int64_t(batch_size) * ceil_div(rows, shape.tile_rows), shape);
+}
+
+PrefillPlanCapacity prefill_plan_capacity_for_tokens(int batch_size, int64_t num_tokens,
+                                                     const PrefillTileShape& shape) {
+  check_arg(batch_size >= 0, "batch_size", "got ", batch_size, ", expected >= 0");
+  check_arg(num_tokens >= 0, "num_tokens", "got ", num_tokens, ", expected >= 0");
+  check_capacity_shape(shape);
+  check_arg(shape.cluster <= 1, "cluster", "got ", shape.cluster,
+            ": a cluster-split plan needs the same query tokens every request");
+  const int64_t group = shape.num_q_heads / shape.num_kv_heads;
+  const int64_t rows = num_tokens * group;  // the most rows one request can have
+  check_arg(rows <= kNoOpRow, "num_tokens", "got ", num_tokens, ": ", rows,
+            " packed rows, a fixed-size plan holds at most ", kNoOpRow);
+  // Each request with rows adds at most tile_rows - 1 rows of slack to its last tile.
+  const int64_t with_rows = std::min<int64_t>(batch_size, num_tokens);
+  const int64_t row_tiles = (rows + with_rows * (shape.tile_rows - 1)) / shape.tile_rows;
+  return capacity_of_tiles(row_tiles, shape);
 }
 
 void pad_prefill_plan(PrefillTilePlan& plan, const PrefillPlanCapacity& capacity) {

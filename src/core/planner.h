@@ -166,8 +166,20 @@ struct PrefillPlanCapacity {
   int items = 0;
   int merges = 0;
   int partials = 0;
+  int row_tiles = 0;  ///< (request, row tile) pairs at most: T / num_kv_heads
 };
 PrefillPlanCapacity prefill_plan_capacity(int batch_size, int q_len, const PrefillTileShape& shape);
+
+/// The same bounds for a batch of batch_size requests of num_tokens query tokens in all, split
+/// among them any way (an EXTEND-like step planned on the device, whose lengths the host never
+/// sees): at most min(batch_size, num_tokens) requests have rows, each with at most tile_rows -
+/// 1 rows of slack in its last tile, so T = num_kv_heads x floor((num_tokens x group +
+/// min(batch_size, num_tokens) x (tile_rows - 1)) / tile_rows). Not for cluster-split shapes.
+/// Worked example (H200 hd128 EXTEND: 32 q / 8 kv heads, tiles of 128 rows, 264 CTAs): 16
+/// requests of 4096 tokens in all -> T = 8 x floor((16384 + 16 x 127) / 128) = 8 x 143 = 1144;
+/// 1408 items, 264 merges, 528 partials.
+PrefillPlanCapacity prefill_plan_capacity_for_tokens(int batch_size, int64_t num_tokens,
+                                                     const PrefillTileShape& shape);
 
 /// The packed row no-op items start at: past the rows of any request a capacity admits.
 constexpr int32_t kNoOpRow = INT32_MAX / 2;

@@ -5,10 +5,27 @@
 namespace kvattn::core {
 
 bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config, bool device_plan) {
-  const bool mode = batch.mode == ForwardMode::kDecode || batch.mode == ForwardMode::kTargetVerify;
-  return device_plan && mode && !batch.seq_lens_cpu.defined() && batch.seq_lens.defined() &&
-         !batch.seq_lens.device().is_cpu() && !batch.shared_prefix_group_cpu.defined() &&
-         !config.is_encoder_decoder;
+  if (!device_plan || config.is_encoder_decoder || batch.shared_prefix_group_cpu.defined()) {
+    return false;
+  }
+  auto on_device = [](const TensorView& t) { return t.defined() && !t.device().is_cpu(); };
+  if (batch.seq_lens_cpu.defined() || !on_device(batch.seq_lens)) return false;
+  switch (batch.mode) {
+    case ForwardMode::kDecode:
+    case ForwardMode::kTargetVerify:
+      return true;
+    case ForwardMode::kExtend:
+    case ForwardMode::kMixed:
+    case ForwardMode::kDraftExtend:
+      // No host copy of any length, the prefix lengths on the device (the query rows are
+      // seq - prefix a request) and out_cache_loc, whose length is the step's token count.
+      return !batch.extend_prefix_lens_cpu.defined() && !batch.extend_seq_lens_cpu.defined() &&
+             on_device(batch.extend_prefix_lens) &&
+             (!batch.extend_seq_lens.defined() || on_device(batch.extend_seq_lens)) &&
+             batch.out_cache_loc.defined() && batch.out_cache_loc.ndim() == 1;
+    default:
+      return false;
+  }
 }
 
 StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, Device device,
@@ -29,7 +46,13 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
       facts.num_tokens = int64_t(batch.batch_size) * batch.spec.draft_token_num;
       break;
     default:
-      for (int32_t e : facts.lens.extend_lens) facts.new_tokens += e;
+      if (facts.device_lengths) {
+        // The extend lengths stay on the device: the step's rows are out_cache_loc's (the device
+        // checks that the lengths add up to them), its prefix unknown (0: never the ragged path).
+        facts.new_tokens = batch.out_cache_loc.size(0);
+      } else {
+        for (int32_t e : facts.lens.extend_lens) facts.new_tokens += e;
+      }
       facts.num_tokens = facts.new_tokens;
       break;
   }
@@ -41,7 +64,9 @@ StepFacts derive_step(const ForwardBatch& batch, const BackendConfig& config, De
   rule.deterministic = config.deterministic;
   rule.cache_is_io_dtype =
       config.kv_cache != nullptr && config.kv_cache->config().dtype == config.q_dtype;
-  facts.ragged = use_ragged_extend(batch.mode, facts.new_tokens, facts.prefix_tokens, rule);
+  // (A step planned on the device takes the paged path: the choice would read the lengths.)
+  facts.ragged = !facts.device_lengths &&
+                 use_ragged_extend(batch.mode, facts.new_tokens, facts.prefix_tokens, rule);
   return facts;
 }
 

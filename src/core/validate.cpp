@@ -163,6 +163,17 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
                 ", expected 1-D: the rows of every request, request after request");
       check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ", device);
     }
+    if (b.mode == ForwardMode::kExtend || b.mode == ForwardMode::kMixed ||
+        b.mode == ForwardMode::kDraftExtend) {
+      // The step's rows are out_cache_loc's; the device checks that the lengths add up to them.
+      check_index_tensor(b.extend_prefix_lens, "extend_prefix_lens", bs, device);
+      if (b.extend_seq_lens.defined())
+        check_index_tensor(b.extend_seq_lens, "extend_seq_lens", bs, device);
+      check_arg(b.out_cache_loc.defined(), "out_cache_loc",
+                "missing: an EXTEND-like step without host lengths takes its token count from it");
+      check_arg(b.out_cache_loc.size(0) <= INT32_MAX, "out_cache_loc", "has ",
+                b.out_cache_loc.size(0), " tokens, expected < 2^31");
+    }
     return {};
   }
   HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);

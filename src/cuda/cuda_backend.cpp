@@ -533,7 +533,7 @@ class CudaBackend final : public AttentionBackend {
     step_.id = guard_.begin_step(batch.mode, batch.batch_size);
     const core::StepFacts facts = core::derive_step(batch, config_, device_, /*device_plan=*/true);
     core::validate_step_slots(batch, config_.kv_cache->num_slots(), device_);
-    if (facts.device_lengths) check_device_plan_fits(batch);
+    if (facts.device_lengths) check_device_plan_fits(batch, facts.num_tokens);
     const core::HostLengths& lens = facts.lens;
     step_.mode = batch.mode;
     step_.batch_size = batch.batch_size;
@@ -553,19 +553,23 @@ class CudaBackend final : public AttentionBackend {
     step_.num_tokens = facts.num_tokens;
     step_.device_lengths = facts.device_lengths;
 
-    // Graph buffers serve DECODE / TARGET_VERIFY batches up to the captured size and token
-    // count; a larger verify tree runs eagerly, and capturing it is refused.
-    const bool graph_batch =
-        graph_max_bs_ > 0 && (decode || verify) && batch.batch_size <= graph_max_bs_;
+    // Graph buffers serve DECODE / TARGET_VERIFY batches, and EXTEND-like ones planned on the
+    // device, up to the captured size and token count; a larger one runs eagerly, and capturing
+    // it is refused. (An EXTEND-like step with host lengths runs eagerly: its ragged choice and
+    // its plan's size follow the lengths.)
+    const bool graph_batch = graph_max_bs_ > 0 && (decode || verify || facts.device_lengths) &&
+                             batch.batch_size <= graph_max_bs_;
     step_.graph_pool = graph_batch && step_.num_tokens <= graph_max_tokens_;
     if (in_capture && graph_batch && !step_.graph_pool) {
       throw_error(ErrorKind::kOutOfResources, "max_num_tokens", "init_cuda_graph_state reserved ",
                   graph_max_tokens_, " query tokens; this ", forward_mode_name(batch.mode),
                   " batch has ", step_.num_tokens);
     }
-    check_arg(!in_capture || step_.graph_pool, "in_capture",
-              "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ",
-              batch.batch_size, " and a DECODE or TARGET_VERIFY batch");
+    check_arg(
+        !in_capture || step_.graph_pool, "in_capture",
+        "capturing a CUDA graph needs init_cuda_graph_state with max_bs >= ", batch.batch_size,
+        " and a DECODE or TARGET_VERIFY batch, or an EXTEND-like batch without host lengths "
+        "(no seq_lens_cpu / extend_prefix_lens_cpu / extend_seq_lens_cpu)");
     auto& pool = step_.graph_pool ? graph_calls_ : eager_calls_;
     const cudaStream_t stream = as_stream(config_.cuda_stream);
 
@@ -702,6 +706,11 @@ class CudaBackend final : public AttentionBackend {
       const bool verify = step_.mode == ForwardMode::kTargetVerify;
       check.seq_lens = device_index_array(batch.seq_lens);
       check.max_seq_len = max_context - (verify ? batch.spec.draft_token_num : 0);
+      if (extend_like(step_.mode)) {
+        check.extend_prefix_lens = device_index_array(batch.extend_prefix_lens);
+        check.extend_seq_lens = device_index_array(batch.extend_seq_lens);
+        check.num_tokens = step_.num_tokens;
+      }
       if (verify) {
         const CallState& first = pool[0];
         check.mask_rows_end =
@@ -771,9 +780,16 @@ class CudaBackend final : public AttentionBackend {
         shapes.push_back(
             prefill_shape(core::MaskMode::kCustom, -1, true, max_bs, int(per_request)));
       }
+      // An EXTEND-like step planned on the device: max_num_tokens split among max_bs requests
+      // any way (the Hopper prefill kernel's shape, shapes[0]).
+      std::vector<core::PrefillPlanCapacity> capacities{
+          core::prefill_plan_capacity_for_tokens(max_bs, max_num_tokens, shapes[0])};
       for (const core::PrefillTileShape& shape : shapes) {
-        const core::PrefillPlanCapacity capacity =
-            core::prefill_plan_capacity(max_bs, int(per_request), shape);
+        capacities.push_back(core::prefill_plan_capacity(max_bs, int(per_request), shape));
+      }
+      for (size_t i = 0; i < capacities.size(); ++i) {
+        const core::PrefillTileShape& shape = shapes[i == 0 ? 0 : i - 1];
+        const core::PrefillPlanCapacity& capacity = capacities[i];
         const core::PrefillBufferLayout region =
             core::prefill_buffer_layout(capacity.items, capacity.merges, capacity.partials,
                                         shape.tile_rows, config_.v_head_dim);
@@ -956,15 +972,34 @@ class CudaBackend final : public AttentionBackend {
     return shape;
   }
 
+  // Whether a device-planned step of this mode is EXTEND-like (query tokens a request vary).
+  static bool extend_like(ForwardMode mode) {
+    return mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
+           mode == ForwardMode::kDraftExtend;
+  }
+
+  // The tile shape and capacity of a device-planned EXTEND-like call of batch_size requests and
+  // num_tokens query tokens: the Hopper prefill kernel (the decode-shaped one needs a known
+  // q_len), causal, heaviest first (l2_keys 0).
+  core::PrefillTileShape device_extend_shape(const core::PagedLayout& layout,
+                                             int batch_size) const {
+    core::PrefillTileShape shape =
+        prefill_shape(layout.mask, layout.window_left, /*tc=*/false, batch_size, 0);
+    shape.l2_keys = 0;
+    return shape;
+  }
+
   // Refuses (before anything is written) a batch larger than one planning CTA takes.
-  void check_device_plan_fits(const ForwardBatch& batch) const {
+  void check_device_plan_fits(const ForwardBatch& batch, int64_t num_tokens) const {
     const int batch_size = batch.batch_size;
     const int q_len = device_q_len(batch);
+    const bool extend = extend_like(batch.mode);
     auto refuse = [&](int most) {
       throw_error(
           ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a ", forward_mode_name(batch.mode),
-          " step without host lengths is planned on the device, for at most ", most,
-          " requests on this configuration; this batch has ", batch_size, ": pass seq_lens_cpu");
+          " step without host lengths is planned on the device, for at most ", most, " requests",
+          extend ? " of " + std::to_string(num_tokens) + " tokens" : "",
+          " on this configuration; this batch has ", batch_size, ": pass the host lengths (*_cpu)");
     };
     // The planner's own bounds (kernels/device_plan.h), for the CUDA-core plan or the tiles.
     core::PagedLayout probe;
@@ -974,10 +1009,12 @@ class CudaBackend final : public AttentionBackend {
       if (cuda_core) {
         return device_plan_decode_fits(bs, core::decode_item_capacity(bs, setup_.plan_config));
       }
-      return bs <= kDevicePlanTilesMaxBatch &&
-             device_plan_tiles_fit(
-                 bs,
-                 core::prefill_plan_capacity(bs, q_len, device_tile_shape(probe, q_len, bs)).items);
+      if (extend) {
+        return device_plan_tiles_fit(bs, core::prefill_plan_capacity_for_tokens(
+                                             bs, num_tokens, device_extend_shape(probe, bs)));
+      }
+      return device_plan_tiles_fit(
+          bs, core::prefill_plan_capacity(bs, q_len, device_tile_shape(probe, q_len, bs)));
     };
     if (fits(batch_size)) return;
     int most = std::min(batch_size - 1, std::max(kDevicePlanMaxBatch, kDevicePlanTilesMaxBatch));
@@ -990,9 +1027,14 @@ class CudaBackend final : public AttentionBackend {
   void plan_device_call(CallState& call, core::IndexSet set, const ForwardBatch& batch) {
     const int batch_size = batch.batch_size;
     const bool verify = batch.mode == ForwardMode::kTargetVerify;
+    const bool extend = extend_like(batch.mode);
     const int q_len = device_q_len(batch);
     core::HostLengths zeros;
     zeros.seq_lens.assign(size_t(batch_size), 0);
+    if (extend) {
+      zeros.prefix_lens = zeros.seq_lens;
+      zeros.extend_lens = zeros.seq_lens;
+    }
     call.layout = core::make_paged_layout(batch.mode, set, config_.sliding_window_size, zeros,
                                           verify ? q_len : 0);
     call.paged = true;
@@ -1002,7 +1044,7 @@ class CudaBackend final : public AttentionBackend {
     if (call.fold_window) prepare_window_fold(call, batch);
     call.device_plan = true;
     call.max_kv_len = config_.req_to_token_pool->max_context_len();
-    call.prefill = verify || setup_.tensor_cores;
+    call.prefill = verify || extend || setup_.tensor_cores;
     if (!call.prefill) {
       call.item_limit = core::decode_item_capacity(batch_size, setup_.plan_config);
       call.decode_plan = core::DecodePlan{};
@@ -1010,9 +1052,16 @@ class CudaBackend final : public AttentionBackend {
       return;
     }
     call.item_limit = 0;
-    call.tc_decode = tc_decode_for(q_len);
-    call.plan_shape = device_tile_shape(call.layout, q_len, batch_size);
-    call.plan_capacity = core::prefill_plan_capacity(batch_size, q_len, call.plan_shape);
+    call.tc_decode = !extend && tc_decode_for(q_len);
+    if (extend) {
+      // The query rows are in_graph's planner's to write (qo_indptr from the device lengths).
+      call.plan_shape = device_extend_shape(call.layout, batch_size);
+      call.plan_capacity =
+          core::prefill_plan_capacity_for_tokens(batch_size, step_.num_tokens, call.plan_shape);
+    } else {
+      call.plan_shape = device_tile_shape(call.layout, q_len, batch_size);
+      call.plan_capacity = core::prefill_plan_capacity(batch_size, q_len, call.plan_shape);
+    }
     // Only the plan's sizes reach the buffer view (write_prefill_buffer without a host copy);
     // the planner writes its contents.
     core::PrefillTilePlan& plan = call.prefill_plan;
@@ -1042,6 +1091,12 @@ class CudaBackend final : public AttentionBackend {
     if (verify) {
       lengths.mask_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.mask_indptr));
       lengths.mask_elems = call.meta<int64_t>(call.offsets.mask_elems);
+    }
+    if (extend_like(batch.mode)) {
+      lengths.prefix_lens = batch.extend_prefix_lens.data();
+      lengths.prefix_lens_int64 = batch.extend_prefix_lens.dtype() == DType::kInt64;
+      lengths.num_tokens = step_.num_tokens;
+      lengths.qo_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.qo_indptr));
     }
     int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
     if (call.prefill) {

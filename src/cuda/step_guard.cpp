@@ -41,6 +41,21 @@ std::pair<std::string, std::string> describe_argument(const StepReport& r, int a
       return {"spec.custom_mask", "has " + std::to_string(r.row[argument]) +
                                       " elements, the step's requests need " + value +
                                       " = sum of draft_token_num * (seq_len + draft_token_num)"};
+    case kArgExtendPrefixLens:
+      return {indexed("extend_prefix_lens", position),
+              "got " + value + ", expected a length in [0, seq_lens[" + std::to_string(position) +
+                  "] = " + std::to_string(r.row[argument]) +
+                  "] (the step was planned on the device: no *_cpu lengths)"};
+    case kArgExtendSeqLens:
+      if (position < 0) {
+        return {"extend_seq_lens",
+                "the requests' seq_lens - extend_prefix_lens add up to " + value +
+                    " query tokens, the step has " + std::to_string(r.row[argument]) +
+                    " (out_cache_loc's length; planned on the device: no *_cpu lengths)"};
+      }
+      return {indexed("extend_seq_lens", position),
+              "got " + value +
+                  ", expected seq_lens - extend_prefix_lens = " + std::to_string(r.row[argument])};
     case kArgPlanSource: {
       auto source = [](int64_t v) {
         return std::string(v == kPlanOnDevice ? "on the device (no seq_lens_cpu)"

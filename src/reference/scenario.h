@@ -39,7 +39,8 @@ struct ScenarioSpec {
   bool force_ragged = false;     ///< EXTEND: threshold 0, so the ragged + prefix path runs
   bool save_kv_cache = true;
   int draft_token_num = 0;       ///< TARGET_VERIFY
-  /// DECODE / TARGET_VERIFY: no seq_lens_cpu (the CUDA backend plans the step on the device).
+  /// No seq_lens_cpu (EXTEND-like: nor extend_*_cpu): the CUDA backend plans the step on the
+  /// device.
   bool device_lengths = false;
   int topk = 0;                  ///< multi-step draft (mode kDecode + topk > 0)
   int num_steps = 0;

@@ -723,6 +723,33 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.draft_token_num = 20;
     s.page_size = 16;
   });
+  // EXTEND-like steps without any host length (no seq_lens_cpu / extend_*_cpu).
+  add("extend device-plan", extend, [](ScenarioSpec& s) { s.device_lengths = true; });
+  add("extend device-plan window layer page16 fp8", extend, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.sliding_window = 20;
+    s.page_size = 16;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.7f;
+  });
+  add("extend device-plan no prefix hd64", extend, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.head_dim = 64;
+    s.max_kv_len = 45;
+    s.min_q_len = 45;
+    s.max_q_len = 45;
+  });
+  add("mixed device-plan fp16 sinks", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.batch_size = 5;
+    s.q_dtype = DType::kFloat16;
+    s.kv_dtype = DType::kFloat16;
+    s.sinks = true;
+  });
+  add("draft extend device-plan", ForwardMode::kDraftExtend, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.max_q_len = 5;
+  });
   return rows;
 }
 

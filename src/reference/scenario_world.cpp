@@ -626,6 +626,7 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
     if (is_extend_like(s.mode)) {
       lengths(prefix_lens, b.extend_prefix_lens, b.extend_prefix_lens_cpu);
       lengths(extend_lens, b.extend_seq_lens, b.extend_seq_lens_cpu);
+      if (s.device_lengths) b.extend_prefix_lens_cpu = b.extend_seq_lens_cpu = TensorView();
     }
     if (cross_model) {
       lengths(encoder_lens, b.encoder_lens, b.encoder_lens_cpu);

@@ -399,6 +399,79 @@ TEST(PrefillCapacity, RandomPlansFitTheirBucket) {
   EXPECT_GT(split_plans, 50);  // the split-KV bounds were exercised
 }
 
+// EXTEND-like buckets (num_tokens query tokens split among batch_size requests any way, the
+// device planner's capacity): random splits, including requests without tokens, one request
+// holding them all and lengths just past a tile, always fit; the worked example of planner.h;
+// and the bound is reached (it is not loose by more than one tile a request).
+TEST(PrefillCapacity, TokenBucketsFitEverySplit) {
+  {
+    const PrefillTileShape s = graph_shape(32, 8, 128, 264, MaskMode::kCausal, -1);
+    const PrefillPlanCapacity c = prefill_plan_capacity_for_tokens(16, 4096, s);
+    EXPECT_EQ(c.row_tiles, 143);
+    EXPECT_EQ(c.items, 1408);
+    EXPECT_EQ(c.merges, 264);
+    EXPECT_EQ(c.partials, 528);
+  }
+  std::mt19937 rng(77);
+  int split_plans = 0;
+  int tight = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int kv_heads = 1 + int(rng() % 8);
+    const int group = 1 + int(rng() % 8);
+    const int tile_rows = trial % 3 == 0 ? 64 : 128;
+    const int concurrent = trial % 5 == 0 ? 0 : 1 + int(rng() % 600);
+    const int window = rng() % 2 ? -1 : int(rng() % 3000);
+    const PrefillTileShape s =
+        graph_shape(kv_heads * group, kv_heads, tile_rows, concurrent, MaskMode::kCausal, window);
+    const int bs = 1 + int(rng() % 64);
+    const int64_t tokens = trial % 7 == 0 ? int64_t(rng() % 8) : int64_t(rng() % 9000);
+    // A random split of `tokens` among bs requests (some empty; trial % 4 == 1: one takes all;
+    // trial % 4 == 2: each just over a tile where the tokens allow).
+    std::vector<int64_t> q(size_t(bs), 0);
+    int64_t left = tokens;
+    if (trial % 4 == 1) {
+      q[size_t(rng() % bs)] = tokens;
+      left = 0;
+    } else if (trial % 4 == 2) {
+      const int64_t just_over = tile_rows / group + 1;
+      for (int r = 0; r < bs && left >= just_over; ++r) q[size_t(r)] = just_over, left -= just_over;
+    }
+    while (left > 0) {
+      const int64_t take = std::min<int64_t>(left, 1 + int64_t(rng() % 600));
+      q[size_t(rng() % bs)] += take;
+      left -= take;
+    }
+    std::vector<int32_t> qo{0};
+    std::vector<int64_t> kv{0};
+    for (int r = 0; r < bs; ++r) {
+      const int64_t prefix = rng() % 3 == 0 ? 0 : int64_t(rng() % 20000);
+      qo.push_back(qo.back() + int32_t(q[size_t(r)]));
+      kv.push_back(kv.back() + prefix + q[size_t(r)]);
+    }
+    const PrefillTilePlan plan = plan_prefill_tiles(qo, kv, s);
+    const PrefillPlanCapacity cap = prefill_plan_capacity_for_tokens(bs, tokens, s);
+    if (!plan.merges.empty()) ++split_plans;
+    int64_t row_tiles = 0;
+    for (int r = 0; r < bs; ++r) row_tiles += (q[size_t(r)] * group + tile_rows - 1) / tile_rows;
+    if (row_tiles + bs >= cap.row_tiles) ++tight;
+    ASSERT_LE(row_tiles, cap.row_tiles) << "trial " << trial;
+    ASSERT_LE(int(plan.items.size()), cap.items) << "trial " << trial;
+    ASSERT_LE(int(plan.merges.size()), cap.merges) << "trial " << trial;
+    ASSERT_LE(plan.num_partials, cap.partials) << "trial " << trial;
+  }
+  EXPECT_GT(split_plans, 50);
+  EXPECT_GT(tight, 100);
+  const PrefillTileShape cluster = [] {
+    PrefillTileShape s = graph_shape(32, 8, 32, 264, MaskMode::kCausal, -1);
+    s.cluster = 4;
+    return s;
+  }();
+  EXPECT_THROW(prefill_plan_capacity_for_tokens(4, 64, cluster), Error);
+  EXPECT_THROW(
+      prefill_plan_capacity_for_tokens(4, -1, graph_shape(32, 8, 128, 264, MaskMode::kCausal, -1)),
+      Error);
+}
+
 TEST(PrefillCapacity, PaddingAppendsNoOpsAndKeepsTheRealItems) {
   const PrefillTileShape s = graph_shape(32, 8, 128, 264, MaskMode::kCustom, -1);
   std::vector<int32_t> qo{0, 4, 8, 12};

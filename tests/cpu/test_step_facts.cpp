@@ -163,7 +163,7 @@ TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecodeAndVerify) {
   ForwardBatch grouped = b;
   grouped.shared_prefix_group_cpu = w->batch.seq_lens;
   EXPECT_FALSE(core::uses_device_lengths(grouped, w->config, true));
-  ForwardBatch verify = b;  // TARGET_VERIFY too; EXTEND-like modes read host lengths
+  ForwardBatch verify = b;  // TARGET_VERIFY too; EXTEND-like modes need their prefix lengths
   verify.mode = ForwardMode::kTargetVerify;
   EXPECT_TRUE(core::uses_device_lengths(verify, w->config, true));
   ForwardBatch extend = b;
@@ -178,6 +178,61 @@ TEST(StepFacts, DeviceLengthsOnlyForDevicePlannedDecodeAndVerify) {
     ADD_FAILURE() << "a seq_lens of the wrong length was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "seq_lens") << e.what();
+  }
+}
+
+// EXTEND-like steps without any host length: planned on the device, their token count
+// out_cache_loc's, never the ragged path; any *_cpu copy (or a host prefix tensor) keeps the host
+// plan; the shapes are still checked.
+TEST(StepFacts, DeviceLengthsForExtendLikeStepsWithoutHostCopies) {
+  auto w = ScenarioWorld::build(step_spec(ForwardMode::kExtend, 5), BackendKind::kCpu);
+  const Device gpu = Device::cuda(0);
+  auto on_gpu = [&](const TensorView& t) {
+    return TensorView(const_cast<void*>(t.data()), t.dtype(), gpu, {t.size(0)});
+  };
+  ForwardBatch b = w->batch;
+  ASSERT_TRUE(b.extend_prefix_lens.defined());
+  b.req_pool_indices = on_gpu(w->batch.req_pool_indices);
+  b.seq_lens = on_gpu(w->batch.seq_lens);
+  b.extend_prefix_lens = on_gpu(w->batch.extend_prefix_lens);
+  b.extend_seq_lens =
+      w->batch.extend_seq_lens.defined() ? on_gpu(w->batch.extend_seq_lens) : TensorView();
+  b.out_cache_loc = on_gpu(w->batch.out_cache_loc);
+  b.seq_lens_cpu = b.extend_prefix_lens_cpu = b.extend_seq_lens_cpu = TensorView();
+  const core::StepFacts host = core::derive_step(w->batch, w->config, Device::cpu());
+  ASSERT_GT(host.num_tokens, 0);
+  for (ForwardMode mode : {ForwardMode::kExtend, ForwardMode::kMixed, ForwardMode::kDraftExtend}) {
+    ForwardBatch m = b;
+    m.mode = mode;
+    EXPECT_TRUE(core::uses_device_lengths(m, w->config, true)) << forward_mode_name(mode);
+    const core::StepFacts facts = core::derive_step(m, w->config, gpu, true);
+    EXPECT_TRUE(facts.device_lengths);
+    EXPECT_TRUE(facts.lens.seq_lens.empty());
+    EXPECT_EQ(facts.num_tokens, host.num_tokens);
+    EXPECT_EQ(facts.new_tokens, host.num_tokens);
+    EXPECT_FALSE(facts.ragged);
+  }
+  EXPECT_FALSE(core::uses_device_lengths(b, w->config, /*device_plan=*/false));
+  for (int which = 0; which < 4; ++which) {
+    ForwardBatch h = b;
+    if (which == 0) h.seq_lens_cpu = w->batch.seq_lens;
+    if (which == 1) h.extend_prefix_lens_cpu = w->batch.extend_prefix_lens;
+    if (which == 2) h.extend_seq_lens_cpu = w->batch.seq_lens;
+    if (which == 3) h.extend_prefix_lens = w->batch.extend_prefix_lens;  // on the host
+    EXPECT_FALSE(core::uses_device_lengths(h, w->config, true)) << which;
+  }
+  ForwardBatch no_loc = b;
+  no_loc.out_cache_loc = TensorView();
+  EXPECT_FALSE(core::uses_device_lengths(no_loc, w->config, true));
+  ForwardBatch short_prefix = b;
+  short_prefix.extend_prefix_lens =
+      TensorView(const_cast<void*>(b.extend_prefix_lens.data()), b.extend_prefix_lens.dtype(), gpu,
+                 {b.batch_size - 1});
+  try {
+    (void)core::derive_step(short_prefix, w->config, gpu, true);
+    ADD_FAILURE() << "an extend_prefix_lens of the wrong length was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "extend_prefix_lens") << e.what();
   }
 }
 

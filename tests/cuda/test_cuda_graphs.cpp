@@ -72,6 +72,8 @@ struct WorldSpec {
   /// DECODE and TARGET_VERIFY batches carry no seq_lens_cpu: the backend plans them on the
   /// device (issue 15).
   bool device_lengths = false;
+  /// EXTEND worlds: the query tokens of every step (the token bucket an engine captures).
+  int extend_tokens = 0;
   uint64_t seed = 1;
 };
 
@@ -85,6 +87,7 @@ struct Step {
   int real = 0;
   std::vector<int32_t> rows;       ///< [batch_size] req_to_token rows
   std::vector<int32_t> seq;        ///< [batch_size] seq_lens
+  std::vector<int32_t> q_lens;     ///< EXTEND [batch_size]: new tokens (prefix = seq - q)
   std::vector<uint8_t> mask;       ///< TARGET_VERIFY tree mask (SpecInfo layout)
   std::vector<int64_t> positions;  ///< TARGET_VERIFY [batch_size * draft] tree positions
   int64_t num_tokens = 0;          ///< query rows of one layer (draft: of one draft step)
@@ -175,7 +178,7 @@ class GraphWorld {
 
     // The largest step: verify has draft tokens a request, the draft topk a request and step.
     const int per_request = std::max({1, spec.draft_token_num, spec.topk});
-    max_tokens_ = int64_t(spec.max_bs) * per_request;
+    max_tokens_ = std::max<int64_t>(int64_t(spec.max_bs) * per_request, spec.extend_tokens);
     const int v_dim = spec.head_dim;
     const int calls = spec.topk > 0 ? spec.num_steps : kLayers;
     for (int c = 0; c < calls; ++c) {
@@ -189,6 +192,10 @@ class GraphWorld {
     rpi_ = allocate(spec.max_bs * sizeof(int32_t));
     seq_ = allocate(spec.max_bs * sizeof(int32_t));
     seq_host_.assign(size_t(spec.max_bs), 0);
+    prefix_ = allocate(spec.max_bs * sizeof(int64_t));
+    extend_ = allocate(spec.max_bs * sizeof(int64_t));
+    prefix_host_.assign(size_t(spec.max_bs), 0);
+    extend_host_.assign(size_t(spec.max_bs), 0);
     mask_ = allocate(std::max<int64_t>(1, max_tokens_ * spec.max_context));
     positions_ = allocate(std::max<int64_t>(1, max_tokens_) * sizeof(int64_t));
 
@@ -236,6 +243,9 @@ class GraphWorld {
   /// A random step of a bucket: `real` requests (kv_len 1, a long split-KV one, random ones) and
   /// batch_size - real padded entries.
   Step random_step(ForwardMode mode, int batch_size, int real) {
+    if (mode == ForwardMode::kExtend || mode == ForwardMode::kMixed) {
+      return random_extend_step(mode, batch_size, real);
+    }
     Step s;
     s.mode = mode;
     s.batch_size = batch_size;
@@ -289,6 +299,56 @@ class GraphWorld {
     return s;
   }
 
+  /// An EXTEND-like step of the world's token bucket: `real` requests share its tokens (one with
+  /// none, one with a single token, one long and the rest random, prefixes of 0 to long) and the
+  /// padded entries' dummy request takes what is left (an engine pads the tokens of a bucket
+  /// with such a request: the padding row, all slots 0).
+  Step random_extend_step(ForwardMode mode, int batch_size, int real) {
+    Step s;
+    s.mode = mode;
+    s.batch_size = batch_size;
+    s.real = real;
+    const int64_t tokens = spec_.extend_tokens;
+    std::vector<int32_t> rows(size_t(spec_.max_bs));
+    for (int r = 0; r < spec_.max_bs; ++r) rows[size_t(r)] = r;
+    std::shuffle(rows.begin(), rows.end(), rng_);
+    // The real requests' new tokens: all of the bucket without padding, else most of it.
+    const int64_t real_share =
+        real == batch_size ? tokens : tokens - uniform(1, int(tokens / 4) + 1);
+    std::vector<int32_t> q(size_t(real), 0);
+    int64_t left = real_share;
+    if (real > 1) q[1] = 1, left -= 1;
+    if (real > 2 && left > 0) {
+      q[2] = int32_t(std::min<int64_t>(left, left / 2 + 1));  // a long one
+      left -= q[2];
+    }
+    while (left > 0) {
+      const int r = real > 1 ? uniform(std::min(2, real - 1), real - 1) : 0;
+      const int32_t take = int32_t(std::min<int64_t>(left, uniform(1, 300)));
+      q[size_t(r)] += take;
+      left -= take;
+    }
+    if (real == 1) q[0] = int32_t(real_share);
+    for (int r = 0; r < batch_size; ++r) {
+      if (r < real) {
+        const int32_t new_tokens = q[size_t(r)];
+        const int room = spec_.max_context - new_tokens;
+        const int prefix = r % 3 == 0 ? 0 : uniform(0, std::max(0, room));
+        s.rows.push_back(rows[size_t(r)]);
+        s.seq.push_back(prefix + new_tokens);
+        s.q_lens.push_back(new_tokens);
+      } else {
+        const int32_t pad = r == real ? int32_t(tokens - real_share) : 0;
+        s.rows.push_back(pad_row_);
+        s.seq.push_back(pad);
+        s.q_lens.push_back(pad);
+      }
+    }
+    s.num_tokens = tokens;
+    s.real_tokens = real_share;
+    return s;
+  }
+
   /// Writes a step into the fixed buffers: its batch, fresh q/k/v, NaN in every output row, and
   /// the pool image of the step (finite K/V only in the slots its real requests read and do not
   /// write, NaN everywhere else), which check_pool compares the pool with afterwards.
@@ -296,7 +356,8 @@ class GraphWorld {
     cuda_check(cudaStreamSynchronize(stream_), "sync");  // nothing of an earlier step in flight
     std::vector<uint8_t> live(static_cast<size_t>(cache_->num_slots()), 0);
     for (int r = 0; r < s.real; ++r) {
-      const int64_t readable = s.mode == ForwardMode::kDecode && spec_.topk == 0
+      const int64_t readable = !s.q_lens.empty() ? int64_t(s.seq[size_t(r)]) - s.q_lens[size_t(r)]
+                               : s.mode == ForwardMode::kDecode && spec_.topk == 0
                                    ? int64_t(s.seq[size_t(r)]) - 1  // the last token is saved now
                                    : int64_t(s.seq[size_t(r)]);     // tree / draft tokens after it
       for (int64_t pos = 0; pos < readable; ++pos)
@@ -327,6 +388,16 @@ class GraphWorld {
     copy_bytes(seq_.data(), Device::cuda(0), s.seq.data(), Device::cpu(),
                s.seq.size() * sizeof(int32_t));
     std::copy(s.seq.begin(), s.seq.end(), seq_host_.begin());
+    if (!s.q_lens.empty()) {
+      for (int r = 0; r < s.batch_size; ++r) {
+        extend_host_[size_t(r)] = s.q_lens[size_t(r)];
+        prefix_host_[size_t(r)] = s.seq[size_t(r)] - s.q_lens[size_t(r)];
+      }
+      copy_bytes(prefix_.data(), Device::cuda(0), prefix_host_.data(), Device::cpu(),
+                 size_t(s.batch_size) * sizeof(int64_t));
+      copy_bytes(extend_.data(), Device::cuda(0), extend_host_.data(), Device::cpu(),
+                 size_t(s.batch_size) * sizeof(int64_t));
+    }
     if (!s.mask.empty()) {
       copy_bytes(mask_.data(), Device::cuda(0), s.mask.data(), Device::cpu(), s.mask.size());
       copy_bytes(positions_.data(), Device::cuda(0), s.positions.data(), Device::cpu(),
@@ -354,11 +425,24 @@ class GraphWorld {
     b.batch_size = s.batch_size;
     b.req_pool_indices = TensorView(rpi_.data(), DType::kInt32, Device::cuda(0), {s.batch_size});
     b.seq_lens = TensorView(seq_.data(), DType::kInt32, Device::cuda(0), {s.batch_size});
-    const bool planned_on_device = spec_.device_lengths && (s.mode == ForwardMode::kDecode ||
-                                                            s.mode == ForwardMode::kTargetVerify);
+    const bool extend = !s.q_lens.empty();
+    const bool planned_on_device = spec_.device_lengths;
     if (!planned_on_device) {
       b.seq_lens_cpu = TensorView(const_cast<int32_t*>(seq_host_.data()), DType::kInt32,
                                   Device::cpu(), {s.batch_size});
+    }
+    if (extend) {
+      // int64 lengths (an engine's usual dtype), on the device; host copies when host-planned.
+      b.extend_prefix_lens =
+          TensorView(prefix_.data(), DType::kInt64, Device::cuda(0), {s.batch_size});
+      b.extend_seq_lens =
+          TensorView(extend_.data(), DType::kInt64, Device::cuda(0), {s.batch_size});
+      if (!planned_on_device) {
+        b.extend_prefix_lens_cpu = TensorView(const_cast<int64_t*>(prefix_host_.data()),
+                                              DType::kInt64, Device::cpu(), {s.batch_size});
+        b.extend_seq_lens_cpu = TensorView(const_cast<int64_t*>(extend_host_.data()), DType::kInt64,
+                                           Device::cpu(), {s.batch_size});
+      }
     }
     if (spec_.topk == 0) {
       b.out_cache_loc = TensorView(loc_[0].data(), DType::kInt32, Device::cuda(0), {s.num_tokens});
@@ -515,7 +599,14 @@ class GraphWorld {
     const int l = spec_.topk > 0 ? 1 : c;
     const AttentionLayer lay = layer(l);
     const bool verify = s.mode == ForwardMode::kTargetVerify;
+    const bool extend = !s.q_lens.empty();
     const int per_request = verify ? spec_.draft_token_num : spec_.topk > 0 ? spec_.topk : 1;
+    // Each real request's first query row.
+    std::vector<int64_t> first_row(size_t(s.real) + 1, 0);
+    for (int r = 0; r < s.real; ++r) {
+      first_row[size_t(r) + 1] =
+          first_row[size_t(r)] + (extend ? s.q_lens[size_t(r)] : per_request);
+    }
     const int64_t width = spec_.max_context;
     // The slots the real requests may read, renumbered densely (a float64 copy of the whole
     // pool would be large): compact[slot] is the oracle pool's slot.
@@ -565,6 +656,10 @@ class GraphWorld {
       rb.mode = s.mode;
       rb.req_pool_indices = {s.rows[size_t(r)]};
       rb.seq_lens = {s.seq[size_t(r)]};
+      if (extend) {
+        rb.extend_lens = {s.q_lens[size_t(r)]};
+        rb.prefix_lens = {s.seq[size_t(r)] - s.q_lens[size_t(r)]};
+      }
       rb.max_context_len = spec_.max_context;
       rb.req_to_token = table;
       if (verify) {
@@ -581,8 +676,8 @@ class GraphWorld {
         rb.draft_step = c;
       }
       threads.emplace_back([&, r, rb = std::move(rb)] {
-        const int64_t first = int64_t(r) * per_request;
-        std::vector<double> q(size_t(per_request * q_row));
+        const int64_t first = first_row[size_t(r)];
+        std::vector<double> q(size_t((first_row[size_t(r) + 1] - first) * q_row));
         for (size_t i = 0; i < q.size(); ++i)
           q[i] = decode_element(q_bytes.data(), spec_.io, first * q_row + int64_t(i));
         const RefOutput ref = reference_attention(lay, rb, ref_pool, q);
@@ -626,6 +721,11 @@ class GraphWorld {
   void set_seq_on_device(int64_t i, int32_t value) {
     copy_bytes(static_cast<int32_t*>(seq_.data()) + i, Device::cuda(0), &value, Device::cpu(),
                sizeof(value));
+  }
+  /// extend_prefix_lens[i] (which 0) or extend_seq_lens[i] (which 1) on the device only.
+  void set_extend_on_device(int which, int64_t i, int64_t value) {
+    copy_bytes(static_cast<int64_t*>((which == 0 ? prefix_ : extend_).data()) + i, Device::cuda(0),
+               &value, Device::cpu(), sizeof(value));
   }
   /// Every layer's K and V, on the host.
   std::vector<std::vector<uint8_t>> pool_bytes() const {
@@ -673,7 +773,9 @@ class GraphWorld {
     };
     for (int r = 0; r < s.batch_size; ++r) {
       const int64_t seq = s.seq[size_t(r)];
-      if (s.mode == ForwardMode::kTargetVerify) {
+      if (!s.q_lens.empty()) {
+        for (int64_t p = seq - s.q_lens[size_t(r)]; p < seq; ++p) loc.push_back(slot(r, p));
+      } else if (s.mode == ForwardMode::kTargetVerify) {
         for (int i = 0; i < spec_.draft_token_num; ++i) loc.push_back(slot(r, seq + i));
       } else if (spec_.topk > 0) {
         for (int b = 0; b < spec_.topk; ++b)
@@ -695,8 +797,9 @@ class GraphWorld {
   int64_t max_tokens_ = 0;
   BackendConfig config_;
   std::vector<Buffer> q_, k_, v_, out_, out_eager_, loc_;
-  Buffer rpi_, seq_, mask_, positions_;
+  Buffer rpi_, seq_, mask_, positions_, prefix_, extend_;
   std::vector<int32_t> seq_host_;
+  std::vector<int64_t> prefix_host_, extend_host_;
   int elem_ = 0;          ///< bytes of one KV element
   size_t slot_bytes_ = 0;  ///< bytes of one slot of one layer's K (V is as wide: v_dim = head_dim)
   std::vector<uint8_t> nan_image_;  ///< a whole K (or V) buffer of NaN
@@ -809,7 +912,9 @@ void check_buckets(const WorldSpec& spec, ForwardMode mode, const std::vector<in
   auto backend = w.make_cuda_backend();
   EXPECT_EQ(backend->cuda_graph_seq_len_fill_value(), 0);
   const int per_request = mode == ForwardMode::kTargetVerify ? spec.draft_token_num : 1;
-  backend->init_cuda_graph_state(spec.max_bs, int64_t(spec.max_bs) * per_request);
+  const bool extend = mode == ForwardMode::kExtend || mode == ForwardMode::kMixed;
+  backend->init_cuda_graph_state(
+      spec.max_bs, extend ? int64_t(spec.extend_tokens) : int64_t(spec.max_bs) * per_request);
   const double tolerance = tolerance_for(spec.io, spec.kv, BackendKind::kCuda, mode);
   for (int bs : buckets) {
     Graph graph;
@@ -1075,23 +1180,40 @@ TEST(CudaGraphsVerify, Variants) {
 void check_bad_replays(const WorldSpec& spec, ForwardMode mode) {
   GraphWorld w(spec);
   auto backend = w.make_cuda_backend();
-  const int per_request = mode == ForwardMode::kTargetVerify ? spec.draft_token_num : 1;
-  backend->init_cuda_graph_state(spec.max_bs, int64_t(spec.max_bs) * per_request);
+  const bool verify = mode == ForwardMode::kTargetVerify;
+  const bool extend = mode == ForwardMode::kExtend || mode == ForwardMode::kMixed;
+  const int per_request = verify ? spec.draft_token_num : 1;
+  backend->init_cuda_graph_state(
+      spec.max_bs, extend ? int64_t(spec.extend_tokens) : int64_t(spec.max_bs) * per_request);
   const int bs = 4;
   Graph graph;
   capture_bucket(w, *backend, w.random_step(mode, bs, bs), graph);
   EXPECT_NO_THROW(backend->check_errors(true));
   const int64_t num_slots = w.cache().num_slots();
-  // A world planned on the device also sees a seq_len past max_context_len (kArgSeqLens) and,
-  // TARGET_VERIFY, a tree mask shorter than its rows (kArgCustomMask).
-  const bool verify = mode == ForwardMode::kTargetVerify;
-  const int kinds = !spec.device_lengths ? 3 : verify ? 5 : 4;
-  for (int kind = 0; kind < kinds; ++kind) {
+  // A world planned on the device also sees a seq_len past max_context_len (kArgSeqLens);
+  // TARGET_VERIFY a tree mask shorter than its rows (kArgCustomMask); EXTEND a prefix longer
+  // than its sequence (kArgExtendPrefixLens) and lengths whose new tokens are not the step's
+  // (kArgExtendSeqLens).
+  std::vector<int> kinds{0, 1, 2};
+  if (spec.device_lengths) kinds.push_back(3);
+  if (spec.device_lengths && verify) kinds.push_back(4);
+  if (spec.device_lengths && extend) kinds.insert(kinds.end(), {5, 6});
+  for (int kind : kinds) {
     const Step s = w.random_step(mode, bs, bs);
     w.upload(s);
     std::string argument;
     std::function<void()> undo = [] {};
-    if (kind == 3) {
+    if (kind == 5) {
+      w.set_extend_on_device(0, 1, s.seq[1] + 1);
+      argument = "extend_prefix_lens[1]";
+    } else if (kind == 6) {
+      // Request 3 one token longer (seq and extend consistent): one token more than the step's.
+      int r = 3;
+      while (r > 0 && s.seq[size_t(r)] >= spec.max_context) --r;
+      w.set_seq_on_device(r, s.seq[size_t(r)] + 1);
+      w.set_extend_on_device(1, r, s.q_lens[size_t(r)] + 1);
+      argument = "extend_seq_lens";
+    } else if (kind == 3) {
       w.set_seq_on_device(2, int32_t(spec.max_context + 5));
       argument = "seq_lens[2]";
     } else if (kind == 4) {
@@ -1188,6 +1310,96 @@ TEST(CudaGraphsBadInput, RefusedDevicePlannedVerifyReplayWritesNothing) {
   spec.max_context = 1024;
   spec.device_lengths = true;
   check_bad_replays(spec, ForwardMode::kTargetVerify);
+}
+
+// ---- EXTEND / MIXED planned on the device (no host lengths; issue 15)
+// ----------------------------
+
+WorldSpec extend_world(const char* label, uint64_t seed) {
+  WorldSpec w;
+  w.label = label;
+  w.seed = seed;
+  w.device_lengths = true;
+  w.max_context = 2048;
+  w.extend_tokens = 700;  // split among the bucket's requests differently at every step
+  return w;
+}
+
+// Capture an EXTEND (or MIXED) step once per bucket of (batch size, tokens), replay it with other
+// lengths, prefixes and splits of the tokens, partly padded: every replay bitwise equal to its
+// eager twin (also planned on the device) and, first and last, within the oracle's tolerance.
+TEST(CudaGraphsDevicePlan, ExtendReplayEqualsEager) {
+  REQUIRE_GPU();
+  std::vector<std::pair<WorldSpec, ForwardMode>> worlds;
+  worlds.push_back({extend_world("device-plan extend", 81), ForwardMode::kExtend});
+  WorldSpec window = extend_world("device-plan extend window 300 page16", 82);
+  window.window = 300;
+  window.page_size = 16;
+  worlds.push_back({window, ForwardMode::kExtend});
+  WorldSpec fp8 = extend_world("device-plan extend fp8 e4m3", 83);
+  fp8.kv = DType::kFloat8E4M3;
+  worlds.push_back({fp8, ForwardMode::kExtend});
+  WorldSpec hd64 = extend_world("device-plan mixed head_dim 64 fp16", 84);
+  hd64.head_dim = 64;
+  hd64.io = hd64.kv = DType::kFloat16;
+  worlds.push_back({hd64, ForwardMode::kMixed});
+  WorldSpec fp32 = extend_world("device-plan extend fp32 io", 85);
+  fp32.io = DType::kFloat32;
+  fp32.kv = DType::kBFloat16;
+  worlds.push_back({fp32, ForwardMode::kExtend});
+  for (const auto& [spec, mode] : worlds) {
+    SCOPED_TRACE(spec.label);
+    check_buckets(spec, mode, {1, 3, 8}, 3);
+  }
+}
+
+// The device's plan is the host's (the same tiles, split and merged the same way): an EXTEND
+// step planned on the device computes the bits the same step planned from its host lengths
+// computes (both eager, the paged path: every step here has a cached prefix and fewer new
+// tokens than the ragged threshold).
+TEST(CudaGraphsDevicePlan, ExtendStepEqualsTheHostPlannedStep) {
+  REQUIRE_GPU();
+  for (int window : {-1, 300}) {
+    WorldSpec spec = extend_world("extend device vs host plan", 86);
+    spec.window = window;
+    GraphWorld w(spec);
+    for (int bs : {3, 5, 8}) {
+      const Step s = w.random_step(ForwardMode::kExtend, bs, bs);
+      w.upload(s);
+      const ForwardBatch device = w.batch(s);
+      ForwardBatch host = device;
+      std::vector<int64_t> seq(s.seq.begin(), s.seq.end()), prefix, extend;
+      for (int r = 0; r < bs; ++r) {
+        prefix.push_back(s.seq[size_t(r)] - s.q_lens[size_t(r)]);
+        extend.push_back(s.q_lens[size_t(r)]);
+      }
+      host.seq_lens_cpu = TensorView(seq.data(), DType::kInt64, Device::cpu(), {bs});
+      host.extend_prefix_lens_cpu = TensorView(prefix.data(), DType::kInt64, Device::cpu(), {bs});
+      host.extend_seq_lens_cpu = TensorView(extend.data(), DType::kInt64, Device::cpu(), {bs});
+      auto a = w.make_cuda_backend();
+      a->init_forward_metadata(host);
+      w.run_layers(*a, host, s, /*eager=*/true);
+      auto b = w.make_cuda_backend();
+      b->init_forward_metadata(device);
+      w.run_layers(*b, device, s, /*eager=*/false);
+      cuda_check(cudaStreamSynchronize(w.stream()), "steps");
+      for (int l = 0; l < kLayers; ++l) {
+        EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) ==
+                    w.output_bytes(l, s.real_tokens, false))
+            << "window " << window << " batch " << bs << " layer " << l
+            << ": the device-planned EXTEND step differs from the host-planned one";
+      }
+      EXPECT_NO_THROW(a->check_errors(true));
+      EXPECT_NO_THROW(b->check_errors(true));
+    }
+  }
+}
+
+TEST(CudaGraphsBadInput, RefusedDevicePlannedExtendReplayWritesNothing) {
+  REQUIRE_GPU();
+  WorldSpec spec = extend_world("bad device-plan extend", 87);
+  spec.max_context = 1024;
+  check_bad_replays(spec, ForwardMode::kExtend);
 }
 
 // ---- multi-step draft --------------------------------------------------------------------------

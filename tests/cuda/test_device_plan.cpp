@@ -175,36 +175,62 @@ core::PrefillTileShape h200_tile_shape(int batch_size, int window, int max_clust
 // the host: the layout of make_paged_layout over the clamped lengths, then the padded host plan.
 // draft > 0: a TARGET_VERIFY call of draft-token trees (custom mask, mask_indptr compared too);
 // mask_short: the tree mask one element short (every length zeroed, nothing planned to read).
+// prefix_lens given: an EXTEND call (query tokens seq - prefix a request, the prefix clamped to
+// [0, seq]; qo_indptr clamped to num_tokens, compared too), the token-bucket capacity.
 void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int window,
                                   const core::PrefillTileShape& shape, bool int64, int max_context,
-                                  int draft = 0, bool mask_short = false) {
+                                  int draft = 0, bool mask_short = false,
+                                  const std::vector<int64_t>* prefix_lens = nullptr,
+                                  int64_t num_tokens = 0) {
   const int bs = int(seq_lens.size());
   const int q_len = draft > 0 ? draft : 1;
+  const bool extend = prefix_lens != nullptr;
   core::HostLengths lens;
   for (int64_t v : seq_lens) {
     lens.seq_lens.push_back(int32_t(std::clamp<int64_t>(v, 0, max_context - draft)));
   }
+  if (extend) {
+    for (int r = 0; r < bs; ++r) {
+      const int32_t seq = lens.seq_lens[size_t(r)];
+      const int32_t prefix = int32_t(std::clamp<int64_t>((*prefix_lens)[size_t(r)], 0, seq));
+      lens.prefix_lens.push_back(prefix);
+      lens.extend_lens.push_back(seq - prefix);
+    }
+  }
   core::PagedLayout layout = core::make_paged_layout(
-      draft > 0 ? ForwardMode::kTargetVerify : ForwardMode::kDecode,
+      extend      ? ForwardMode::kExtend
+      : draft > 0 ? ForwardMode::kTargetVerify
+                  : ForwardMode::kDecode,
       window >= 0 ? core::IndexSet::kWindow : core::IndexSet::kFull, window, lens, draft);
+  if (extend) {
+    for (int32_t& q : layout.qo_indptr) q = int32_t(std::min<int64_t>(q, num_tokens));
+  }
   const int64_t mask_elems = layout.mask_indptr.empty() ? 0 : layout.mask_indptr.back();
   if (mask_short) {
     for (int32_t& len : layout.kv_len) len = 0;
     std::fill(layout.kv_indptr.begin(), layout.kv_indptr.end(), 0);
   }
   core::PrefillTilePlan host = core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape);
-  const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(bs, q_len, shape);
+  const core::PrefillPlanCapacity capacity =
+      extend ? core::prefill_plan_capacity_for_tokens(bs, num_tokens, shape)
+             : core::prefill_plan_capacity(bs, q_len, shape);
   core::pad_prefill_plan(host, capacity);
+  auto upload = [&](const DeviceBytes& dst, const std::vector<int64_t>& v) {
+    if (int64) {
+      CUDA_OK(cudaMemcpy(dst.ptr, v.data(), v.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+    } else {
+      std::vector<int32_t> narrow(v.begin(), v.end());
+      CUDA_OK(
+          cudaMemcpy(dst.ptr, narrow.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    }
+  };
+  DeviceBytes prefix(size_t(bs) * sizeof(int64_t));
+  DeviceBytes qo((size_t(bs) + 1) * sizeof(int32_t));
+  CUDA_OK(cudaMemset(qo.ptr, 0xA5, (size_t(bs) + 1) * sizeof(int32_t)));
+  if (extend) upload(prefix, *prefix_lens);
 
   DeviceBytes seq(size_t(bs) * sizeof(int64_t));
-  if (int64) {
-    CUDA_OK(
-        cudaMemcpy(seq.ptr, seq_lens.data(), size_t(bs) * sizeof(int64_t), cudaMemcpyHostToDevice));
-  } else {
-    std::vector<int32_t> narrow(seq_lens.begin(), seq_lens.end());
-    CUDA_OK(
-        cudaMemcpy(seq.ptr, narrow.data(), size_t(bs) * sizeof(int32_t), cudaMemcpyHostToDevice));
-  }
+  upload(seq, seq_lens);
   DeviceBytes start(size_t(bs) * sizeof(int32_t)), len(size_t(bs) * sizeof(int32_t));
   DeviceBytes indptr((size_t(bs) + 1) * sizeof(int64_t));
   DeviceBytes items(size_t(capacity.items) * sizeof(core::PrefillWorkItem));
@@ -230,6 +256,12 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   p.lengths.kv_len = static_cast<int32_t*>(len.ptr);
   p.lengths.q_len = q_len;
   p.lengths.tree_tokens = draft;
+  if (extend) {
+    p.lengths.prefix_lens = prefix.ptr;
+    p.lengths.prefix_lens_int64 = int64;
+    p.lengths.num_tokens = num_tokens;
+    p.lengths.qo_indptr = static_cast<int32_t*>(qo.ptr);
+  }
   if (draft > 0) {
     p.lengths.mask_indptr = static_cast<int64_t*>(mask.ptr);
     p.lengths.mask_elems = static_cast<const int64_t*>(elems.ptr);
@@ -247,6 +279,7 @@ void expect_tile_plan_equals_host(const std::vector<int64_t>& seq_lens, int wind
   EXPECT_EQ(from_device<int32_t>(start, size_t(bs)), layout.kv_start);
   EXPECT_EQ(from_device<int32_t>(len, size_t(bs)), layout.kv_len);
   EXPECT_EQ(from_device<int64_t>(indptr, size_t(bs) + 1), layout.kv_indptr);
+  if (extend) EXPECT_EQ(from_device<int32_t>(qo, size_t(bs) + 1), layout.qo_indptr);
   if (draft > 0) {
     const auto got_mask = from_device<int64_t>(mask, size_t(bs) + 1);
     EXPECT_EQ(got_mask.back(), mask_elems);  // what the step check compares
@@ -323,6 +356,74 @@ TEST(DevicePlanTiles, EqualsTheHostPlanOnRandomBatches) {
   // The trials reach every form of the plan.
   EXPECT_GT(cluster_plans, 5);
   EXPECT_GT(split_plans, 5);
+}
+
+// EXTEND-like calls (the Hopper prefill kernel's shape: causal row tiles of 64 / 128 rows, a
+// window or none, split-KV or not, GQA groups 1 / 4 / 8): requests of 0, 1 or many new tokens,
+// tile-boundary lengths, prefixes of 0 to long, out-of-range lengths clamped (seq over
+// max_context, prefix negative or over seq), and lengths whose tokens exceed num_tokens (qo_indptr
+// clamped): the host plan of the same clamped call, item for item.
+TEST(DevicePlanTiles, ExtendEqualsTheHostPlan) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  int split_plans = 0, clamped = 0;
+  for (int trial = 0; trial < 90; ++trial) {
+    const int bs = trial < 40 ? 1 + int(rng() % 8) : 1 + int(rng() % 200);
+    const int window = trial % 4 == 3 ? int(rng() % 3000) : -1;
+    const int max_context = 40000;
+    const int group = trial % 3 == 0 ? 1 : trial % 3 == 1 ? 4 : 8;
+    core::PrefillTileShape shape;
+    shape.num_kv_heads = trial % 5 == 0 ? 2 : 8;
+    shape.num_q_heads = shape.num_kv_heads * group;
+    shape.tile_rows = trial % 2 == 0 ? 128 : 64;
+    shape.kv_tile = trial % 2 == 0 ? 128 : 176;
+    shape.mask = core::MaskMode::kCausal;
+    shape.window_left = window;
+    shape.concurrent_ctas = trial % 7 == 6 ? 0 : 132 * (1 + trial % 2);
+    std::vector<int64_t> seq(static_cast<size_t>(bs)), prefix(static_cast<size_t>(bs));
+    int64_t tokens = 0;
+    for (int r = 0; r < bs; ++r) {
+      const int kind = int(rng() % 10);
+      const int64_t q = kind == 0   ? 0
+                        : kind == 1 ? 1
+                        : kind == 2 ? int64_t(shape.tile_rows / group) * (1 + rng() % 3) + 1
+                        : kind < 8  ? int64_t(rng() % 600)
+                                    : int64_t(rng() % 5000);
+      const int64_t pre = rng() % 3 == 0 ? 0 : int64_t(rng() % 20000);
+      seq[size_t(r)] = std::min<int64_t>(pre + q, max_context);
+      prefix[size_t(r)] = pre;
+      tokens += seq[size_t(r)] - std::min(pre, seq[size_t(r)]);
+    }
+    if (trial % 11 == 10) {  // out of range: clamped by the planner (the step check refuses)
+      seq[0] = max_context + 5;
+      prefix[size_t(bs - 1)] = -3;
+      ++clamped;
+    }
+    int64_t num_tokens = tokens;
+    if (trial % 13 == 12) {  // more tokens than the step has: qo_indptr clamped
+      num_tokens = tokens / 2;
+      ++clamped;
+    }
+    {
+      std::vector<int32_t> qo{0};
+      std::vector<int64_t> kv{0};
+      for (int r = 0; r < bs; ++r) {
+        qo.push_back(qo.back() +
+                     int32_t(seq[size_t(r)] - std::min(prefix[size_t(r)], seq[size_t(r)])));
+        kv.push_back(kv.back() + seq[size_t(r)]);
+      }
+      if (trial % 11 != 10) {
+        split_plans += !core::plan_prefill_tiles(qo, kv, shape).merges.empty();
+      }
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial) + ", batch " + std::to_string(bs) + ", window " +
+                 std::to_string(window) + ", tokens " + std::to_string(num_tokens));
+    expect_tile_plan_equals_host(seq, window, shape, /*int64=*/trial % 2 == 1, max_context, 0,
+                                 false, &prefix, num_tokens);
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(split_plans, 10);
+  EXPECT_GT(clamped, 10);
 }
 
 // TARGET_VERIFY: trees of 1..12 tokens on the decode-shaped kernel's 16- and 32-row tiles,

@@ -117,16 +117,26 @@ __device__ void bitonic_sort(uint64_t* keys, int padded) {
   }
 }
 
-// Request r's KV range (make_paged_layout's DECODE / TARGET_VERIFY layout): written to the
-// call's metadata, its length returned.
-__device__ int32_t step_kv_len(const DeviceLengths& l, int r) {
-  int64_t seq = l.seq_lens_int64 ? static_cast<const int64_t*>(l.seq_lens)[r]
-                                 : int64_t(static_cast<const int32_t*>(l.seq_lens)[r]);
+__device__ __forceinline__ int64_t read_length(const void* p, bool int64, int r) {
+  return int64 ? static_cast<const int64_t*>(p)[r] : int64_t(static_cast<const int32_t*>(p)[r]);
+}
+
+// Request r's KV range (make_paged_layout's layout) written to the call's metadata, its length
+// returned; *q_len: its query tokens (EXTEND-like: seq_len - prefix_len, before the clamp to
+// num_tokens).
+__device__ int32_t step_kv_len(const DeviceLengths& l, int r, int32_t* q_len) {
+  int64_t seq = read_length(l.seq_lens, l.seq_lens_int64, r);
   seq = min(max(seq, int64_t(0)), int64_t(l.max_context_len) - l.tree_tokens);
+  int64_t q = l.q_len;
+  if (l.prefix_lens != nullptr) {
+    const int64_t prefix = read_length(l.prefix_lens, l.prefix_lens_int64, r);
+    q = seq - min(max(prefix, int64_t(0)), seq);
+  }
   int64_t len = seq + l.tree_tokens;
-  if (l.window >= 0) len = min(seq, int64_t(l.window) + 1);
+  if (l.window >= 0) len = min(seq, int64_t(l.window) + q);
   l.kv_start[r] = int32_t(seq + l.tree_tokens - len);
   l.kv_len[r] = int32_t(len);
+  *q_len = int32_t(q);
   return int32_t(len);
 }
 
@@ -176,8 +186,9 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   int64_t top = 0;
   int64_t total = 0;
   for (int r = threadIdx.x; r < bs; r += kThreads) {
+    int32_t q_len = 1;
     const int32_t len =
-        p.lengths.seq_lens != nullptr ? step_kv_len(p.lengths, r) : max(p.kv_len[r], 0);
+        p.lengths.seq_lens != nullptr ? step_kv_len(p.lengths, r, &q_len) : max(p.kv_len[r], 0);
     lens[r] = len;
     lens64[r] = len;
     top = max(top, int64_t(len));
@@ -253,21 +264,29 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   }
 }
 
-// ---- the decode-shaped kernel's plan (core::plan_prefill_tiles, one query token a request) ----
+// ---- the tensor-core kernels' plan (core::plan_prefill_tiles with l2_keys 0) ----------------
 
-// Every row tile of a request sees the same keys: [kv_begin, kv_end) of the host's tile
-// arithmetic at first_token = last_token = 0 for q_len 1 (DECODE), and all kv_len keys for a
-// custom mask without a window (TARGET_VERIFY; launch_device_plan_tiles admits nothing else).
+// Keys [begin, end) of a request's rows one tile sees.
 struct TileKeys {
   int32_t begin, end;
 };
-__device__ __forceinline__ TileKeys tile_keys(const core::PrefillTileShape& s, int32_t kv_len) {
-  const int32_t end = kv_len;  // causal: clamp(kv_len - 1 + 0 + 1, 0, kv_len); else kv_len
-  int32_t begin = 0;
-  if (s.window_left >= 0 && s.mask != core::MaskMode::kNone) {
-    begin = int32_t(min(max(int64_t(kv_len) - 1 - s.window_left, int64_t(0)), int64_t(end)));
-  }
-  return {begin, end};
+
+// The host's tile arithmetic (plan_prefill_tiles) for row tile `row_tile` of a request of q_len
+// query tokens and kv_len keys: causal rows see keys up to their token's bottom-right aligned
+// position, a window bounds them from below.
+__device__ __forceinline__ TileKeys row_tile_keys(const core::PrefillTileShape& s, int group,
+                                                  int32_t kv_len, int32_t q_len, int row_tile) {
+  const int64_t rows = int64_t(q_len) * group;
+  const int64_t row = int64_t(row_tile) * s.tile_rows;
+  const int64_t first_token = row / group;
+  const int64_t last_token = (min(rows, row + s.tile_rows) - 1) / group;
+  int64_t end = kv_len;
+  if (s.mask == core::MaskMode::kCausal)
+    end = min(max(int64_t(kv_len) - q_len + last_token + 1, int64_t(0)), int64_t(kv_len));
+  int64_t begin = 0;
+  if (s.window_left >= 0 && s.mask != core::MaskMode::kNone)
+    begin = min(max(int64_t(kv_len) - q_len + first_token - s.window_left, int64_t(0)), end);
+  return {int32_t(begin), int32_t(end)};
 }
 
 __device__ __forceinline__ int32_t steps_of(TileKeys k, int kv_tile) {
@@ -285,43 +304,101 @@ __device__ __forceinline__ TileKeys chunk_keys_of(TileKeys k, int32_t steps, int
   return out;
 }
 
+// Shared-memory layout of the tile planner: fixed scratch, per-request arrays, per-row-tile
+// arrays (the split path's scans), then the sort keys.
+struct TilesSmem {
+  size_t lens64, lens, q_lens, qo, tile_start, built, merge, partial, keys, bytes;
+};
+__host__ __device__ inline TilesSmem tiles_smem(int batch_size, int row_tiles, int keys) {
+  TilesSmem m;
+  size_t at = (kThreads / 32 + kThreads) * sizeof(int64_t) + kThreads * sizeof(int32_t);
+  auto take = [&](size_t bytes) {
+    at = (at + 15) / 16 * 16;
+    const size_t here = at;
+    at += bytes;
+    return here;
+  };
+  const size_t bs = size_t(batch_size);
+  m.lens64 = take(bs * sizeof(int64_t));
+  m.lens = take(bs * sizeof(int32_t));
+  m.q_lens = take(bs * sizeof(int32_t));
+  m.qo = take((bs + 1) * sizeof(int32_t));
+  m.tile_start = take((bs + 1) * sizeof(int32_t));
+  const size_t tiles = size_t(row_tiles) + 1;
+  m.built = take(tiles * sizeof(int32_t));
+  m.merge = take(tiles * sizeof(int32_t));
+  m.partial = take(tiles * sizeof(int32_t));
+  m.keys = take(size_t(keys) * sizeof(uint64_t));
+  m.bytes = (at + 15) / 16 * 16;
+  return m;
+}
+
 __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const DevicePlanTiles p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int bs = p.batch_size;
   const core::PrefillTileShape& s = p.shape;
   const int heads = s.num_kv_heads;
   const int group = s.num_q_heads / s.num_kv_heads;
-  const int q_len = p.lengths.q_len;
-  const int tiles_per_request = int((int64_t(q_len) * group + s.tile_rows - 1) / s.tile_rows);
+  const bool extend = p.lengths.prefix_lens != nullptr;
+  int keys_needed = 1;
+  while (keys_needed < p.capacity.items) keys_needed *= 2;
+  const TilesSmem m = tiles_smem(bs, p.capacity.row_tiles, keys_needed);
   int64_t* scratch = reinterpret_cast<int64_t*>(smem);                      // [kThreads / 32]
   int64_t* partials64 = scratch + kThreads / 32;                            // [kThreads]
   int32_t* partials32 = reinterpret_cast<int32_t*>(partials64 + kThreads);  // [kThreads]
-  int64_t* lens64 = reinterpret_cast<int64_t*>(partials32 + kThreads);      // [bs]
-  int32_t* lens = reinterpret_cast<int32_t*>(lens64 + bs);                  // [bs]
-  int32_t* built = lens + bs;                                               // [bs + 1]
-  int32_t* merge = built + bs + 1;                                          // [bs + 1]
-  int32_t* partial = merge + bs + 1;                                        // [bs + 1]
-  uint64_t* keys = reinterpret_cast<uint64_t*>(
-      (reinterpret_cast<uintptr_t>(partial + bs + 1) + 15) / 16 * 16);  // [pow2 >= items]
+  int64_t* lens64 = reinterpret_cast<int64_t*>(smem + m.lens64);            // [bs]
+  int32_t* lens = reinterpret_cast<int32_t*>(smem + m.lens);                // [bs]
+  int32_t* q_lens = reinterpret_cast<int32_t*>(smem + m.q_lens);            // [bs]
+  int32_t* qo = reinterpret_cast<int32_t*>(smem + m.qo);                    // [bs + 1]
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + m.tile_start);    // [bs + 1]
+  int32_t* built = reinterpret_cast<int32_t*>(smem + m.built);              // [row tiles + 1]
+  int32_t* merge = reinterpret_cast<int32_t*>(smem + m.merge);              // [row tiles + 1]
+  int32_t* partial = reinterpret_cast<int32_t*>(smem + m.partial);          // [row tiles + 1]
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem + m.keys);              // [keys_needed]
 
   if (p.scheduler != nullptr && threadIdx.x < 4) p.scheduler[threadIdx.x] = 0;
 
-  // ---- lengths, mask rows, kv_indptr, the step's cost ------------------------------------------
+  // ---- lengths, query rows, mask rows, kv_indptr ---------------------------------------------
   for (int r = threadIdx.x; r < bs; r += kThreads) {
-    const int32_t len = step_kv_len(p.lengths, r);
+    int32_t q_len = 0;
+    const int32_t len = step_kv_len(p.lengths, r, &q_len);
     lens[r] = len;
     lens64[r] = len;
+    q_lens[r] = q_len;
   }
   mask_rows(p.lengths, bs, lens, lens64, partials64);
-  int64_t cost = 0;
+  if (extend) {
+    // qo_indptr, clamped to the step's rows (the step check refuses lengths that do not add up).
+    block_exclusive_scan<int32_t>(q_lens, qo, bs, partials32);
+    const int32_t rows = int32_t(p.lengths.num_tokens);
+    for (int r = threadIdx.x; r <= bs; r += kThreads) {
+      qo[r] = min(qo[r], rows);
+      p.lengths.qo_indptr[r] = qo[r];
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < bs; r += kThreads) q_lens[r] = qo[r + 1] - qo[r];
+  } else {
+    for (int r = threadIdx.x; r <= bs; r += kThreads) qo[r] = r * p.lengths.q_len;
+  }
+  block_exclusive_scan<int64_t>(lens64, p.kv_indptr, bs, partials64);
+  // The (request, row tile) pairs in build order, at most capacity.row_tiles.
   for (int r = threadIdx.x; r < bs; r += kThreads) {
-    const int32_t steps = steps_of(tile_keys(s, lens[r]), s.kv_tile);
-    cost += int64_t(tiles_per_request) * (int64_t(steps) + 1) * s.kv_tile * heads;
+    tile_start[r] = int32_t((int64_t(q_lens[r]) * group + s.tile_rows - 1) / s.tile_rows);
+  }
+  block_exclusive_scan<int32_t>(tile_start, tile_start, bs, partials32);
+  const int num_tiles = min(tile_start[bs], p.capacity.row_tiles);
+  // Row tile t's request, its row tile and its keys.
+  auto request_of_tile = [&](int t) { return request_of_item(tile_start, bs, t); };
+  auto keys_of_tile = [&](int t, int r) {
+    return row_tile_keys(s, group, lens[r], q_lens[r], t - tile_start[r]);
+  };
+  int64_t cost = 0;
+  for (int t = threadIdx.x; t < num_tiles; t += kThreads) {
+    const int32_t steps = steps_of(keys_of_tile(t, request_of_tile(t)), s.kv_tile);
+    cost += (int64_t(steps) + 1) * s.kv_tile * heads;
   }
   const int64_t total_cost = block_sum(cost, scratch);
-  block_exclusive_scan<int64_t>(lens64, p.kv_indptr, bs, partials64);
 
-  const int num_tiles = bs * tiles_per_request;  // raw tiles, build order (request, row tile)
   auto fill_item = [&](core::PrefillWorkItem& item, int r, int row_tile, int h, TileKeys k) {
     item.request = r;
     item.kv_head = h;
@@ -332,8 +409,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
     item.merge = -1;
     const int64_t base = p.kv_indptr[r];
     item.kv_base = base <= INT32_MAX ? int32_t(base) : -1;
-    item.q_begin = r * q_len;  // qo_indptr[r]: q_len tokens every request
-    item.q_end = (r + 1) * q_len;
+    item.q_begin = qo[r];
+    item.q_end = qo[r + 1];
     item.reserved[0] = item.reserved[1] = 0;
   };
   int num_items = 0;
@@ -345,8 +422,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
     for (int i = threadIdx.x; i < padded; i += kThreads) {
       uint64_t key = ~uint64_t(0);
       if (i < num_tiles) {
-        const int32_t steps = steps_of(tile_keys(s, lens[i / tiles_per_request]), s.kv_tile);
-        key = heaviest_first_key(steps, uint32_t(i));
+        key = heaviest_first_key(steps_of(keys_of_tile(i, request_of_tile(i)), s.kv_tile),
+                                 uint32_t(i));
       }
       keys[i] = key;
     }
@@ -357,10 +434,10 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       const int tile = int(keys[j / per_tile] & 0xffffffffu);
       const int h = (j % per_tile) / s.cluster;
       const int c = j % s.cluster;
-      const int r = tile / tiles_per_request;
-      const TileKeys k = tile_keys(s, lens[r]);
+      const int r = request_of_tile(tile);
+      const TileKeys k = keys_of_tile(tile, r);
       core::PrefillWorkItem item;
-      fill_item(item, r, tile % tiles_per_request, h,
+      fill_item(item, r, tile - tile_start[r], h,
                 chunk_keys_of(k, steps_of(k, s.kv_tile), c, s.cluster, s.kv_tile));
       p.items[j] = item;
     }
@@ -373,8 +450,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       chunk = ceil_div(chunk, s.kv_tile) * s.kv_tile;
     }
     int64_t longest = 0;
-    for (int r = threadIdx.x; r < bs; r += kThreads) {
-      const TileKeys k = tile_keys(s, lens[r]);
+    for (int t = threadIdx.x; t < num_tiles; t += kThreads) {
+      const TileKeys k = keys_of_tile(t, request_of_tile(t));
       longest = max(longest, int64_t(k.end - k.begin));
     }
     const bool splits = chunk > 0 && block_max(longest, scratch) > chunk;
@@ -384,7 +461,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       for (int i = threadIdx.x; i < padded; i += kThreads) {
         uint64_t key = ~uint64_t(0);
         if (i < num_tiles) {
-          const TileKeys k = tile_keys(s, lens[i / tiles_per_request]);
+          const TileKeys k = keys_of_tile(i, request_of_tile(i));
           key = heaviest_first_key(k.end - k.begin, uint32_t(i));
         }
         keys[i] = key;
@@ -393,44 +470,45 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       num_items = min(num_tiles * heads, p.capacity.items);
       for (int j = threadIdx.x; j < num_items; j += kThreads) {
         const int tile = int(keys[j / heads] & 0xffffffffu);
-        const int r = tile / tiles_per_request;
+        const int r = request_of_tile(tile);
         core::PrefillWorkItem item;
-        fill_item(item, r, tile % tiles_per_request, j % heads, tile_keys(s, lens[r]));
+        fill_item(item, r, tile - tile_start[r], j % heads, keys_of_tile(tile, r));
         p.items[j] = item;
       }
     } else {
-      // Build order (request, row tile, kv head, chunk): a request's items, merges and partial
-      // slots are consecutive, so three scans over the requests number them all.
-      for (int r = threadIdx.x; r < bs; r += kThreads) {
-        const TileKeys k = tile_keys(s, lens[r]);
-        const int64_t keys_r = k.end - k.begin;
-        const int32_t chunks = keys_r > chunk ? int32_t(ceil_div(keys_r, chunk)) : 1;
-        built[r] = tiles_per_request * heads * chunks;
-        merge[r] = chunks > 1 ? tiles_per_request * heads : 0;
-        partial[r] = chunks > 1 ? tiles_per_request * heads * chunks : 0;
+      // Build order (request, row tile, kv head, chunk): a tile's items, merges and partial
+      // slots are consecutive, so three scans over the row tiles number them all.
+      auto chunks_of = [&](TileKeys k) {
+        const int64_t n = k.end - k.begin;
+        return n > chunk ? int32_t(ceil_div(n, chunk)) : 1;
+      };
+      for (int t = threadIdx.x; t < num_tiles; t += kThreads) {
+        const int32_t chunks = chunks_of(keys_of_tile(t, request_of_tile(t)));
+        built[t] = heads * chunks;
+        merge[t] = chunks > 1 ? heads : 0;
+        partial[t] = chunks > 1 ? heads * chunks : 0;
       }
-      block_exclusive_scan<int32_t>(built, built, bs, partials32);
-      block_exclusive_scan<int32_t>(merge, merge, bs, partials32);
-      block_exclusive_scan<int32_t>(partial, partial, bs, partials32);
+      block_exclusive_scan<int32_t>(built, built, num_tiles, partials32);
+      block_exclusive_scan<int32_t>(merge, merge, num_tiles, partials32);
+      block_exclusive_scan<int32_t>(partial, partial, num_tiles, partials32);
       // (At most capacity.items by prefill_plan_capacity's bound; clamped so that the keys stay
       // inside their shared memory whatever happens.)
-      const int total_built = min(built[bs], p.capacity.items);
-      // Where each built item sits: its request, row tile, head and chunk.
+      const int total_built = min(built[num_tiles], p.capacity.items);
+      // Where each built item sits: its tile, request, head and chunk.
       struct Built {
-        int r, row_tile, h, c, chunks;
-        TileKeys k, chunk;
+        int t, r, h, c, chunks;
+        TileKeys chunk;
       };
       auto locate = [&](int i) {
         Built b;
-        b.r = request_of_item(built, bs, i);
-        b.k = tile_keys(s, lens[b.r]);
-        const int64_t keys_r = b.k.end - b.k.begin;
-        b.chunks = keys_r > chunk ? int(ceil_div(keys_r, chunk)) : 1;
-        const int local = i - built[b.r];
-        b.row_tile = local / (heads * b.chunks);
-        b.h = (local / b.chunks) % heads;
+        b.t = request_of_item(built, num_tiles, i);
+        b.r = request_of_tile(b.t);
+        const TileKeys k = keys_of_tile(b.t, b.r);
+        b.chunks = chunks_of(k);
+        const int local = i - built[b.t];
+        b.h = local / b.chunks;
         b.c = local % b.chunks;
-        b.chunk = chunk_keys_of(b.k, steps_of(b.k, s.kv_tile), b.c, b.chunks, s.kv_tile);
+        b.chunk = chunk_keys_of(k, steps_of(k, s.kv_tile), b.c, b.chunks, s.kv_tile);
         return b;
       };
       const int padded = padded_pow2(total_built);
@@ -447,29 +525,28 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       for (int j = threadIdx.x; j < num_items; j += kThreads) {
         const Built b = locate(int(keys[j] & 0xffffffffu));
         core::PrefillWorkItem item;
-        fill_item(item, b.r, b.row_tile, b.h, b.chunk);
+        fill_item(item, b.r, b.t - tile_start[b.r], b.h, b.chunk);
         if (b.chunks > 1) {
-          const int tile_head = b.row_tile * heads + b.h;
-          item.partial = partial[b.r] + tile_head * b.chunks + b.c;
-          item.merge = merge[b.r] + tile_head;
+          item.partial = partial[b.t] + b.h * b.chunks + b.c;
+          item.merge = merge[b.t] + b.h;
         }
         p.items[j] = item;
       }
-      num_merges = min(merge[bs], p.capacity.merges);
-      for (int m = threadIdx.x; m < num_merges; m += kThreads) {
-        const int r = request_of_item(merge, bs, m);
-        const int tile_head = m - merge[r];
-        const TileKeys k = tile_keys(s, lens[r]);
-        const int chunks = int(ceil_div(k.end - k.begin, chunk));
+      num_merges = min(merge[num_tiles], p.capacity.merges);
+      for (int i = threadIdx.x; i < num_merges; i += kThreads) {
+        const int t = request_of_item(merge, num_tiles, i);
+        const int r = request_of_tile(t);
+        const int h = i - merge[t];
+        const int chunks = chunks_of(keys_of_tile(t, r));
         core::PrefillMergeItem item;
         item.request = r;
-        item.kv_head = tile_head % heads;
-        item.q_row_begin = (tile_head / heads) * s.tile_rows;
-        item.first_partial = partial[r] + tile_head * chunks;
+        item.kv_head = h;
+        item.q_row_begin = (t - tile_start[r]) * s.tile_rows;
+        item.first_partial = partial[t] + h * chunks;
         item.num_partials = chunks;
         item.arrived = 0;
         item.reserved1 = item.reserved2 = 0;
-        p.merges[m] = item;
+        p.merges[i] = item;
       }
     }
   }
@@ -480,10 +557,10 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
     item.q_row_begin = core::kNoOpRow;
     p.items[j] = item;
   }
-  for (int m = num_merges + threadIdx.x; m < p.capacity.merges; m += kThreads) {
+  for (int i = num_merges + threadIdx.x; i < p.capacity.merges; i += kThreads) {
     core::PrefillMergeItem item;
     item.q_row_begin = core::kNoOpRow;
-    p.merges[m] = item;
+    p.merges[i] = item;
   }
 }
 
@@ -492,12 +569,6 @@ int sort_keys(int n) {
   int keys = 1;
   while (keys < n) keys *= 2;
   return keys;
-}
-
-size_t tiles_smem_bytes(int batch_size, int keys) {
-  size_t bytes = (kThreads / 32 + kThreads) * sizeof(int64_t) + kThreads * sizeof(int32_t);
-  bytes += size_t(batch_size) * sizeof(int64_t) + (4 * size_t(batch_size) + 3) * sizeof(int32_t);
-  return (bytes + 15) / 16 * 16 + size_t(keys) * sizeof(uint64_t);
 }
 
 size_t smem_bytes(int batch_size, int item_capacity) {
@@ -514,8 +585,11 @@ bool device_plan_decode_fits(int batch_size, int item_capacity) {
   return batch_size <= kDevicePlanMaxBatch && item_capacity <= kDevicePlanMaxItems;
 }
 
-bool device_plan_tiles_fit(int batch_size, int items) {
-  return batch_size <= kDevicePlanTilesMaxBatch && sort_keys(items) <= kDevicePlanTilesMaxKeys;
+bool device_plan_tiles_fit(int batch_size, const core::PrefillPlanCapacity& capacity) {
+  const int keys = sort_keys(capacity.items);
+  return batch_size >= 0 && batch_size <= kDevicePlanTilesMaxBatch && capacity.row_tiles >= 0 &&
+         keys <= kDevicePlanTilesMaxKeys &&
+         tiles_smem(batch_size, capacity.row_tiles, keys).bytes <= kDevicePlanTilesMaxSmem;
 }
 
 void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
@@ -557,26 +631,32 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
             "shape", "a tile shape core::plan_prefill_tiles accepts expected");
   check_arg(s.l2_keys == 0, "shape.l2_keys", "got ", s.l2_keys,
             ", the device tile planner plans the decode-shaped kernel's order (0)");
-  check_arg(p.lengths.q_len >= 1 && p.lengths.tree_tokens >= 0, "q_len", "got ", p.lengths.q_len,
-            " query and ", p.lengths.tree_tokens, " tree tokens a request, expected >= 1 and >= 0");
-  check_arg(p.lengths.q_len == 1 || (s.mask != core::MaskMode::kCausal && s.window_left < 0),
-            "q_len", "got ", p.lengths.q_len,
-            ": the device tile planner takes several query tokens a request only without a "
-            "causal mask or a window (TARGET_VERIFY)");
+  const bool extend = p.lengths.prefix_lens != nullptr;
+  check_arg(extend || (p.lengths.q_len >= 1 && p.lengths.tree_tokens >= 0), "q_len", "got ",
+            p.lengths.q_len, " query and ", p.lengths.tree_tokens,
+            " tree tokens a request, expected >= 1 and >= 0");
+  check_arg(!extend || (p.lengths.tree_tokens == 0 && p.lengths.qo_indptr != nullptr &&
+                        p.lengths.num_tokens >= 0 && p.lengths.num_tokens <= INT32_MAX &&
+                        s.mask != core::MaskMode::kCustom),
+            "prefix_lens",
+            "an EXTEND-like plan needs qo_indptr, num_tokens in [0, 2^31), no tree tokens and no "
+            "custom mask");
   check_arg((s.mask == core::MaskMode::kCustom) == (p.lengths.mask_indptr != nullptr) &&
                 (p.lengths.mask_indptr == nullptr || p.lengths.mask_elems != nullptr),
             "mask_indptr", "a custom-mask call needs mask_indptr and mask_elems (and only it)");
   const core::PrefillPlanCapacity want =
-      core::prefill_plan_capacity(p.batch_size, p.lengths.q_len, s);
+      extend ? core::prefill_plan_capacity_for_tokens(p.batch_size, p.lengths.num_tokens, s)
+             : core::prefill_plan_capacity(p.batch_size, p.lengths.q_len, s);
   check_arg(p.capacity.items == want.items && p.capacity.merges == want.merges &&
-                p.capacity.partials == want.partials,
+                p.capacity.partials == want.partials && p.capacity.row_tiles == want.row_tiles,
             "capacity", "got ", p.capacity.items, " items, ", p.capacity.merges, " merges, ",
-            p.capacity.partials,
-            " partials; expected prefill_plan_capacity(batch_size, q_len): ", want.items, ", ",
-            want.merges, ", ", want.partials);
-  check_arg(device_plan_tiles_fit(p.batch_size, p.capacity.items), "batch_size", "got ",
-            p.batch_size, ": ", p.capacity.items, " items, the device tile planner sorts at most ",
-            kDevicePlanTilesMaxKeys);
+            p.capacity.partials, " partials, ", p.capacity.row_tiles,
+            " row tiles; expected the call's prefill_plan_capacity: ", want.items, ", ",
+            want.merges, ", ", want.partials, ", ", want.row_tiles);
+  check_arg(device_plan_tiles_fit(p.batch_size, p.capacity), "batch_size", "got ", p.batch_size,
+            ": ", p.capacity.items, " items of ", p.capacity.row_tiles,
+            " row tiles, over what one tile-planning CTA sorts (", kDevicePlanTilesMaxKeys,
+            " keys) or holds (", kDevicePlanTilesMaxSmem, " bytes of shared memory)");
   const DeviceLengths& l = p.lengths;
   check_arg(
       p.batch_size == 0 || (l.seq_lens != nullptr && l.kv_start != nullptr && l.kv_len != nullptr &&
@@ -586,7 +666,8 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
       "the device tile plan needs seq_lens, kv_start, kv_len, kv_indptr, items "
       "and merges");
   if (p.batch_size == 0) return;
-  const size_t smem = tiles_smem_bytes(p.batch_size, sort_keys(p.capacity.items));
+  const size_t smem =
+      tiles_smem(p.batch_size, p.capacity.row_tiles, sort_keys(p.capacity.items)).bytes;
   check_cuda(cudaFuncSetAttribute(device_plan_tiles_kernel,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute(device_plan_tiles_kernel)");

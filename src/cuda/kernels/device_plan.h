@@ -19,23 +19,33 @@
 
 namespace kvattn::cuda {
 
-/// A DECODE or TARGET_VERIFY call's KV ranges from ForwardBatch::seq_lens on the device, as
+/// A call's KV ranges (and, EXTEND-like, its query rows) from ForwardBatch's device lengths, as
 /// make_paged_layout lays them out on the host:
 ///  - DECODE (q_len 1, tree_tokens 0): kv_len = seq_len (window < 0) or min(seq_len, window + 1),
 ///    kv_start = seq_len - kv_len;
 ///  - TARGET_VERIFY (q_len = tree_tokens = draft_token_num): kv_len = seq_len + tree_tokens,
-///    kv_start 0, and mask_indptr the prefix sums of q_len x kv_len (the tree mask's rows).
+///    kv_start 0, and mask_indptr the prefix sums of q_len x kv_len (the tree mask's rows);
+///  - EXTEND-like (prefix_lens set): query tokens q = seq_len - prefix_len a request, qo_indptr
+///    their prefix sums, kv_len = seq_len (window < 0) or min(seq_len, window + q), kv_start =
+///    seq_len - kv_len.
 /// A seq_len outside [0, max_context_len - tree_tokens] is clamped into it here (nothing reads
-/// outside req_to_token); the step-check kernel refuses that step (kArgSeqLens). A tree mask
+/// outside req_to_token); the step-check kernel refuses that step (kArgSeqLens). Likewise a
+/// prefix_len outside [0, seq_len] is clamped, and qo_indptr is clamped to num_tokens (nothing
+/// reads past q): the step check refuses lengths that do not add up to num_tokens. A tree mask
 /// shorter than mask_indptr[batch_size] zeroes every kv_len (nothing reads past the mask; the
 /// step check refuses the step: kArgCustomMask).
 struct DeviceLengths {
   const void* seq_lens = nullptr;  ///< [batch_size] int32 or int64, device
   bool seq_lens_int64 = false;
-  int window = -1;  ///< DECODE on the window index set: W; -1: every key
+  int window = -1;  ///< the window index set: W; -1: every key
   int max_context_len = 0;
-  int q_len = 1;        ///< query tokens a request
+  int q_len = 1;        ///< query tokens a request (DECODE, TARGET_VERIFY)
   int tree_tokens = 0;  ///< TARGET_VERIFY: keys a request has after seq_len (its tree tokens)
+  /// EXTEND-like: [batch_size] int32 or int64 prefix lengths, device (q_len is then unused).
+  const void* prefix_lens = nullptr;
+  bool prefix_lens_int64 = false;
+  int64_t num_tokens = 0;               ///< EXTEND-like: the step's query rows (out_cache_loc's)
+  int32_t* qo_indptr = nullptr;         ///< [batch_size + 1] out, EXTEND-like only
   int32_t* kv_start = nullptr;          ///< [batch_size] out (call metadata)
   int32_t* kv_len = nullptr;            ///< [batch_size] out (call metadata)
   int64_t* mask_indptr = nullptr;       ///< [batch_size + 1] out, custom mask only (else null)
@@ -70,13 +80,14 @@ bool device_plan_decode_fits(int batch_size, int item_capacity);
 /// bad config; launches one CTA on `stream` (records into a CUDA graph).
 void launch_device_plan_decode(const DevicePlanDecode& plan, cudaStream_t stream);
 
-/// The tensor-core plan of a DECODE or TARGET_VERIFY call (lengths.q_len query tokens every
-/// request), written where the host's padded plan would be: items [capacity.items] (the plan, then
-/// no-op items), merges [capacity.merges] (then empty merges), the scheduler counters zeroed;
-/// partial slots are numbered below capacity.partials. shape as the host plans it (l2_keys 0: the
-/// decode-shaped kernel's order; q_len > 1 only without a causal mask or a window: every row tile
-/// of a request sees all its keys), capacity = core::prefill_plan_capacity(batch_size, q_len,
-/// shape).
+/// The tensor-core plan of a call from its device lengths, written where the host's padded plan
+/// would be: items [capacity.items] (the plan, then no-op items), merges [capacity.merges] (then
+/// empty merges), the scheduler counters zeroed; partial slots are numbered below
+/// capacity.partials. It is core::plan_prefill_tiles's plan item for item for the same shape
+/// with l2_keys 0 (every tile heaviest first; causal and window bounds a row tile, split-KV,
+/// cluster split). capacity = core::prefill_plan_capacity(batch_size, q_len, shape) (DECODE,
+/// TARGET_VERIFY) or core::prefill_plan_capacity_for_tokens(batch_size, num_tokens, shape)
+/// (EXTEND-like: lengths.prefix_lens set; no cluster split).
 struct DevicePlanTiles {
   DeviceLengths lengths;  ///< seq_lens required
   int batch_size = 0;
@@ -88,13 +99,15 @@ struct DevicePlanTiles {
   int* scheduler = nullptr;                  ///< PrefillTiles::scheduler (4 ints) or null
 };
 
-/// Largest batch and sorted keys (items, a power of two) one tile-planning CTA takes.
+/// Largest batch and sorted keys (items, a power of two) one tile-planning CTA takes, and its
+/// shared memory.
 constexpr int kDevicePlanTilesMaxBatch = 2048;
 constexpr int kDevicePlanTilesMaxKeys = 16384;
+constexpr size_t kDevicePlanTilesMaxSmem = 200 * 1024;
 
-/// Whether one tile-planning CTA takes a plan of batch_size requests in `items` items (the
+/// Whether one tile-planning CTA takes a plan of batch_size requests of this capacity (the
 /// bounds launch_device_plan_tiles checks; a caller refuses a step before writing it).
-bool device_plan_tiles_fit(int batch_size, int items);
+bool device_plan_tiles_fit(int batch_size, const core::PrefillPlanCapacity& capacity);
 
 /// Throws kvattn::Error (kInvalidArgument naming the field) for a plan beyond those bounds or a
 /// shape it does not plan; launches one CTA on `stream` (records into a CUDA graph).

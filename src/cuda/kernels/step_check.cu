@@ -22,6 +22,24 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   const int64_t bad_encoder_loc =
       first_out_of_range(c.encoder_out_cache_loc, c.num_slots, &scratch);
   const int64_t bad_seq_len = first_out_of_range(c.seq_lens, c.max_seq_len + 1, &scratch);
+  // EXTEND-like steps planned on the device: the lengths against each other and the step's rows.
+  __shared__ unsigned long long bad_prefix, bad_extend, rows;
+  if (threadIdx.x == 0) bad_prefix = bad_extend = ~0ull, rows = 0;
+  __syncthreads();
+  if (c.extend_prefix_lens.data != nullptr) {
+    unsigned long long local_rows = 0;
+    for (int64_t i = threadIdx.x; i < c.extend_prefix_lens.length; i += blockDim.x) {
+      const int64_t seq = index_at(c.seq_lens, i);
+      const int64_t prefix = index_at(c.extend_prefix_lens, i);
+      if (prefix < 0 || prefix > seq) atomicMin(&bad_prefix, static_cast<unsigned long long>(i));
+      if (c.extend_seq_lens.data != nullptr && index_at(c.extend_seq_lens, i) != seq - prefix) {
+        atomicMin(&bad_extend, static_cast<unsigned long long>(i));
+      }
+      local_rows += static_cast<unsigned long long>(seq - prefix);  // (two's complement sum)
+    }
+    atomicAdd(&rows, local_rows);
+  }
+  __syncthreads();
   if (threadIdx.x != 0) return;
 
   StepState* state = c.state;
@@ -42,6 +60,26 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   record(kArgEncoderOutCacheLoc, c.encoder_out_cache_loc, bad_encoder_loc);
   record(kArgSeqLens, c.seq_lens, bad_seq_len);
   if (bad_seq_len != INT64_MAX) report.row[kArgSeqLens] = c.max_seq_len;  // for the message
+  if (bad_prefix != ~0ull) {
+    const int64_t i = int64_t(bad_prefix);
+    error |= 1u << kArgExtendPrefixLens;
+    report.position[kArgExtendPrefixLens] = report.entry[kArgExtendPrefixLens] = i;
+    report.value[kArgExtendPrefixLens] = index_at(c.extend_prefix_lens, i);
+    report.row[kArgExtendPrefixLens] = index_at(c.seq_lens, i);
+  }
+  if (bad_extend != ~0ull) {
+    const int64_t i = int64_t(bad_extend);
+    error |= 1u << kArgExtendSeqLens;
+    report.position[kArgExtendSeqLens] = report.entry[kArgExtendSeqLens] = i;
+    report.value[kArgExtendSeqLens] = index_at(c.extend_seq_lens, i);
+    report.row[kArgExtendSeqLens] = index_at(c.seq_lens, i) - index_at(c.extend_prefix_lens, i);
+  } else if (c.extend_prefix_lens.data != nullptr && bad_prefix == ~0ull &&
+             static_cast<int64_t>(rows) != c.num_tokens) {
+    error |= 1u << kArgExtendSeqLens;
+    report.position[kArgExtendSeqLens] = -1;
+    report.value[kArgExtendSeqLens] = static_cast<int64_t>(rows);
+    report.row[kArgExtendSeqLens] = c.num_tokens;
+  }
   if (c.mask_rows_end != nullptr) {
     const int64_t needed = __ldcg(reinterpret_cast<const long long*>(c.mask_rows_end));
     const int64_t elems = __ldcg(reinterpret_cast<const long long*>(c.mask_elems));

@@ -43,7 +43,13 @@ enum StepArgument : int {
   /// spec.custom_mask shorter than the rows a TARGET_VERIFY step planned on the device needs
   /// (sum of draft_token_num x (seq_len + draft_token_num)).
   kArgCustomMask = 7,
-  kNumStepArguments = 8,
+  /// An EXTEND-like step planned on the device: extend_prefix_lens[i] outside [0, seq_lens[i]].
+  kArgExtendPrefixLens = 8,
+  /// An EXTEND-like step planned on the device: extend_seq_lens[i] != seq_lens[i] -
+  /// extend_prefix_lens[i] (position i), or the query tokens seq - prefix do not add up to
+  /// out_cache_loc's length (position -1).
+  kArgExtendSeqLens = 9,
+  kNumStepArguments = 10,
 };
 
 /// The step's error state on the device: kStepStateBytes (core/planner.h) at the start of call
@@ -113,6 +119,12 @@ struct StepCheckLaunch {
   /// (absent otherwise: the host read and checked them).
   DeviceIndexArray seq_lens;
   int64_t max_seq_len = 0;
+  /// An EXTEND-like step planned on the device: its prefix lengths (each in [0, seq_lens[i]]),
+  /// its extend lengths when given (each seq - prefix), and the step's query rows (the sum of
+  /// seq - prefix must equal it). Absent otherwise.
+  DeviceIndexArray extend_prefix_lens;
+  DeviceIndexArray extend_seq_lens;
+  int64_t num_tokens = 0;
   /// The plan source in_graph was recorded for (kPlanOnHost / kPlanOnDevice); 0: not checked.
   uint32_t plan_source = 0;
   /// A TARGET_VERIFY step planned on the device: the tree mask rows it needs (the device-written
