@@ -14,7 +14,10 @@
 //            15), captured once and replayed (graph and kernels as above), its replay equal bit
 //            for bit to its eager twin and to the host-planned eager step.
 // Then the same for TARGET_VERIFY steps (8-token random trees over 4096-token prefixes; rows of
-// workload "verify").
+// workload "verify"), and EXTEND / MIXED steps (workloads "extend", "mixed": 1 and 8 requests of
+// 512 new tokens over 4096 cached ones; 32 decode requests and one 1024-token chunk over 3072),
+// which only a device plan captures: eager host-planned, eager device-planned, the device-plan
+// replay and its kernels.
 // Issue 6 asks for graph within 1.5x of kernels at batch 1 x 1024, and replay equal to eager bit
 // for bit (checked on every layer's output of every row); issue 15 asks the device-plan graph
 // within 3% of the host-planned one.
@@ -31,6 +34,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -65,8 +69,8 @@ struct Row {
   /// eager-32-layers, graph-32-layers, kernels-32-layers, device-plan (the graph replay of a
   /// step planned on the device), device-plan-kernels-32-layers, planner, device-plan-out_graph
   std::string variant;
-  const char* workload = "decode";  ///< decode or verify (TARGET_VERIFY steps)
-  int qo_len = 1;                   ///< query tokens a request (verify: the tree's)
+  const char* workload = "decode";  ///< decode, verify, extend or mixed
+  int qo_len = 1;  ///< query tokens a request (verify: the tree's; extend / mixed: the longest)
   int batch = 0;
   int kv_len = 0;
   double time_us = kNaN;
@@ -356,8 +360,13 @@ enum class Plan { kHost, kDevice };
 class StepWorld {
  public:
   /// draft > 0: a TARGET_VERIFY step of draft-token trees over prefixes of kv_len - draft keys.
-  StepWorld(int batch, int kv_len, uint64_t seed, cudaStream_t stream, int draft = 0)
-      : rows_(int64_t(batch) * std::max(draft, 1)),
+  /// new_tokens given (extend_mode EXTEND or MIXED): request r adds new_tokens[r] tokens to a
+  /// prefix of kv_len - new_tokens[r].
+  StepWorld(int batch, int kv_len, uint64_t seed, cudaStream_t stream, int draft = 0,
+            const std::vector<int>& new_tokens = {}, ForwardMode extend_mode = ForwardMode::kExtend)
+      : rows_(new_tokens.empty()
+                  ? int64_t(batch) * std::max(draft, 1)
+                  : std::accumulate(new_tokens.begin(), new_tokens.end(), int64_t(0))),
         stream_(stream),
         cache_(KvCache::allocate(cache_config(batch, kv_len))),
         pool_(ReqToTokenPool::allocate(batch, kv_len, Device::cuda(0))) {
@@ -367,15 +376,22 @@ class StepWorld {
     for (size_t i = 0; i < slots.size(); ++i) slots[i] = int32_t(i + 1);  // slot 0 is padding
     for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.next() % i]);
     StepSpec spec;
-    spec.mode = draft > 0 ? ForwardMode::kTargetVerify : ForwardMode::kDecode;
+    const bool extend = !new_tokens.empty();
+    spec.mode = extend      ? extend_mode
+                : draft > 0 ? ForwardMode::kTargetVerify
+                            : ForwardMode::kDecode;
     spec.draft_token_num = draft;
-    const int new_tokens = std::max(draft, 1);
     for (int r = 0; r < batch; ++r) {
       const int32_t* row = slots.data() + size_t(r) * kv_len;
       pool_.write(r, 0, std::span<const int32_t>(row, size_t(kv_len)));
       spec.req_pool_indices.push_back(r);
       spec.seq_lens.push_back(draft > 0 ? kv_len - draft : kv_len);
-      for (int t = kv_len - new_tokens; t < kv_len; ++t) spec.out_cache_loc.push_back(row[t]);
+      const int fresh = extend ? new_tokens[size_t(r)] : std::max(draft, 1);
+      if (extend) {
+        spec.prefix_lens.push_back(kv_len - fresh);
+        spec.extend_lens.push_back(fresh);
+      }
+      for (int t = kv_len - fresh; t < kv_len; ++t) spec.out_cache_loc.push_back(row[t]);
       if (draft > 0) {
         append_tree_mask(kv_len - draft, random_tree_parents(draft, /*chain=*/0, rng),
                          spec.custom_mask);
@@ -384,6 +400,8 @@ class StepWorld {
     step_ = std::make_unique<StepBatch>(spec, gpu, &cache_, &pool_);
     device_batch_ = step_->batch();
     device_batch_.seq_lens_cpu = TensorView();
+    device_batch_.extend_prefix_lens_cpu = TensorView();
+    device_batch_.extend_seq_lens_cpu = TensorView();
     uint64_t fill = seed * 7919;
     for (int l = 0; l < kLayers; ++l) {
       cuda::bench::fill_random(cache_.k_buffer(l), fill++, 1.f, stream);
@@ -403,7 +421,7 @@ class StepWorld {
       }
       lane.eager = make_backend(BackendKind::kCuda, config);
       lane.graphed = make_backend(BackendKind::kCuda, config);
-      lane.graphed->init_cuda_graph_state(batch, rows_);
+      lane.graphed->init_cuda_graph_state(batch, std::max<int64_t>(rows_, batch));
     }
     cuda_ok(cudaDeviceSynchronize(), "world");
   }
@@ -679,6 +697,60 @@ int run_graph_bench(const ParsedArgs& args) {
         "kv_len = prefix + tree)\n",
         kLayers);
     for (int batch : {1, 16, 64}) run_row(batch, 4096 + 8, 8);
+    std::printf(
+        "\nEXTEND / MIXED steps over %d layers (kv_len = prefix + new tokens; only a step planned "
+        "on the\ndevice is captured: host eager, device eager, device graph, device kernels)\n",
+        kLayers);
+    std::printf("%-8s %5s %6s %7s %12s %12s %12s %12s %13s %8s\n", "step", "batch", "kv_len",
+                "tokens", "host eager", "dev eager", "dev graph", "dev kernels", "graph/h.eager",
+                "bitwise");
+    auto run_extend_row = [&](const char* workload, ForwardMode mode,
+                              const std::vector<int>& new_tokens, int kv_len) {
+      const int batch = int(new_tokens.size());
+      const int64_t tokens = std::accumulate(new_tokens.begin(), new_tokens.end(), int64_t(0));
+      try {
+        StepWorld world(batch, kv_len, seed + uint64_t(batch) * 977 + uint64_t(tokens), stream, 0,
+                        new_tokens, mode);
+        const double host_eager = wall_us_per_step([&] { world.eager_step(Plan::kHost); }, stream);
+        const double device_eager =
+            wall_us_per_step([&] { world.eager_step(Plan::kDevice); }, stream);
+        Graph device_graph;
+        world.capture_step(device_graph, Plan::kDevice);
+        const double device_replay =
+            wall_us_per_step([&] { world.replay_step(device_graph, Plan::kDevice); }, stream);
+        const double device_kernels = world.kernels_us(Plan::kDevice);
+        const bool device_same = world.replay_equals_eager(device_graph, Plan::kDevice);
+        failures += device_same ? 0 : 1;
+        std::printf("%-8s %5d %6d %7lld %12.1f %12.1f %12.1f %12.1f %13.3f %8s\n", workload, batch,
+                    kv_len, static_cast<long long>(tokens), host_eager, device_eager, device_replay,
+                    device_kernels, device_replay / host_eager, device_same ? "equal" : "DIFFER");
+        std::fflush(stdout);
+        for (auto [variant, us] : {std::pair{"eager-32-layers", host_eager},
+                                   std::pair{"device-plan-eager-32-layers", device_eager},
+                                   std::pair{"device-plan", device_replay},
+                                   std::pair{"device-plan-kernels-32-layers", device_kernels}}) {
+          Row row;
+          row.variant = variant;
+          row.workload = workload;
+          row.qo_len = *std::max_element(new_tokens.begin(), new_tokens.end());
+          row.batch = batch;
+          row.kv_len = kv_len;
+          row.time_us = us;
+          if (row.variant == std::string("device-plan")) row.replay_equal = device_same;
+          rows.push_back(row);
+        }
+      } catch (const std::exception& e) {
+        ++failures;
+        std::printf("%-8s %5d %6d  FAIL: %s\n", workload, batch, kv_len, e.what());
+      }
+    };
+    run_extend_row("extend", ForwardMode::kExtend, std::vector<int>(1, 512), 4096 + 512);
+    run_extend_row("extend", ForwardMode::kExtend, std::vector<int>(8, 512), 4096 + 512);
+    {
+      std::vector<int> mixed(32, 1);
+      mixed.push_back(1024);
+      run_extend_row("mixed", ForwardMode::kMixed, mixed, 4096);
+    }
     std::printf(
         "\nhost planning per step: the CUDA backend's out_graph on its graph buffers "
         "(DECODE,\nkv_len 2048..4096 growing each step, stream idle), and the planning "

@@ -241,9 +241,9 @@ class _NativeBackendBase:
 
     # ---- batches --------------------------------------------------------------------------
 
-    # A DECODE or TARGET_VERIFY batch without seq_lens_cpu is planned on the device by the CUDA
-    # backend (core::uses_device_lengths): no host copy of its lengths, no sync (issue 15). The
-    # draft runners plan on the host.
+    # A DECODE or TARGET_VERIFY batch without seq_lens_cpu, and an EXTEND-like batch without any
+    # *_cpu length, is planned on the device by the CUDA backend (core::uses_device_lengths): no
+    # host copy of its lengths, no sync (issue 15). The draft runners plan on the host.
     _plans_decode_on_device = False
 
     def make_native_batch(self, forward_batch: Any, mode=None) -> _kvattn.ForwardBatch:
@@ -265,12 +265,27 @@ class _NativeBackendBase:
                     value = value.cpu()
                 setattr(batch, name, _batch_value(value))
         if cuda:
-            device_lengths = (self._plans_decode_on_device and
-                              mode in (_kvattn.ForwardMode.DECODE,
-                                       _kvattn.ForwardMode.TARGET_VERIFY) and
-                              getattr(forward_batch, "shared_prefix_group_cpu", None) is None)
+            def on_device(name):
+                value = getattr(forward_batch, name, None)
+                return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+            plain = (self._plans_decode_on_device and
+                     getattr(forward_batch, "shared_prefix_group_cpu", None) is None)
+            if mode in (_kvattn.ForwardMode.DECODE, _kvattn.ForwardMode.TARGET_VERIFY):
+                device_lengths = ("seq_lens",) if plain else ()
+            elif mode in (_kvattn.ForwardMode.EXTEND, _kvattn.ForwardMode.MIXED,
+                          _kvattn.ForwardMode.DRAFT_EXTEND):
+                # Planned on the device only when the engine gave no host length at all (an
+                # engine that has them, e.g. SGLang's *_cpu lists, plans on the host for free).
+                lengths = ("seq_lens", "extend_prefix_lens", "extend_seq_lens")
+                no_host = all(getattr(forward_batch, n + "_cpu", None) is None for n in lengths)
+                device_lengths = lengths if (plain and no_host and on_device("seq_lens") and
+                                             on_device("extend_prefix_lens") and
+                                             on_device("out_cache_loc")) else ()
+            else:
+                device_lengths = ()
             for device_name, host_name in _HOST_COPIES:
-                if device_lengths and device_name == "seq_lens":
+                if device_name in device_lengths:
                     continue
                 value = getattr(forward_batch, device_name, None)
                 if getattr(forward_batch, host_name, None) is None and \

@@ -233,3 +233,81 @@ def test_verify_without_host_lengths_is_planned_on_the_device():
     for a, b in zip(outs[True], outs[False]):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
+
+
+def test_extend_without_host_lengths_is_captured_and_replayed():
+    """Issue 15: an EXTEND step whose lengths are device tensors only (no *_cpu) is planned on
+    the device: eager with no sync and no device-to-host copy, captured whole in a CUDA graph
+    (in_graph and every layer) for its bucket of (batch size, tokens), and replayed with other
+    prefixes and other splits of the tokens, each replay equal bit for bit to the eager step
+    planned from host lengths."""
+    e = Engine("cuda", num_q_heads=32, num_kv_heads=8, head_dim=128, size=1 << 15, max_reqs=8,
+               max_context_len=4096, num_layers=LAYERS)
+    bs, tokens = 3, 96
+    layers = [e.layer(i) for i in range(LAYERS)]
+    q, k, v = e.randn(tokens, 32 * 128), e.randn(tokens, 8, 128), e.randn(tokens, 8, 128)
+
+    def grow(prefix_growth, new):
+        """Adds cached tokens (filled) and then the step's new tokens to each request."""
+        slots = []
+        for r in range(bs):
+            if prefix_growth[r] > 0:
+                e.fill(e.add_tokens(r, prefix_growth[r]))
+            slots.append(e.add_tokens(r, new[r]))
+        seq = [len(e.token_slots[r]) for r in range(bs)]
+        prefix = [s - n for s, n in zip(seq, new)]
+        return seq, prefix, torch.cat(slots)
+
+    def device_batch(seq, prefix, new, loc):
+        dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device="cuda")  # noqa: E731
+        fb = e.batch(ForwardMode.EXTEND, list(range(bs)), seq, out_cache_loc=loc,
+                     extend_prefix_lens=dev(prefix), extend_seq_lens=dev(new))
+        fb.seq_lens_cpu = None
+        return fb
+
+    new = [40, 1, 55]
+    seq, prefix, loc = grow([100, 700, 33], new)
+    fb = device_batch(seq, prefix, new, loc)
+    eager_step(e, fb, layers, (q, k, v))()  # warm-up
+    syncs, d2h = net_counts(eager_step(e, fb, layers, (q, k, v)))
+    print(f"\nkvattn-gpu-test extend without *_cpu: {syncs} syncs, {d2h} DtoH copies per step")
+    assert syncs == 0 and d2h == 0, (syncs, d2h)
+
+    e.backend.init_cuda_graph_state(8, tokens)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        with torch.cuda.graph(graph, stream=stream):
+            e.backend.init_forward_metadata_in_graph(fb)
+            outs = [e.backend.forward(q, k, v, layer, fb) for layer in layers]
+    torch.cuda.current_stream().wait_stream(stream)
+
+    for growth, split in (([5, 0, 300], [90, 3, 3]), ([0, 1, 1], [1, 94, 1]),
+                          ([1000, 20, 2], [32, 32, 32])):
+        seq, prefix, loc = grow(growth, split)
+        fb.seq_lens.copy_(torch.tensor(seq))
+        fb.extend_prefix_lens.copy_(torch.tensor(prefix))
+        fb.extend_seq_lens.copy_(torch.tensor(split))
+        fb.out_cache_loc.copy_(loc)
+
+        def step():
+            e.backend.init_forward_metadata_out_graph(fb)
+            graph.replay()
+
+        syncs, d2h = net_counts(step)
+        torch.cuda.synchronize()
+        e.backend.check_errors(synchronize=True)
+        assert syncs == 0 and d2h == 0, (syncs, d2h)
+        replayed = [o.clone() for o in outs]
+        host = e.batch(ForwardMode.EXTEND, list(range(bs)), seq, out_cache_loc=loc.clone(),
+                       extend_prefix_lens=fb.extend_prefix_lens.clone(),
+                       extend_prefix_lens_cpu=torch.tensor(prefix),
+                       extend_seq_lens=fb.extend_seq_lens.clone(),
+                       extend_seq_lens_cpu=torch.tensor(split))
+        e.backend.init_forward_metadata(host)
+        for layer, got in zip(layers, replayed):
+            want = e.backend.forward(q, k, v, layer, host)
+            assert torch.isfinite(got).all()
+            assert torch.equal(got, want), f"split {split}: replay differs from the eager step"
