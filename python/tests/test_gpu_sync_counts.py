@@ -85,10 +85,10 @@ def eager_step(e, fb, layers, qkv):
     return run
 
 
-def capture_step(e, fb, layers, qkv):
+def capture_step(e, fb, layers, qkv, max_tokens=8):
     """As an engine captures a bucket: graph state, out_graph(in_capture) outside, in_graph and
     every layer's forward inside. Returns the graph and the layers' captured outputs."""
-    e.backend.init_cuda_graph_state(8, 8)
+    e.backend.init_cuda_graph_state(8, max_tokens)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -99,6 +99,19 @@ def capture_step(e, fb, layers, qkv):
             outs = [e.backend.forward(*qkv, layer, fb) for layer in layers]
     torch.cuda.current_stream().wait_stream(stream)
     return graph, outs
+
+
+def replay_without_syncs(e, fb, graph):
+    """One replay as an engine runs a step (out_graph, then the graph): no host sync, no
+    device-to-host copy, and the step not refused."""
+    def step():
+        e.backend.init_forward_metadata_out_graph(fb)
+        graph.replay()
+
+    syncs, d2h = net_counts(step)
+    torch.cuda.synchronize()
+    e.backend.check_errors(synchronize=True)
+    assert syncs == 0 and d2h == 0, (syncs, d2h)
 
 
 def test_the_counter_sees_syncs_and_device_to_host_copies():
@@ -173,15 +186,7 @@ def test_captured_decode_without_host_lengths_replays_new_lengths():
             seq.append(len(e.token_slots[r]))
         fb.seq_lens.copy_(torch.tensor(seq, dtype=fb.seq_lens.dtype))
         fb.out_cache_loc.copy_(torch.cat(new))
-
-        def step():
-            e.backend.init_forward_metadata_out_graph(fb)
-            graph.replay()
-
-        syncs, d2h = net_counts(step)
-        torch.cuda.synchronize()
-        e.backend.check_errors(synchronize=True)
-        assert syncs == 0 and d2h == 0, (syncs, d2h)
+        replay_without_syncs(e, fb, graph)
         replayed = [o.clone() for o in outs]
         host = e.batch(ForwardMode.DECODE, list(range(fb.batch_size)), seq,
                        out_cache_loc=fb.out_cache_loc.clone())
@@ -273,16 +278,7 @@ def test_extend_without_host_lengths_is_captured_and_replayed():
     print(f"\nkvattn-gpu-test extend without *_cpu: {syncs} syncs, {d2h} DtoH copies per step")
     assert syncs == 0 and d2h == 0, (syncs, d2h)
 
-    e.backend.init_cuda_graph_state(8, tokens)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        with torch.cuda.graph(graph, stream=stream):
-            e.backend.init_forward_metadata_in_graph(fb)
-            outs = [e.backend.forward(q, k, v, layer, fb) for layer in layers]
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, outs = capture_step(e, fb, layers, (q, k, v), max_tokens=tokens)
 
     for growth, split in (([5, 0, 300], [90, 3, 3]), ([0, 1, 1], [1, 94, 1]),
                           ([1000, 20, 2], [32, 32, 32])):
@@ -291,15 +287,7 @@ def test_extend_without_host_lengths_is_captured_and_replayed():
         fb.extend_prefix_lens.copy_(torch.tensor(prefix))
         fb.extend_seq_lens.copy_(torch.tensor(split))
         fb.out_cache_loc.copy_(loc)
-
-        def step():
-            e.backend.init_forward_metadata_out_graph(fb)
-            graph.replay()
-
-        syncs, d2h = net_counts(step)
-        torch.cuda.synchronize()
-        e.backend.check_errors(synchronize=True)
-        assert syncs == 0 and d2h == 0, (syncs, d2h)
+        replay_without_syncs(e, fb, graph)
         replayed = [o.clone() for o in outs]
         host = e.batch(ForwardMode.EXTEND, list(range(bs)), seq, out_cache_loc=loc.clone(),
                        extend_prefix_lens=fb.extend_prefix_lens.clone(),

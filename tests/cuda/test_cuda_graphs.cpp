@@ -1033,6 +1033,29 @@ TEST(CudaGraphsDevicePlan, DecodeReplayEqualsEagerOnBothKernels) {
   }
 }
 
+// After backend `host` ran step s eagerly into the eager outputs and `device` into the graph
+// outputs (the same step, planned from host lengths and on the device): every layer's real rows
+// equal bit for bit, and neither step refused.
+void expect_host_and_device_steps_equal(const GraphWorld& w, const Step& s,
+                                        const ForwardBatch& host_batch,
+                                        const ForwardBatch& device_batch) {
+  auto host = w.make_cuda_backend();
+  host->init_forward_metadata(host_batch);
+  w.run_layers(*host, host_batch, s, /*eager=*/true);
+  auto device = w.make_cuda_backend();
+  device->init_forward_metadata(device_batch);
+  w.run_layers(*device, device_batch, s, /*eager=*/false);
+  cuda_check(cudaStreamSynchronize(w.stream()), "steps");
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) == w.output_bytes(l, s.real_tokens, false))
+        << w.spec().label << ": " << forward_mode_name(s.mode) << " window " << w.spec().window
+        << " batch " << s.batch_size << " layer " << l
+        << ": the device-planned step differs from the host-planned one";
+  }
+  EXPECT_NO_THROW(host->check_errors(true));
+  EXPECT_NO_THROW(device->check_errors(true));
+}
+
 // The tensor-core plan built on the device is the host's, item for item: a step planned on the
 // device computes the bits the same step planned from seq_lens_cpu computes (eager and eager),
 // DECODE with and without a window, TARGET_VERIFY on the decode-shaped kernel.
@@ -1052,21 +1075,7 @@ TEST(CudaGraphsDevicePlan, TensorCoreStepEqualsTheHostPlannedStep) {
       ForwardBatch host = w.batch(s);
       ForwardBatch device = host;
       device.seq_lens_cpu = TensorView();
-      auto a = w.make_cuda_backend();
-      a->init_forward_metadata(host);
-      w.run_layers(*a, host, s, /*eager=*/true);
-      auto b = w.make_cuda_backend();
-      b->init_forward_metadata(device);
-      w.run_layers(*b, device, s, /*eager=*/false);
-      cuda_check(cudaStreamSynchronize(w.stream()), "steps");
-      for (int l = 0; l < kLayers; ++l) {
-        EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) ==
-                    w.output_bytes(l, s.real_tokens, false))
-            << forward_mode_name(mode) << " window " << spec.window << " batch " << bs << " layer "
-            << l << ": the device-planned step differs from the host-planned one";
-      }
-      EXPECT_NO_THROW(a->check_errors(true));
-      EXPECT_NO_THROW(b->check_errors(true));
+      expect_host_and_device_steps_equal(w, s, host, device);
     }
   }
 }
@@ -1376,21 +1385,7 @@ TEST(CudaGraphsDevicePlan, ExtendStepEqualsTheHostPlannedStep) {
       host.seq_lens_cpu = TensorView(seq.data(), DType::kInt64, Device::cpu(), {bs});
       host.extend_prefix_lens_cpu = TensorView(prefix.data(), DType::kInt64, Device::cpu(), {bs});
       host.extend_seq_lens_cpu = TensorView(extend.data(), DType::kInt64, Device::cpu(), {bs});
-      auto a = w.make_cuda_backend();
-      a->init_forward_metadata(host);
-      w.run_layers(*a, host, s, /*eager=*/true);
-      auto b = w.make_cuda_backend();
-      b->init_forward_metadata(device);
-      w.run_layers(*b, device, s, /*eager=*/false);
-      cuda_check(cudaStreamSynchronize(w.stream()), "steps");
-      for (int l = 0; l < kLayers; ++l) {
-        EXPECT_TRUE(w.output_bytes(l, s.real_tokens, true) ==
-                    w.output_bytes(l, s.real_tokens, false))
-            << "window " << window << " batch " << bs << " layer " << l
-            << ": the device-planned EXTEND step differs from the host-planned one";
-      }
-      EXPECT_NO_THROW(a->check_errors(true));
-      EXPECT_NO_THROW(b->check_errors(true));
+      expect_host_and_device_steps_equal(w, s, host, device);
     }
   }
 }
