@@ -240,8 +240,10 @@ def test_verify_without_host_lengths_is_planned_on_the_device():
         assert torch.equal(a, b)
 
 
-def test_extend_without_host_lengths_is_captured_and_replayed():
-    """Issue 15: an EXTEND step whose lengths are device tensors only (no *_cpu) is planned on
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED,
+                                  ForwardMode.DRAFT_EXTEND])
+def test_extend_without_host_lengths_is_captured_and_replayed(mode):
+    """Issue 15: an EXTEND-like step whose lengths are device tensors only (no *_cpu) is planned on
     the device: eager with no sync and no device-to-host copy, captured whole in a CUDA graph
     (in_graph and every layer) for its bucket of (batch size, tokens), and replayed with other
     prefixes and other splits of the tokens, each replay equal bit for bit to the eager step
@@ -265,7 +267,7 @@ def test_extend_without_host_lengths_is_captured_and_replayed():
 
     def device_batch(seq, prefix, new, loc):
         dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device="cuda")  # noqa: E731
-        fb = e.batch(ForwardMode.EXTEND, list(range(bs)), seq, out_cache_loc=loc,
+        fb = e.batch(mode, list(range(bs)), seq, out_cache_loc=loc,
                      extend_prefix_lens=dev(prefix), extend_seq_lens=dev(new))
         fb.seq_lens_cpu = None
         return fb
@@ -275,7 +277,7 @@ def test_extend_without_host_lengths_is_captured_and_replayed():
     fb = device_batch(seq, prefix, new, loc)
     eager_step(e, fb, layers, (q, k, v))()  # warm-up
     syncs, d2h = net_counts(eager_step(e, fb, layers, (q, k, v)))
-    print(f"\nkvattn-gpu-test extend without *_cpu: {syncs} syncs, {d2h} DtoH copies per step")
+    print(f"\nkvattn-gpu-test {mode.name} without *_cpu: {syncs} syncs, {d2h} DtoH copies per step")
     assert syncs == 0 and d2h == 0, (syncs, d2h)
 
     graph, outs = capture_step(e, fb, layers, (q, k, v), max_tokens=tokens)
@@ -289,7 +291,7 @@ def test_extend_without_host_lengths_is_captured_and_replayed():
         fb.out_cache_loc.copy_(loc)
         replay_without_syncs(e, fb, graph)
         replayed = [o.clone() for o in outs]
-        host = e.batch(ForwardMode.EXTEND, list(range(bs)), seq, out_cache_loc=loc.clone(),
+        host = e.batch(mode, list(range(bs)), seq, out_cache_loc=loc.clone(),
                        extend_prefix_lens=fb.extend_prefix_lens.clone(),
                        extend_prefix_lens_cpu=torch.tensor(prefix),
                        extend_seq_lens=fb.extend_seq_lens.clone(),
@@ -299,3 +301,61 @@ def test_extend_without_host_lengths_is_captured_and_replayed():
             want = e.backend.forward(q, k, v, layer, host)
             assert torch.isfinite(got).all()
             assert torch.equal(got, want), f"split {split}: replay differs from the eager step"
+
+
+def test_verify_without_host_lengths_is_captured_and_replayed():
+    """Issue 15: a TARGET_VERIFY step from device tensors only, captured whole (in_graph and
+    every layer) and replayed with longer prefixes and other trees (the engine writes each step's
+    tree mask into the same buffer), equal bit for bit to the eager step planned from host
+    lengths, with no sync and no device-to-host copy."""
+    e = Engine("cuda", num_q_heads=32, num_kv_heads=8, head_dim=128, size=1 << 15, max_reqs=8,
+               max_context_len=4096, num_layers=LAYERS)
+    bs, draft = 4, 6
+    layers = [e.layer(i) for i in range(LAYERS)]
+    n = bs * draft
+    q, k, v = e.randn(n, 32 * 128), e.randn(n, 8, 128), e.randn(n, 8, 128)
+    mask_buffer = torch.zeros(1 << 18, dtype=torch.bool, device="cuda")
+    gen = torch.Generator().manual_seed(5)
+
+    def grow(growth):
+        """Cached tokens (filled) then a fresh tree of `draft` tokens a request; the tree mask
+        written into mask_buffer. Returns (seq_lens, out_cache_loc, the mask's view)."""
+        seq, new, masks = [], [], []
+        for r in range(bs):
+            e.fill(e.add_tokens(r, growth[r]))
+            seq.append(len(e.token_slots[r]))
+            new.append(e.add_tokens(r, draft))
+            tree = torch.rand(draft, draft, generator=gen) < 0.5
+            tree = tree.tril() | torch.eye(draft, dtype=torch.bool)
+            masks.append(torch.cat([torch.ones(draft, seq[-1], dtype=torch.bool), tree],
+                                   dim=1).reshape(-1))
+        mask = torch.cat(masks)
+        view = mask_buffer[:mask.numel()]
+        view.copy_(mask)
+        return seq, torch.cat(new), view
+
+    def batch(seq, loc, mask, host_lengths):
+        info = types.SimpleNamespace(custom_mask=mask, draft_token_num=draft)
+        fb = e.batch(ForwardMode.TARGET_VERIFY, list(range(bs)), seq, out_cache_loc=loc,
+                     spec_info=info)
+        if not host_lengths:
+            fb.seq_lens_cpu = None
+        return fb
+
+    seq, loc, mask = grow([200, 30, 900, 1])
+    fb = batch(seq, loc, mask, host_lengths=False)
+    graph, outs = capture_step(e, fb, layers, (q, k, v), max_tokens=n)
+    e.fill(fb.out_cache_loc.clone())  # the capture ran nothing: give its tree tokens K/V
+    for growth in ([7, 300, 1, 50], [1, 1, 1, 1], [600, 2, 40, 2000]):
+        seq, loc, mask = grow(growth)
+        fb.seq_lens.copy_(torch.tensor(seq))
+        fb.out_cache_loc.copy_(loc)
+        fb.spec_info.custom_mask = mask  # the same storage, this step's length
+        replay_without_syncs(e, fb, graph)
+        replayed = [o.clone() for o in outs]
+        host = batch(seq, loc.clone(), mask, host_lengths=True)
+        e.backend.init_forward_metadata(host)
+        for layer, got in zip(layers, replayed):
+            want = e.backend.forward(q, k, v, layer, host)
+            assert torch.isfinite(got).all()
+            assert torch.equal(got, want), f"growth {growth}: replay differs from the eager step"
