@@ -602,14 +602,32 @@ class KvattnMultiStepDraftBackend(_NativeBackendBase):
         self.native = _kvattn.MultiStepDraftBackend(self.kind, self.config, topk,
                                                     speculative_num_steps)
         self.attn_backends = [_DraftStepBackend(self, i) for i in range(speculative_num_steps)]
+        # A batch without seq_lens_cpu is planned on the device (no host copy, no sync).
+        self._plans_decode_on_device = self.device.type == "cuda"
 
-    def init_forward_metadata(self, forward_batch: Any) -> None:
+    def _bind_draft(self, forward_batch: Any) -> _kvattn.ForwardBatch:
         batch = self.make_native_batch(forward_batch, mode=_kvattn.ForwardMode.DECODE)
         batch.topk = self.topk
         batch.num_steps = self.speculative_num_steps
         self._batch, self._batch_source = batch, forward_batch
         self._follow_stream()
-        self.native.init_forward_metadata(batch)
+        return batch
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        self.native.init_forward_metadata(self._bind_draft(forward_batch))
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
+        """The host half (before a capture, with in_capture=True, and before each replay)."""
+        self.native.init_forward_metadata_out_graph(self._bind_draft(forward_batch), in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """The device half: inside the captured graph, before the draft steps."""
+        if forward_batch is self._batch_source:
+            batch = self._batch
+            self._follow_stream()
+        else:
+            batch = self._bind_draft(forward_batch)
+        self.native.init_forward_metadata_in_graph(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: Optional[int] = None) -> None:
         self.native.init_cuda_graph_state(max_bs)

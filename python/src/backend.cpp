@@ -578,6 +578,21 @@ void bind_backend(nb::module_& m) {
           },
           nb::arg("batch"), "batch: mode DECODE, seq_lens = committed prefix lengths.")
       .def(
+          "init_forward_metadata_out_graph",
+          [](PyDraftBackend& d, const PyForwardBatch& batch, bool in_capture) {
+            nb::gil_scoped_release release;
+            d.impl->init_forward_metadata_out_graph(batch.batch, in_capture);
+          },
+          nb::arg("batch"), nb::arg("in_capture") = false,
+          "The host half of init_forward_metadata (outside a captured graph).")
+      .def(
+          "init_forward_metadata_in_graph",
+          [](PyDraftBackend& d, const PyForwardBatch& batch) {
+            nb::gil_scoped_release release;
+            d.impl->init_forward_metadata_in_graph(batch.batch);
+          },
+          nb::arg("batch"), "The device half of init_forward_metadata (captured in a graph).")
+      .def(
           "forward_step",
           [](PyDraftBackend& d, int step, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
              const AttentionLayer& layer, nb::handle out_cache_loc, bool dlpack_alloc,

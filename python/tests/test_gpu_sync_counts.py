@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvattn  # noqa: E402
+from kvattn.torch_backend import KvattnMultiStepDraftBackend  # noqa: E402
 from torch_scenarios import Engine, ForwardMode  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -101,16 +102,18 @@ def capture_step(e, fb, layers, qkv, max_tokens=8):
     return graph, outs
 
 
-def replay_without_syncs(e, fb, graph):
+def replay_without_syncs(backend, fb, graph):
     """One replay as an engine runs a step (out_graph, then the graph): no host sync, no
-    device-to-host copy, and the step not refused."""
+    device-to-host copy, and the step not refused. backend: an Engine's or a draft backend."""
+    backend = getattr(backend, "backend", backend)
+
     def step():
-        e.backend.init_forward_metadata_out_graph(fb)
+        backend.init_forward_metadata_out_graph(fb)
         graph.replay()
 
     syncs, d2h = net_counts(step)
     torch.cuda.synchronize()
-    e.backend.check_errors(synchronize=True)
+    backend.check_errors(synchronize=True)
     assert syncs == 0 and d2h == 0, (syncs, d2h)
 
 
@@ -359,3 +362,72 @@ def test_verify_without_host_lengths_is_captured_and_replayed():
             want = e.backend.forward(q, k, v, layer, host)
             assert torch.isfinite(got).all()
             assert torch.equal(got, want), f"growth {growth}: replay differs from the eager step"
+
+
+@pytest.mark.parametrize("shared_prefix", ["1", "0"])
+def test_multi_step_draft_without_host_lengths_is_captured_and_replayed(shared_prefix,
+                                                                        monkeypatch):
+    """Issue 15: the multi-step draft from device tensors only (no seq_lens_cpu), its index
+    sets and plans built on the device inside the captured graph with every draft step, replayed
+    with longer prefixes: no sync, no device-to-host copy, each replay equal bit for bit to the
+    eager draft planned from host lengths (the branches' shared-prefix path and, with
+    KVATTN_DRAFT_SHARED_PREFIX=0, one decode entry a branch)."""
+    monkeypatch.setenv("KVATTN_DRAFT_SHARED_PREFIX", shared_prefix)
+    e = Engine("cuda", num_q_heads=32, num_kv_heads=8, head_dim=128, size=1 << 15, max_reqs=8,
+               max_context_len=4096, num_layers=1)
+    topk, steps, bs = 2, 3, 4
+    draft = KvattnMultiStepDraftBackend(e.token_to_kv_pool, e.req_to_token_pool, topk, steps,
+                                        num_q_heads=32, q_dtype=torch.bfloat16)
+    layer = e.layer()
+    rows = bs * topk
+    qkv = [(e.randn(rows, 32, 128), e.randn(rows, 8, 128), e.randn(rows, 8, 128))
+           for _ in range(steps)]
+
+    def grow(growth):
+        """Cached tokens (filled), then the draft tokens' slots; returns the committed lengths
+        and each draft step's out_cache_loc (branch b of step t at seq + t * topk + b)."""
+        seq = []
+        for r in range(bs):
+            e.fill(e.add_tokens(r, growth[r]))
+            seq.append(len(e.token_slots[r]))
+            e.add_tokens(r, topk * steps)
+        locs = [torch.tensor([e.token_slots[r][seq[r] + t * topk + b]
+                              for r in range(bs) for b in range(topk)], device="cuda")
+                for t in range(steps)]
+        return seq, locs
+
+    def batches(seq, locs, host_lengths):
+        info = types.SimpleNamespace(topk=topk, num_steps=steps)
+        fb = e.batch(ForwardMode.DECODE, list(range(bs)), seq, spec_info=info)
+        if not host_lengths:
+            fb.seq_lens_cpu = None
+        return fb, [e.batch(ForwardMode.DECODE, list(range(bs)), seq, out_cache_loc=loc)
+                    for loc in locs]
+
+    def run_steps(step_fbs):
+        return [draft.attn_backends[t].forward(*qkv[t], layer, step_fbs[t]) for t in range(steps)]
+
+    seq, locs = grow([300, 5, 1200, 77])
+    fb, step_fbs = batches(seq, locs, host_lengths=False)
+    draft.init_cuda_graph_state(8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        draft.init_forward_metadata_out_graph(fb, in_capture=True)
+        with torch.cuda.graph(graph, stream=stream):
+            draft.init_forward_metadata_in_graph(fb)
+            outs = run_steps(step_fbs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for growth in ([9, 400, 1, 1], [1, 1, 1, 1], [700, 2, 30, 1500]):
+        seq, new_locs = grow(growth)
+        fb.seq_lens.copy_(torch.tensor(seq))
+        for loc, new in zip(locs, new_locs):
+            loc.copy_(new)
+        replay_without_syncs(draft, fb, graph)
+        replayed = [o.clone() for o in outs]
+        host_fb, host_steps = batches(seq, new_locs, host_lengths=True)
+        draft.init_forward_metadata(host_fb)
+        for t, (got, want) in enumerate(zip(replayed, run_steps(host_steps))):
+            assert torch.isfinite(got).all()
+            assert torch.equal(got, want), f"growth {growth}, draft step {t}: replay differs"

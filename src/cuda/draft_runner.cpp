@@ -1,6 +1,7 @@
 #include "cuda/draft_runner.h"
 
 #include <algorithm>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include "core/step.h"
 #include "core/validate.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/kernels/device_plan.h"
 #include "cuda/kernels/index.h"
 #include "cuda/step_guard.h"
 #include "kvattn/error.h"
@@ -64,12 +66,16 @@ class CudaDraftRunner final : public core::DraftRunner {
     ready_ = false;
     indices_built_ = false;
     shared_steps_ = false;
-    const core::StepFacts facts = core::derive_step(batch, config_, device_);
+    const core::StepFacts facts = core::derive_step(batch, config_, device_, /*device_plan=*/true);
+    device_plan_ = facts.device_lengths;
     const core::HostLengths& lens = facts.lens;
     const int bs = batch.batch_size;
     const int entries = bs * topk_;
     const ReqToTokenPool& pool = *config_.req_to_token_pool;
-    for (int r = 0; r < bs; ++r) {
+    if (device_plan_) check_device_plan_fits(bs);
+    // (Planned on the device: the step check refuses a seq_len past max_context_len - num_steps
+    // x topk, and the planners clamp it meanwhile.)
+    for (int r = 0; r < int(lens.seq_lens.size()); ++r) {
       const int64_t last = int64_t(lens.seq_lens[r]) + int64_t(num_steps_) * topk_;
       if (last > pool.max_context_len()) {  // the name is built only on failure (every step)
         throw_error(ErrorKind::kInvalidArgument, "seq_lens[" + std::to_string(r) + "]",
@@ -83,23 +89,33 @@ class CudaDraftRunner final : public core::DraftRunner {
     batch_size_ = bs;
     const cudaStream_t stream = static_cast<cudaStream_t>(config_.cuda_stream);
     entries_ = entries;
-    max_kv_len_ = 0;
+    max_kv_len_ = device_plan_ ? pool.max_context_len() : 0;
+    // A device plan lays out the query rows from zero lengths; in_graph's planners write the rest.
+    const std::vector<int32_t> zeros(device_plan_ ? size_t(bs) : 0, 0);
+    const std::span<const int32_t> seq_lens =
+        device_plan_ ? std::span<const int32_t>(zeros) : std::span<const int32_t>(lens.seq_lens);
     if (shared_prefix_ && bs <= mask_requests_) {
-      plan_shared_prefix(lens, stream);
+      plan_shared_prefix(seq_lens, stream);
       ready_ = true;
       return;
     }
     for (int s = 0; s < num_steps_; ++s) {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
-      layout = core::make_draft_step_layout(lens.seq_lens, topk_, s, /*shared_prefix=*/false,
+      layout = core::make_draft_step_layout(seq_lens, topk_, s, /*shared_prefix=*/false,
                                             /*full_mask_rows=*/false);
       for (int32_t len : layout.kv_len) max_kv_len_ = std::max(max_kv_len_, len);
       call.paged = true;
       call.prefill = false;
       call.custom_mask = nullptr;
+      call.device_plan = device_plan_;
       call.item_limit = core::decode_item_capacity(entries, setup_.plan_config);
-      call.decode_plan = core::plan_decode(layout.kv_len, setup_.plan_config, call.item_limit);
+      if (device_plan_) {
+        call.decode_plan = core::DecodePlan{};
+        call.decode_plan.merge_indptr.assign(size_t(entries) + 1, 0);
+      } else {
+        call.decode_plan = core::plan_decode(layout.kv_len, setup_.plan_config, call.item_limit);
+      }
       call.max_kv_len = max_kv_len_;
       core::CallCapacity cap;
       cap.batch_size = graph_pool_ ? graph_max_bs_ * topk_ : entries;
@@ -108,7 +124,9 @@ class CudaDraftRunner final : public core::DraftRunner {
                              : call.item_limit;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
+      const int64_t keys = graph_pool_    ? graph_kv_capacity_
+                           : device_plan_ ? int64_t(entries) * pool.max_context_len()
+                                          : layout.total_kv();
       upload_call(call, cap, keys, config_.v_head_dim, step_, device_, stream);
     }
     ready_ = true;
@@ -122,6 +140,8 @@ class CudaDraftRunner final : public core::DraftRunner {
     const int bs = batch_size_;
     const ReqToTokenPool& p = *config_.req_to_token_pool;
     const bool capturing = stream_is_capturing(stream);
+    // Planned on the device: every step's KV ranges and plan from the device seq_lens first.
+    for (int s = 0; s < num_steps_ && device_plan_; ++s) plan_step_on_device(s, batch, stream);
     // Shared prefix: step s's keys are the request's req_to_token row up to its last draft
     // token, one index set a request. A captured launch covers max_context_len keys.
     for (int s = 0; s < num_steps_ && shared_steps_; ++s) {
@@ -168,6 +188,11 @@ class CudaDraftRunner final : public core::DraftRunner {
     check.num_slots = config_.kv_cache->num_slots();
     check.req_to_token = config_.req_to_token_pool->table().data_as<const int32_t>();
     check.req_to_token_row_stride = config_.req_to_token_pool->table().stride(0);
+    if (device_plan_) {
+      check.seq_lens = device_index_array(batch.seq_lens);
+      check.max_seq_len = p.max_context_len() - int64_t(num_steps_) * topk_;
+    }
+    check.plan_source = device_plan_ ? kPlanOnDevice : kPlanOnHost;
     launch_step_check(check, stream);
     indices_built_ = true;
   }
@@ -294,7 +319,7 @@ class CudaDraftRunner final : public core::DraftRunner {
   // rows each (entry r * topk + b is request r's row b), over the request's prefix and the draft
   // tokens of steps 0..s (req_to_token positions [0, seq_r + (s + 1) * topk)) under the branch
   // mask, on the decode-shaped kernel.
-  void plan_shared_prefix(const core::HostLengths& lens, cudaStream_t stream) {
+  void plan_shared_prefix(std::span<const int32_t> seq_lens, cudaStream_t stream) {
     shared_steps_ = true;
     const int bs = batch_size_;
     const core::PrefillTileShape shape = shared_prefix_shape(bs);
@@ -302,7 +327,7 @@ class CudaDraftRunner final : public core::DraftRunner {
       CallState& call = steps_[size_t(s)];
       core::PagedLayout& layout = call.layout;
       // Short mask rows: the draft columns only (the kernel sees the prefix before them).
-      layout = core::make_draft_step_layout(lens.seq_lens, topk_, s, /*shared_prefix=*/true,
+      layout = core::make_draft_step_layout(seq_lens, topk_, s, /*shared_prefix=*/true,
                                             /*full_mask_rows=*/false);
       for (int32_t len : layout.kv_len) max_kv_len_ = std::max(max_kv_len_, len);
       call.paged = true;
@@ -311,13 +336,26 @@ class CudaDraftRunner final : public core::DraftRunner {
       call.custom_mask = static_cast<const uint8_t*>(branch_masks_.data()) + mask_offsets_[size_t(s)];
       call.item_limit = 0;
       call.max_kv_len = max_kv_len_;
-      core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape, call.prefill_plan);
+      call.device_plan = device_plan_;
+      const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(bs, topk_, shape);
+      if (device_plan_) {
+        // Only the plan's sizes reach the buffer view; in_graph's planner writes its contents.
+        call.plan_shape = shape;
+        call.plan_capacity = capacity;
+        core::PrefillTilePlan& plan = call.prefill_plan;
+        plan.items.resize(size_t(capacity.items));
+        plan.merges.resize(size_t(capacity.merges));
+        plan.num_partials = capacity.partials;
+        plan.tile_rows = shape.tile_rows;
+        plan.group_size = config_.num_q_heads / config_.num_kv_heads;
+        plan.cluster = shape.cluster > 1 ? shape.cluster : 0;
+      } else {
+        core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape, call.prefill_plan);
+      }
       call.prefill_items = int(call.prefill_plan.items.size());
       call.prefill_merges = int(call.prefill_plan.merges.size());
-      call.padded = graph_pool_;
-      if (graph_pool_) {
-        core::pad_prefill_plan(call.prefill_plan, core::prefill_plan_capacity(bs, topk_, shape));
-      }
+      call.padded = graph_pool_ || device_plan_;
+      if (graph_pool_ && !device_plan_) core::pad_prefill_plan(call.prefill_plan, capacity);
       core::CallCapacity cap;
       cap.batch_size = graph_pool_ ? graph_max_bs_ * topk_ : bs;
       cap.decode_items = graph_pool_ ? core::decode_item_capacity(cap.batch_size,
@@ -326,9 +364,69 @@ class CudaDraftRunner final : public core::DraftRunner {
       cap.custom_mask = true;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      const int64_t keys = graph_pool_ ? graph_kv_capacity_ : layout.total_kv();
+      const int64_t keys = graph_pool_ ? graph_kv_capacity_
+                           : device_plan_
+                               ? int64_t(bs) * config_.req_to_token_pool->max_context_len()
+                               : layout.total_kv();
       upload_call(call, cap, keys, config_.v_head_dim, step_, device_, stream);
     }
+  }
+
+  // ---- planned on the device (no seq_lens_cpu; issue 15) ---------------------------------------
+
+  // Refuses (before anything is written) a batch larger than one planning CTA takes.
+  void check_device_plan_fits(int bs) const {
+    const bool fits =
+        shared_prefix_ && bs <= mask_requests_
+            ? device_plan_tiles_fit(bs,
+                                    core::prefill_plan_capacity(bs, topk_, shared_prefix_shape(bs)))
+            : device_plan_decode_fits(bs * topk_,
+                                      core::decode_item_capacity(bs * topk_, setup_.plan_config));
+    if (fits) return;
+    throw_error(ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a multi-step draft batch ",
+                "without host lengths is planned on the device; this one (", bs, " requests x ",
+                topk_, " branches) is more than one planning CTA takes: pass seq_lens_cpu");
+  }
+
+  // Draft step s's KV ranges and plan from the device seq_lens (before its index build): the
+  // shared-prefix path's tiles (the host's plan item for item; its branch mask rows are fixed),
+  // or the branch entries' CUDA-core decode plan.
+  void plan_step_on_device(int s, const ForwardBatch& batch, cudaStream_t stream) const {
+    const CallState& call = steps_[size_t(s)];
+    DeviceLengths lengths;
+    lengths.seq_lens = batch.seq_lens.data();
+    lengths.seq_lens_int64 = batch.seq_lens.dtype() == DType::kInt64;
+    lengths.max_context_len = config_.req_to_token_pool->max_context_len();
+    lengths.q_len = shared_steps_ ? topk_ : 1;
+    lengths.tree_tokens = shared_steps_ ? (s + 1) * topk_ : s + 1;
+    lengths.per_request = shared_steps_ ? 1 : topk_;
+    lengths.kv_start = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_start));
+    lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
+    int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
+    if (shared_steps_) {
+      DevicePlanTiles t;
+      t.lengths = lengths;
+      t.batch_size = batch_size_;
+      t.shape = call.plan_shape;
+      t.capacity = call.plan_capacity;
+      t.kv_indptr = kv_indptr;
+      t.items = const_cast<core::PrefillWorkItem*>(call.prefill_tiles.items);
+      t.merges = const_cast<core::PrefillMergeItem*>(call.prefill_tiles.merges);
+      t.scheduler = call.prefill_tiles.scheduler;
+      launch_device_plan_tiles(t, stream);
+      return;
+    }
+    DevicePlanDecode d;
+    d.lengths = lengths;
+    d.batch_size = entries_;
+    d.config = setup_.plan_config;
+    d.item_capacity = call.item_limit;
+    d.kv_indptr = kv_indptr;
+    d.items = const_cast<core::DecodeWorkItem*>(
+        call.meta<core::DecodeWorkItem>(call.offsets.decode_items));
+    d.merge_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.merge_indptr));
+    d.num_items = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.num_items));
+    launch_device_plan_decode(d, stream);
   }
 
   BackendConfig config_;
@@ -350,6 +448,7 @@ class CudaDraftRunner final : public core::DraftRunner {
   int32_t max_kv_len_ = 0;
   bool shared_prefix_ = false;  ///< the config lets a request's branches share its prefix reads
   bool shared_steps_ = false;   ///< the current batch runs the shared-prefix path
+  bool device_plan_ = false;    ///< the current batch is planned on the device (no seq_lens_cpu)
   int mask_requests_ = 0;       ///< requests branch_masks_ covers (max_reqs)
   Buffer branch_masks_;         ///< the steps' branch masks (make_branch_masks)
   std::vector<int64_t> mask_offsets_;  ///< step s's masks start here in branch_masks_

@@ -750,6 +750,19 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.device_lengths = true;
     s.max_q_len = 5;
   });
+  add("multi-step device-plan topk2", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.topk = 2;
+    s.num_steps = 3;
+  });
+  add("multi-step device-plan topk4 page16 MHA", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.topk = 4;
+    s.num_steps = 2;
+    s.page_size = 16;
+    s.num_q_heads = 4;
+    s.num_kv_heads = 4;
+  });
   return rows;
 }
 

@@ -36,31 +36,39 @@ struct DeviceBytes {
   DeviceBytes& operator=(const DeviceBytes&) = delete;
 };
 
-/// Forces the decode kernel choice for backends made while it lives (the backend reads
-/// KVATTN_DECODE_TENSOR_CORES at construction); nullptr = the automatic choice.
-class TensorCoreChoice {
+/// Sets (value != nullptr) or unsets an environment variable while it lives (the backends read
+/// their KVATTN_* knobs at construction), then restores it.
+class ScopedEnv {
  public:
-  explicit TensorCoreChoice(const char* value) {
-    const char* old = std::getenv("KVATTN_DECODE_TENSOR_CORES");
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
     had_ = old != nullptr;
     if (had_) old_ = old;
     if (value == nullptr)
-      unsetenv("KVATTN_DECODE_TENSOR_CORES");
+      unsetenv(name);
     else
-      setenv("KVATTN_DECODE_TENSOR_CORES", value, 1);
+      setenv(name, value, 1);
   }
-  ~TensorCoreChoice() {
+  ~ScopedEnv() {
     if (had_)
-      setenv("KVATTN_DECODE_TENSOR_CORES", old_.c_str(), 1);
+      setenv(name_.c_str(), old_.c_str(), 1);
     else
-      unsetenv("KVATTN_DECODE_TENSOR_CORES");
+      unsetenv(name_.c_str());
   }
-  TensorCoreChoice(const TensorCoreChoice&) = delete;
-  TensorCoreChoice& operator=(const TensorCoreChoice&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
+  std::string name_;
   bool had_ = false;
   std::string old_;
+};
+
+/// Forces the decode kernel choice for backends made while it lives (the backend reads
+/// KVATTN_DECODE_TENSOR_CORES at construction); nullptr = the automatic choice.
+class TensorCoreChoice : public ScopedEnv {
+ public:
+  explicit TensorCoreChoice(const char* value) : ScopedEnv("KVATTN_DECODE_TENSOR_CORES", value) {}
 };
 
 }  // namespace kvattn::testing

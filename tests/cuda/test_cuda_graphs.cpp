@@ -69,6 +69,7 @@ struct WorldSpec {
   int topk = 0;             ///< multi-step draft worlds
   int num_steps = 0;
   const char* tensor_cores = nullptr;  ///< KVATTN_DECODE_TENSOR_CORES for this world's backends
+  const char* draft_shared_prefix = nullptr;  ///< KVATTN_DRAFT_SHARED_PREFIX for its draft runners
   /// DECODE and TARGET_VERIFY batches carry no seq_lens_cpu: the backend plans them on the
   /// device (issue 15).
   bool device_lengths = false;
@@ -225,6 +226,7 @@ class GraphWorld {
   }
   std::unique_ptr<MultiStepDraftBackend> make_cuda_draft() const {
     TensorCoreChoice choice(spec_.tensor_cores);
+    ScopedEnv shared("KVATTN_DRAFT_SHARED_PREFIX", spec_.draft_shared_prefix);
     return std::make_unique<MultiStepDraftBackend>(BackendKind::kCuda, config_, spec_.topk,
                                                    spec_.num_steps);
   }
@@ -1399,14 +1401,10 @@ TEST(CudaGraphsBadInput, RefusedDevicePlannedExtendReplayWritesNothing) {
 
 // ---- multi-step draft --------------------------------------------------------------------------
 
-TEST(CudaGraphsDraft, MultiStepReplayEqualsEager) {
-  REQUIRE_GPU();
-  WorldSpec spec;
-  spec.label = "draft topk 2 x 3 steps";
-  spec.topk = 2;
-  spec.num_steps = 3;
-  spec.max_context = 2048;
-  spec.seed = 41;
+// Per bucket, the draft steps captured once (in_graph and every step), replayed with other
+// lengths, partly padded: the pool, finite rows, the oracle (first and last), bitwise equal to
+// an eager draft of the same batch.
+void check_draft_replays(const WorldSpec& spec) {
   GraphWorld w(spec);
   auto draft = w.make_cuda_draft();
   draft->init_cuda_graph_state(spec.max_bs);
@@ -1448,10 +1446,41 @@ TEST(CudaGraphsDraft, MultiStepReplayEqualsEager) {
       for (int step = 0; step < spec.num_steps; ++step) {
         EXPECT_TRUE(w.output_bytes(step, s.real_tokens, false) ==
                     w.output_bytes(step, s.real_tokens, true))
-            << "bucket " << bs << " (" << real << " real), draft step " << step
+            << spec.label << " bucket " << bs << " (" << real << " real), draft step " << step
             << ": replay differs from eager";
       }
     }
+  }
+}
+
+WorldSpec draft_world(const char* label, uint64_t seed) {
+  WorldSpec spec;
+  spec.label = label;
+  spec.topk = 2;
+  spec.num_steps = 3;
+  spec.max_context = 2048;
+  spec.seed = seed;
+  return spec;
+}
+
+TEST(CudaGraphsDraft, MultiStepReplayEqualsEager) {
+  REQUIRE_GPU();
+  check_draft_replays(draft_world("draft topk 2 x 3 steps", 41));
+}
+
+// Issue 15: the draft batch without seq_lens_cpu, each step's KV ranges and plan built on the
+// device inside the graph: the shared-prefix path (the decode-shaped kernel's tiles) and one
+// decode entry a branch (KVATTN_DRAFT_SHARED_PREFIX=0, the CUDA-core plan).
+TEST(CudaGraphsDevicePlan, MultiStepDraftReplayEqualsEager) {
+  REQUIRE_GPU();
+  for (const char* shared : {"1", "0"}) {
+    WorldSpec spec = draft_world(shared[0] == '1' ? "device-plan draft, shared prefix"
+                                                  : "device-plan draft, an entry a branch",
+                                 42);
+    spec.device_lengths = true;
+    spec.draft_shared_prefix = shared;
+    SCOPED_TRACE(spec.label);
+    check_draft_replays(spec);
   }
 }
 

@@ -125,7 +125,8 @@ __device__ __forceinline__ int64_t read_length(const void* p, bool int64, int r)
 // returned; *q_len: its query tokens (EXTEND-like: seq_len - prefix_len, before the clamp to
 // num_tokens).
 __device__ int32_t step_kv_len(const DeviceLengths& l, int r, int32_t* q_len) {
-  int64_t seq = read_length(l.seq_lens, l.seq_lens_int64, r);
+  int64_t seq =
+      read_length(l.seq_lens, l.seq_lens_int64, l.per_request > 1 ? r / l.per_request : r);
   seq = min(max(seq, int64_t(0)), int64_t(l.max_context_len) - l.tree_tokens);
   int64_t q = l.q_len;
   if (l.prefix_lens != nullptr) {
@@ -605,7 +606,9 @@ void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
             "ctas_per_item >= 1, concurrent_ctas >= 0, chunk_align >= 1, min_chunk >= 1 "
             "expected");
   const bool lengths = p.lengths.seq_lens != nullptr && p.lengths.kv_start != nullptr &&
-                       p.lengths.kv_len != nullptr && p.lengths.max_context_len >= 0;
+                       p.lengths.kv_len != nullptr && p.lengths.max_context_len >= 0 &&
+                       p.lengths.per_request >= 1 && p.lengths.tree_tokens >= 0 &&
+                       p.lengths.max_context_len >= p.lengths.tree_tokens;
   check_arg(p.batch_size == 0 ||
                 ((p.kv_len != nullptr || lengths) && p.kv_indptr != nullptr && p.items != nullptr &&
                  p.merge_indptr != nullptr && p.num_items != nullptr),
@@ -641,9 +644,11 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
             "prefix_lens",
             "an EXTEND-like plan needs qo_indptr, num_tokens in [0, 2^31), no tree tokens and no "
             "custom mask");
-  check_arg((s.mask == core::MaskMode::kCustom) == (p.lengths.mask_indptr != nullptr) &&
-                (p.lengths.mask_indptr == nullptr || p.lengths.mask_elems != nullptr),
-            "mask_indptr", "a custom-mask call needs mask_indptr and mask_elems (and only it)");
+  check_arg(p.lengths.mask_indptr == nullptr ||
+                (s.mask == core::MaskMode::kCustom && p.lengths.mask_elems != nullptr),
+            "mask_indptr", "only a custom-mask call writes mask_indptr, and it needs mask_elems");
+  check_arg(p.lengths.per_request >= 1, "per_request", "got ", p.lengths.per_request,
+            ", expected >= 1");
   const core::PrefillPlanCapacity want =
       extend ? core::prefill_plan_capacity_for_tokens(p.batch_size, p.lengths.num_tokens, s)
              : core::prefill_plan_capacity(p.batch_size, p.lengths.q_len, s);

@@ -40,7 +40,12 @@ struct DeviceLengths {
   int window = -1;  ///< the window index set: W; -1: every key
   int max_context_len = 0;
   int q_len = 1;        ///< query tokens a request (DECODE, TARGET_VERIFY)
-  int tree_tokens = 0;  ///< TARGET_VERIFY: keys a request has after seq_len (its tree tokens)
+  /// Keys a request has after seq_len: TARGET_VERIFY its tree tokens; draft step s of the
+  /// multi-step draft its draft tokens of steps 0..s ((s + 1) x topk, or s + 1 a branch).
+  int tree_tokens = 0;
+  /// Entries a request: entry r of the call reads seq_lens[r / per_request] (the multi-step
+  /// draft's branch entries: topk); else 1.
+  int per_request = 1;
   /// EXTEND-like: [batch_size] int32 or int64 prefix lengths, device (q_len is then unused).
   const void* prefix_lens = nullptr;
   bool prefix_lens_int64 = false;
@@ -48,7 +53,9 @@ struct DeviceLengths {
   int32_t* qo_indptr = nullptr;         ///< [batch_size + 1] out, EXTEND-like only
   int32_t* kv_start = nullptr;          ///< [batch_size] out (call metadata)
   int32_t* kv_len = nullptr;            ///< [batch_size] out (call metadata)
-  int64_t* mask_indptr = nullptr;       ///< [batch_size + 1] out, custom mask only (else null)
+  /// [batch_size + 1] out, custom mask only: q_len x kv_len rows a request. Null with a custom
+  /// mask: the rows do not follow the lengths (the draft's branch masks: the host wrote them).
+  int64_t* mask_indptr = nullptr;
   const int64_t* mask_elems = nullptr;  ///< [1] device: the tree mask's length (custom mask)
 };
 
