@@ -59,9 +59,13 @@ const std::vector<OptionSpec>& bench_options() {
       {"--max-gib", "G", "skip rows needing more memory (default: CPU min(8, free/2), CUDA 85%)"},
       {"--seed", "N", "seed of the random data (default 1)"},
       {"--graphs", "",
-       "instead of the grid: a 32-layer decode step, eager vs CUDA-graph replay vs its kernels' "
+       "instead of the grid: 32-layer decode, verify, extend and mixed steps, eager vs CUDA-graph "
+       "replay (planned on the host and on the device) vs their kernels' "
        "GPU time, and the host planning per step (CUDA)"},
       {"--planner", "", "instead of the grid: the host planning per decode step (no GPU needed)"},
+      {"--graph-steps", "LIST",
+       "with --graphs: which steps, a comma list of decode, verify, extend, planner (default "
+       "all; extend includes the MIXED step)"},
       {"--deterministic", "",
        "run every row in deterministic (batch-invariant) mode (BackendConfig::deterministic); "
        "the variants get a -deterministic suffix; on CUDA decode rows then run on the backend's "
@@ -815,8 +819,8 @@ std::string bench_usage() {
          "64 x 1024 x 16, a random draft tree per request (a tree token sees the prefix, its\n"
          "ancestors and itself), on CUDA captured on the backend's CUDA-graph buffers as an\n"
          "engine runs it; DRAFT_EXTEND (workload draft_extend; --workload draft) batch {16,64} x\n"
-         "4096 prefix x 4 new tokens, causal, eager (the backend captures DECODE and\n"
-         "TARGET_VERIFY only); the multi-step draft (workload draft_multistep; --workload draft\n"
+         "4096 prefix x 4 new tokens, causal, eager with host lengths (`--graphs` times\n"
+         "EXTEND-like steps captured without them); the multi-step draft (workload draft_multistep; --workload draft\n"
          "too) batch 16 x 4096 prefix, topk 4 branches a request, 3 steps (MultiStepDraftBackend:\n"
          "step t decodes 16 x 4 rows, branch b of request r over its prefix and its draft tokens\n"
          "of steps 0..t at positions prefix + s*topk + b, whose K/V the pool holds); one call is\n"

@@ -623,6 +623,11 @@ int run_graph_bench(const ParsedArgs& args) {
     ceilings.read_gbps = cuda::bench::measure_read_gbps(0, int64_t(4) << 30, 10);
     ceilings.copy_gbps = cuda::bench::measure_copy_gbps(0, int64_t(4) << 30, 10);
     ceilings.gemm_bf16_tflops = cuda::bench::measure_gemm_bf16_tflops(0, 8192, 10);
+    // --graph-steps: which groups of rows run (all by default).
+    const std::string steps = "," + args.get("--graph-steps", "decode,verify,extend,planner") + ",";
+    auto wanted = [&](const char* group) {
+      return steps.find("," + std::string(group) + ",") != std::string::npos;
+    };
     const cuda::bench::Stream stream_owner(0);
     const auto stream = static_cast<cudaStream_t>(stream_owner.handle());
     std::printf("kvattn bench --graphs: %s, commit %s%s, %s\n", device_name.c_str(), commit.c_str(),
@@ -690,13 +695,17 @@ int run_graph_bench(const ParsedArgs& args) {
       }
     };
     for (int kv_len : {1024, 4096}) {
-      for (int batch : {1, 8, 32, 64, 128}) run_row(batch, kv_len, 0);
+      for (int batch : {1, 8, 32, 64, 128}) {
+        if (wanted("decode")) run_row(batch, kv_len, 0);
+      }
     }
     std::printf(
         "\nTARGET_VERIFY step over %d layers (8-token random trees over a 4096-token prefix; "
         "kv_len = prefix + tree)\n",
         kLayers);
-    for (int batch : {1, 16, 64}) run_row(batch, 4096 + 8, 8);
+    for (int batch : {1, 16, 64}) {
+      if (wanted("verify")) run_row(batch, 4096 + 8, 8);
+    }
     std::printf(
         "\nEXTEND / MIXED steps over %d layers (kv_len = prefix + new tokens; only a step planned "
         "on the\ndevice is captured: host eager, device eager, device graph, device kernels)\n",
@@ -744,9 +753,9 @@ int run_graph_bench(const ParsedArgs& args) {
         std::printf("%-8s %5d %6d  FAIL: %s\n", workload, batch, kv_len, e.what());
       }
     };
-    run_extend_row("extend", ForwardMode::kExtend, std::vector<int>(1, 512), 4096 + 512);
-    run_extend_row("extend", ForwardMode::kExtend, std::vector<int>(8, 512), 4096 + 512);
-    {
+    if (wanted("extend")) {
+      run_extend_row("extend", ForwardMode::kExtend, std::vector<int>(1, 512), 4096 + 512);
+      run_extend_row("extend", ForwardMode::kExtend, std::vector<int>(8, 512), 4096 + 512);
       std::vector<int> mixed(32, 1);
       mixed.push_back(1024);
       run_extend_row("mixed", ForwardMode::kMixed, mixed, 4096);
@@ -758,6 +767,7 @@ int run_graph_bench(const ParsedArgs& args) {
     std::printf("%6s %14s %14s %20s\n", "batch", "out_graph us", "functions us",
                 "device-plan out_graph");
     for (int batch : {1, 64, 256}) {
+      if (!wanted("planner")) break;
       Row row;
       row.variant = "planner";
       row.batch = batch;

@@ -148,12 +148,16 @@ class AttentionBackend {
   // ---- CUDA graphs (no-ops on the CPU backend) ------------------------------------------
   /// Allocates every buffer a captured step touches, once. max_bs: the largest batch size
   /// (bucket) captured; max_num_tokens: the most query tokens such a step carries (max_bs for
-  /// DECODE, max_bs * draft_token_num for TARGET_VERIFY). Batches of up to max_bs requests then
-  /// run on these fixed buffers with launch sizes that depend on the batch size alone, so a
-  /// graph captured once for a batch size replays any later batch of that size, right after
-  /// init_forward_metadata_out_graph for it. Capturing a forward needs these buffers wherever the
-  /// step runs on tensor cores (TARGET_VERIFY, the draft steps, and DECODE at GQA groups of 4 and
-  /// more by default): a capture without them is refused with kNotSupported.
+  /// DECODE, max_bs * draft_token_num for TARGET_VERIFY, the token bucket for EXTEND-like
+  /// steps). Batches of up to max_bs requests then run on these fixed buffers with launch sizes
+  /// that depend on the batch size (and, EXTEND-like, its token count) alone, so a graph
+  /// captured once for a bucket replays any later batch of that bucket, right after
+  /// init_forward_metadata_out_graph for it. EXTEND, MIXED and DRAFT_EXTEND steps are captured
+  /// when they carry no host lengths (no seq_lens_cpu / extend_*_cpu: planned on the device,
+  /// the paged path); with host lengths they run eagerly and their capture is refused. Capturing
+  /// a forward needs these buffers wherever the step runs on tensor cores (TARGET_VERIFY,
+  /// EXTEND-like steps, the draft steps, and DECODE at GQA groups of 4 and more by default): a
+  /// capture without them is refused with kNotSupported.
   virtual void init_cuda_graph_state(int max_bs, int64_t max_num_tokens) = 0;
   /// Seq-len value for padded batch entries.
   virtual int cuda_graph_seq_len_fill_value() const = 0;
