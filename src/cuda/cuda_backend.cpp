@@ -978,15 +978,11 @@ class CudaBackend final : public AttentionBackend {
            mode == ForwardMode::kDraftExtend;
   }
 
-  // The tile shape and capacity of a device-planned EXTEND-like call of batch_size requests and
-  // num_tokens query tokens: the Hopper prefill kernel (the decode-shaped one needs a known
-  // q_len), causal, heaviest first (l2_keys 0).
+  // The tile shape of a device-planned EXTEND-like call: the host's for the Hopper prefill
+  // kernel (the decode-shaped one needs a known q_len), its L2 order included.
   core::PrefillTileShape device_extend_shape(const core::PagedLayout& layout,
                                              int batch_size) const {
-    core::PrefillTileShape shape =
-        prefill_shape(layout.mask, layout.window_left, /*tc=*/false, batch_size, 0);
-    shape.l2_keys = 0;
-    return shape;
+    return prefill_shape(layout.mask, layout.window_left, /*tc=*/false, batch_size, 0);
   }
 
   // Refuses (before anything is written) a batch larger than one planning CTA takes.
@@ -1010,11 +1006,12 @@ class CudaBackend final : public AttentionBackend {
         return device_plan_decode_fits(bs, core::decode_item_capacity(bs, setup_.plan_config));
       }
       if (extend) {
-        return device_plan_tiles_fit(bs, core::prefill_plan_capacity_for_tokens(
-                                             bs, num_tokens, device_extend_shape(probe, bs)));
+        const core::PrefillTileShape shape = device_extend_shape(probe, bs);
+        return device_plan_tiles_fit(
+            bs, core::prefill_plan_capacity_for_tokens(bs, num_tokens, shape), shape);
       }
-      return device_plan_tiles_fit(
-          bs, core::prefill_plan_capacity(bs, q_len, device_tile_shape(probe, q_len, bs)));
+      const core::PrefillTileShape shape = device_tile_shape(probe, q_len, bs);
+      return device_plan_tiles_fit(bs, core::prefill_plan_capacity(bs, q_len, shape), shape);
     };
     if (fits(batch_size)) return;
     int most = std::min(batch_size - 1, std::max(kDevicePlanMaxBatch, kDevicePlanTilesMaxBatch));

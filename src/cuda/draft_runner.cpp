@@ -379,7 +379,8 @@ class CudaDraftRunner final : public core::DraftRunner {
     const bool fits =
         shared_prefix_ && bs <= mask_requests_
             ? device_plan_tiles_fit(bs,
-                                    core::prefill_plan_capacity(bs, topk_, shared_prefix_shape(bs)))
+                                    core::prefill_plan_capacity(bs, topk_, shared_prefix_shape(bs)),
+                                    shared_prefix_shape(bs))
             : device_plan_decode_fits(bs * topk_,
                                       core::decode_item_capacity(bs * topk_, setup_.plan_config));
     if (fits) return;

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -366,7 +367,7 @@ TEST(DevicePlanTiles, EqualsTheHostPlanOnRandomBatches) {
 TEST(DevicePlanTiles, ExtendEqualsTheHostPlan) {
   REQUIRE_GPU();
   std::mt19937 rng(11);
-  int split_plans = 0, clamped = 0;
+  int split_plans = 0, clamped = 0, l2_plans = 0;
   for (int trial = 0; trial < 90; ++trial) {
     const int bs = trial < 40 ? 1 + int(rng() % 8) : 1 + int(rng() % 200);
     const int window = trial % 4 == 3 ? int(rng() % 3000) : -1;
@@ -380,6 +381,9 @@ TEST(DevicePlanTiles, ExtendEqualsTheHostPlan) {
     shape.mask = core::MaskMode::kCausal;
     shape.window_left = window;
     shape.concurrent_ctas = trial % 7 == 6 ? 0 : 132 * (1 + trial % 2);
+    // The L2 order of head groups (H200: ~120K keys x heads at head_dim 128), small enough in
+    // some trials that requests split their heads.
+    shape.l2_keys = trial % 3 == 2 ? 0 : trial % 3 == 0 ? 120000 : 6000 + int64_t(rng() % 30000);
     std::vector<int64_t> seq(static_cast<size_t>(bs)), prefix(static_cast<size_t>(bs));
     int64_t tokens = 0;
     for (int r = 0; r < bs; ++r) {
@@ -414,6 +418,13 @@ TEST(DevicePlanTiles, ExtendEqualsTheHostPlan) {
       }
       if (trial % 11 != 10) {
         split_plans += !core::plan_prefill_tiles(qo, kv, shape).merges.empty();
+        core::PrefillTileShape plain = shape;
+        plain.l2_keys = 0;
+        // (The L2 order changed the plan: the items of the two orders differ.)
+        const auto a = core::plan_prefill_tiles(qo, kv, shape).items;
+        const auto b = core::plan_prefill_tiles(qo, kv, plain).items;
+        l2_plans +=
+            a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) != 0;
       }
     }
     SCOPED_TRACE("trial " + std::to_string(trial) + ", batch " + std::to_string(bs) + ", window " +
@@ -424,6 +435,7 @@ TEST(DevicePlanTiles, ExtendEqualsTheHostPlan) {
   }
   EXPECT_GT(split_plans, 10);
   EXPECT_GT(clamped, 10);
+  EXPECT_GT(l2_plans, 10);
 }
 
 // TARGET_VERIFY: trees of 1..12 tokens on the decode-shaped kernel's 16- and 32-row tiles,

@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
   }
 }
 
-// ---- the tensor-core kernels' plan (core::plan_prefill_tiles with l2_keys 0) ----------------
+// ---- the tensor-core kernels' plan (core::plan_prefill_tiles) -----------------------------
 
 // Keys [begin, end) of a request's rows one tile sees.
 struct TileKeys {
@@ -308,9 +308,12 @@ __device__ __forceinline__ TileKeys chunk_keys_of(TileKeys k, int32_t steps, int
 // Shared-memory layout of the tile planner: fixed scratch, per-request arrays, per-row-tile
 // arrays (the split path's scans), then the sort keys.
 struct TilesSmem {
-  size_t lens64, lens, q_lens, qo, tile_start, built, merge, partial, keys, bytes;
+  size_t lens64, lens, q_lens, qo, tile_start, built, merge, partial, groups, keys, bytes;
 };
-__host__ __device__ inline TilesSmem tiles_smem(int batch_size, int row_tiles, int keys) {
+// l2_groups: the L2 order's head groups (PrefillTileShape::l2_keys > 0): at most one a kv head
+// of each request with rows.
+__host__ __device__ inline TilesSmem tiles_smem(int batch_size, int row_tiles, int keys,
+                                                int l2_groups) {
   TilesSmem m;
   size_t at = (kThreads / 32 + kThreads) * sizeof(int64_t) + kThreads * sizeof(int32_t);
   auto take = [&](size_t bytes) {
@@ -329,9 +332,26 @@ __host__ __device__ inline TilesSmem tiles_smem(int batch_size, int row_tiles, i
   m.built = take(tiles * sizeof(int32_t));
   m.merge = take(tiles * sizeof(int32_t));
   m.partial = take(tiles * sizeof(int32_t));
+  m.groups = take((size_t(l2_groups) + 1) * sizeof(int32_t));
   m.keys = take(size_t(keys) * sizeof(uint64_t));
   m.bytes = (at + 15) / 16 * 16;
   return m;
+}
+
+// The head groups the L2 order may form (0 without it): one a kv head of each request that has
+// rows, at most min(batch_size, row tiles) requests.
+__host__ __device__ inline int l2_group_bound(const DevicePlanTiles& p) {
+  if (p.shape.l2_keys <= 0) return 0;
+  return min(p.batch_size, p.capacity.row_tiles) * p.shape.num_kv_heads;
+}
+
+// Request r's heads a group in the L2 order (core::plan_prefill_tiles's emit_l2_groups): the
+// largest power of two whose keys x heads stay within a third of l2_keys.
+__device__ __forceinline__ int l2_group_heads(const core::PrefillTileShape& s, int64_t kv_len) {
+  kv_len = max(kv_len, int64_t(1));
+  int heads = 1;
+  while (heads * 2 <= s.num_kv_heads && kv_len * heads * 2 <= s.l2_keys / 3) heads *= 2;
+  return heads;
 }
 
 __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const DevicePlanTiles p) {
@@ -343,7 +363,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
   const bool extend = p.lengths.prefix_lens != nullptr;
   int keys_needed = 1;
   while (keys_needed < p.capacity.items) keys_needed *= 2;
-  const TilesSmem m = tiles_smem(bs, p.capacity.row_tiles, keys_needed);
+  const TilesSmem m = tiles_smem(bs, p.capacity.row_tiles, keys_needed, l2_group_bound(p));
   int64_t* scratch = reinterpret_cast<int64_t*>(smem);                      // [kThreads / 32]
   int64_t* partials64 = scratch + kThreads / 32;                            // [kThreads]
   int32_t* partials32 = reinterpret_cast<int32_t*>(partials64 + kThreads);  // [kThreads]
@@ -355,6 +375,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
   int32_t* built = reinterpret_cast<int32_t*>(smem + m.built);              // [row tiles + 1]
   int32_t* merge = reinterpret_cast<int32_t*>(smem + m.merge);              // [row tiles + 1]
   int32_t* partial = reinterpret_cast<int32_t*>(smem + m.partial);          // [row tiles + 1]
+  int32_t* groups = reinterpret_cast<int32_t*>(smem + m.groups);            // [l2 groups + 1]
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem + m.keys);              // [keys_needed]
 
   if (p.scheduler != nullptr && threadIdx.x < 4) p.scheduler[threadIdx.x] = 0;
@@ -456,7 +477,79 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       longest = max(longest, int64_t(k.end - k.begin));
     }
     const bool splits = chunk > 0 && block_max(longest, scratch) > chunk;
-    if (!splits) {
+    const bool l2_order = !splits && s.l2_keys > 0 && p.kv_indptr[bs] * int64_t(heads) > s.l2_keys;
+    if (l2_order) {
+      // The L2 order (emit_l2_groups): each request's tiles heaviest first (ties in build
+      // order), its kv heads in groups of l2_group_heads, a group's tiles together with its
+      // heads consecutive, the groups by their heaviest tile (ties in build order).
+      // 1. Sort the tiles by (request, keys descending, row tile): built[] holds them sorted, a
+      //    request's at [tile_start[r], tile_start[r + 1]).
+      const int padded_tiles = padded_pow2(num_tiles);
+      for (int i = threadIdx.x; i < padded_tiles; i += kThreads) {
+        uint64_t key = ~uint64_t(0);
+        if (i < num_tiles) {
+          const int r = request_of_tile(i);
+          const TileKeys k = keys_of_tile(i, r);
+          key = (uint64_t(r) << 47) | (uint64_t(INT32_MAX - (k.end - k.begin)) << 16) |
+                uint64_t(i - tile_start[r]);
+        }
+        keys[i] = key;
+      }
+      bitonic_sort(keys, padded_tiles);
+      for (int i = threadIdx.x; i < num_tiles; i += kThreads) {
+        const int r = int(keys[i] >> 47);
+        built[i] = tile_start[r] + int(keys[i] & 0xffffu);
+      }
+      // 2. The groups in build order (request, head group): group_start[r] (in lens64's bytes,
+      //    free since kv_indptr is written), then sorted by (heaviest descending, build index).
+      int32_t* group_start = reinterpret_cast<int32_t*>(lens64);  // [bs + 1]
+      for (int r = threadIdx.x; r < bs; r += kThreads) {
+        const bool rows = tile_start[r + 1] > tile_start[r] && tile_start[r] < num_tiles;
+        const int hg = l2_group_heads(s, lens[r]);
+        group_start[r] = rows ? (heads + hg - 1) / hg : 0;
+      }
+      block_exclusive_scan<int32_t>(group_start, group_start, bs, partials32);
+      const int num_groups = min(group_start[bs], l2_group_bound(p));
+      auto group_request = [&](int g) { return request_of_item(group_start, bs, g); };
+      const int padded_groups = padded_pow2(num_groups);
+      for (int g = threadIdx.x; g < padded_groups; g += kThreads) {
+        uint64_t key = ~uint64_t(0);
+        if (g < num_groups) {
+          const int r = group_request(g);
+          const TileKeys k = keys_of_tile(built[tile_start[r]], r);  // its heaviest tile
+          key = heaviest_first_key(k.end - k.begin, uint32_t(g));
+        }
+        keys[g] = key;
+      }
+      bitonic_sort(keys, padded_groups);
+      // 3. Items a sorted group (its tiles x its heads), scanned; item j finds its group.
+      auto group_heads = [&](int g, int r, int* head_begin) {
+        const int hg = l2_group_heads(s, lens[r]);
+        *head_begin = (g - group_start[r]) * hg;
+        return min(hg, heads - *head_begin);
+      };
+      for (int q = threadIdx.x; q < num_groups; q += kThreads) {
+        const int g = int(keys[q] & 0xffffffffu);
+        const int r = group_request(g);
+        int head_begin = 0;
+        groups[q] =
+            (min(tile_start[r + 1], num_tiles) - tile_start[r]) * group_heads(g, r, &head_begin);
+      }
+      block_exclusive_scan<int32_t>(groups, groups, num_groups, partials32);
+      num_items = min(groups[num_groups], p.capacity.items);
+      for (int j = threadIdx.x; j < num_items; j += kThreads) {
+        const int q = request_of_item(groups, num_groups, j);
+        const int g = int(keys[q] & 0xffffffffu);
+        const int r = group_request(g);
+        int head_begin = 0;
+        const int size = group_heads(g, r, &head_begin);
+        const int local = j - groups[q];
+        const int tile = built[tile_start[r] + local / size];
+        core::PrefillWorkItem item;
+        fill_item(item, r, tile - tile_start[r], head_begin + local % size, keys_of_tile(tile, r));
+        p.items[j] = item;
+      }
+    } else if (!splits) {
       // The row tiles by their keys, heaviest first; a tile's kv heads consecutive.
       const int padded = padded_pow2(num_tiles);
       for (int i = threadIdx.x; i < padded; i += kThreads) {
@@ -586,11 +679,17 @@ bool device_plan_decode_fits(int batch_size, int item_capacity) {
   return batch_size <= kDevicePlanMaxBatch && item_capacity <= kDevicePlanMaxItems;
 }
 
-bool device_plan_tiles_fit(int batch_size, const core::PrefillPlanCapacity& capacity) {
+bool device_plan_tiles_fit(int batch_size, const core::PrefillPlanCapacity& capacity,
+                           const core::PrefillTileShape& shape) {
   const int keys = sort_keys(capacity.items);
+  DevicePlanTiles probe;
+  probe.batch_size = batch_size;
+  probe.capacity = capacity;
+  probe.shape = shape;
   return batch_size >= 0 && batch_size <= kDevicePlanTilesMaxBatch && capacity.row_tiles >= 0 &&
          keys <= kDevicePlanTilesMaxKeys &&
-         tiles_smem(batch_size, capacity.row_tiles, keys).bytes <= kDevicePlanTilesMaxSmem;
+         tiles_smem(batch_size, capacity.row_tiles, keys, l2_group_bound(probe)).bytes <=
+             kDevicePlanTilesMaxSmem;
 }
 
 void launch_device_plan_decode(const DevicePlanDecode& p, cudaStream_t stream) {
@@ -632,8 +731,8 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
                 s.tile_rows > 0 && s.kv_tile > 0 && s.window_left >= -1 && s.concurrent_ctas >= 0 &&
                 s.min_split_keys >= 1 && s.cluster <= 64,
             "shape", "a tile shape core::plan_prefill_tiles accepts expected");
-  check_arg(s.l2_keys == 0, "shape.l2_keys", "got ", s.l2_keys,
-            ", the device tile planner plans the decode-shaped kernel's order (0)");
+  check_arg(s.l2_keys >= 0 && (s.l2_keys == 0 || s.cluster <= 1), "shape.l2_keys", "got ",
+            s.l2_keys, ", expected >= 0 (and 0 with a cluster split)");
   const bool extend = p.lengths.prefix_lens != nullptr;
   check_arg(extend || (p.lengths.q_len >= 1 && p.lengths.tree_tokens >= 0), "q_len", "got ",
             p.lengths.q_len, " query and ", p.lengths.tree_tokens,
@@ -658,7 +757,7 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
             p.capacity.partials, " partials, ", p.capacity.row_tiles,
             " row tiles; expected the call's prefill_plan_capacity: ", want.items, ", ",
             want.merges, ", ", want.partials, ", ", want.row_tiles);
-  check_arg(device_plan_tiles_fit(p.batch_size, p.capacity), "batch_size", "got ", p.batch_size,
+  check_arg(device_plan_tiles_fit(p.batch_size, p.capacity, s), "batch_size", "got ", p.batch_size,
             ": ", p.capacity.items, " items of ", p.capacity.row_tiles,
             " row tiles, over what one tile-planning CTA sorts (", kDevicePlanTilesMaxKeys,
             " keys) or holds (", kDevicePlanTilesMaxSmem, " bytes of shared memory)");
@@ -672,7 +771,8 @@ void launch_device_plan_tiles(const DevicePlanTiles& p, cudaStream_t stream) {
       "and merges");
   if (p.batch_size == 0) return;
   const size_t smem =
-      tiles_smem(p.batch_size, p.capacity.row_tiles, sort_keys(p.capacity.items)).bytes;
+      tiles_smem(p.batch_size, p.capacity.row_tiles, sort_keys(p.capacity.items), l2_group_bound(p))
+          .bytes;
   check_cuda(cudaFuncSetAttribute(device_plan_tiles_kernel,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute(device_plan_tiles_kernel)");

@@ -91,10 +91,11 @@ void launch_device_plan_decode(const DevicePlanDecode& plan, cudaStream_t stream
 /// would be: items [capacity.items] (the plan, then no-op items), merges [capacity.merges] (then
 /// empty merges), the scheduler counters zeroed; partial slots are numbered below
 /// capacity.partials. It is core::plan_prefill_tiles's plan item for item for the same shape
-/// with l2_keys 0 (every tile heaviest first; causal and window bounds a row tile, split-KV,
-/// cluster split). capacity = core::prefill_plan_capacity(batch_size, q_len, shape) (DECODE,
-/// TARGET_VERIFY) or core::prefill_plan_capacity_for_tokens(batch_size, num_tokens, shape)
-/// (EXTEND-like: lengths.prefix_lens set; no cluster split).
+/// (every tile heaviest first, or the L2 order of head groups where shape.l2_keys asks for it;
+/// causal and window bounds a row tile, split-KV, cluster split). capacity =
+/// core::prefill_plan_capacity(batch_size, q_len, shape) (DECODE, TARGET_VERIFY) or
+/// core::prefill_plan_capacity_for_tokens(batch_size, num_tokens, shape) (EXTEND-like:
+/// lengths.prefix_lens set; no cluster split).
 struct DevicePlanTiles {
   DeviceLengths lengths;  ///< seq_lens required
   int batch_size = 0;
@@ -114,7 +115,8 @@ constexpr size_t kDevicePlanTilesMaxSmem = 200 * 1024;
 
 /// Whether one tile-planning CTA takes a plan of batch_size requests of this capacity (the
 /// bounds launch_device_plan_tiles checks; a caller refuses a step before writing it).
-bool device_plan_tiles_fit(int batch_size, const core::PrefillPlanCapacity& capacity);
+bool device_plan_tiles_fit(int batch_size, const core::PrefillPlanCapacity& capacity,
+                           const core::PrefillTileShape& shape);
 
 /// Throws kvattn::Error (kInvalidArgument naming the field) for a plan beyond those bounds or a
 /// shape it does not plan; launches one CTA on `stream` (records into a CUDA graph).
