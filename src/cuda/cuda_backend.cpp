@@ -295,6 +295,37 @@ void freeze_call(CallState& call) {
   call.frozen = true;
 }
 
+void launch_call_plan(const CallState& call, DeviceLengths lengths,
+                      const core::DecodePlanConfig& config, cudaStream_t stream) {
+  lengths.kv_start = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_start));
+  lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
+  int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
+  if (call.prefill) {
+    DevicePlanTiles t;
+    t.lengths = lengths;
+    t.batch_size = call.layout.batch_size;
+    t.shape = call.plan_shape;
+    t.capacity = call.plan_capacity;
+    t.kv_indptr = kv_indptr;
+    t.items = const_cast<core::PrefillWorkItem*>(call.prefill_tiles.items);
+    t.merges = const_cast<core::PrefillMergeItem*>(call.prefill_tiles.merges);
+    t.scheduler = call.prefill_tiles.scheduler;
+    launch_device_plan_tiles(t, stream);
+    return;
+  }
+  DevicePlanDecode d;
+  d.lengths = lengths;
+  d.batch_size = call.layout.batch_size;
+  d.config = config;
+  d.item_capacity = call.item_limit;
+  d.kv_indptr = kv_indptr;
+  d.items =
+      const_cast<core::DecodeWorkItem*>(call.meta<core::DecodeWorkItem>(call.offsets.decode_items));
+  d.merge_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.merge_indptr));
+  d.num_items = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.num_items));
+  launch_device_plan_decode(d, stream);
+}
+
 StepState* step_state_of(const CallState& first_call) {
   return reinterpret_cast<StepState*>(static_cast<char*>(first_call.metadata.data()) +
                                       first_call.offsets.step_state);
@@ -1083,8 +1114,6 @@ class CudaBackend final : public AttentionBackend {
     lengths.max_context_len = config_.req_to_token_pool->max_context_len();
     lengths.q_len = device_q_len(batch);
     lengths.tree_tokens = verify ? batch.spec.draft_token_num : 0;
-    lengths.kv_start = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_start));
-    lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
     if (verify) {
       lengths.mask_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.mask_indptr));
       lengths.mask_elems = call.meta<int64_t>(call.offsets.mask_elems);
@@ -1095,31 +1124,7 @@ class CudaBackend final : public AttentionBackend {
       lengths.num_tokens = step_.num_tokens;
       lengths.qo_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.qo_indptr));
     }
-    int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
-    if (call.prefill) {
-      DevicePlanTiles t;
-      t.lengths = lengths;
-      t.batch_size = call.layout.batch_size;
-      t.shape = call.plan_shape;
-      t.capacity = call.plan_capacity;
-      t.kv_indptr = kv_indptr;
-      t.items = const_cast<core::PrefillWorkItem*>(call.prefill_tiles.items);
-      t.merges = const_cast<core::PrefillMergeItem*>(call.prefill_tiles.merges);
-      t.scheduler = call.prefill_tiles.scheduler;
-      launch_device_plan_tiles(t, stream);
-      return;
-    }
-    DevicePlanDecode d;
-    d.lengths = lengths;
-    d.batch_size = call.layout.batch_size;
-    d.config = setup_.plan_config;
-    d.item_capacity = call.item_limit;
-    d.kv_indptr = kv_indptr;
-    d.items = const_cast<core::DecodeWorkItem*>(
-        call.meta<core::DecodeWorkItem>(call.offsets.decode_items));
-    d.merge_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.merge_indptr));
-    d.num_items = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.num_items));
-    launch_device_plan_decode(d, stream);
+    launch_call_plan(call, lengths, setup_.plan_config, stream);
   }
 
   // TARGET_VERIFY on a window layer: the window becomes part of the tree mask (tree tokens do

@@ -38,6 +38,7 @@
 #include "core/prefill_tiles.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/decode.h"
+#include "cuda/kernels/device_plan.h"
 #include "cuda/kernels/index.h"
 #include "cuda/kernels/step_check.h"
 #include "kvattn/backend.h"
@@ -139,6 +140,14 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 /// The step's error state (kernels/step_check.h): in the metadata of the first call of the pool
 /// the step runs on (device memory; reset by that call's upload_call).
 StepState* step_state_of(const CallState& first_call);
+
+/// A call planned on the device (CallState::device_plan), in in_graph: its KV ranges into its
+/// metadata (kv_start, kv_len, kv_indptr) and its plan from `lengths` (whose output pointers
+/// other than kv_start / kv_len / qo_indptr / mask_indptr this fills): the tile planner for a
+/// tensor-core call (plan_shape, plan_capacity, the prefill region), else the CUDA-core decode
+/// plan of config. One planning CTA on `stream` (records into a CUDA graph).
+void launch_call_plan(const CallState& call, DeviceLengths lengths,
+                      const core::DecodePlanConfig& config, cudaStream_t stream);
 
 /// All-or-nothing growth of several buffers (init_cuda_graph_state): need() records what each
 /// buffer must hold; apply() checks the bytes to add against the device's free memory (refusing

@@ -401,33 +401,7 @@ class CudaDraftRunner final : public core::DraftRunner {
     lengths.q_len = shared_steps_ ? topk_ : 1;
     lengths.tree_tokens = shared_steps_ ? (s + 1) * topk_ : s + 1;
     lengths.per_request = shared_steps_ ? 1 : topk_;
-    lengths.kv_start = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_start));
-    lengths.kv_len = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.kv_len));
-    int64_t* kv_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.kv_indptr));
-    if (shared_steps_) {
-      DevicePlanTiles t;
-      t.lengths = lengths;
-      t.batch_size = batch_size_;
-      t.shape = call.plan_shape;
-      t.capacity = call.plan_capacity;
-      t.kv_indptr = kv_indptr;
-      t.items = const_cast<core::PrefillWorkItem*>(call.prefill_tiles.items);
-      t.merges = const_cast<core::PrefillMergeItem*>(call.prefill_tiles.merges);
-      t.scheduler = call.prefill_tiles.scheduler;
-      launch_device_plan_tiles(t, stream);
-      return;
-    }
-    DevicePlanDecode d;
-    d.lengths = lengths;
-    d.batch_size = entries_;
-    d.config = setup_.plan_config;
-    d.item_capacity = call.item_limit;
-    d.kv_indptr = kv_indptr;
-    d.items = const_cast<core::DecodeWorkItem*>(
-        call.meta<core::DecodeWorkItem>(call.offsets.decode_items));
-    d.merge_indptr = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.merge_indptr));
-    d.num_items = const_cast<int32_t*>(call.meta<int32_t>(call.offsets.num_items));
-    launch_device_plan_decode(d, stream);
+    launch_call_plan(call, lengths, setup_.plan_config, stream);
   }
 
   BackendConfig config_;
