@@ -720,13 +720,21 @@ int run_graph_bench(const ParsedArgs& args) {
       try {
         StepWorld world(batch, kv_len, seed + uint64_t(batch) * 977 + uint64_t(tokens), stream, 0,
                         new_tokens, mode);
-        const double host_eager = wall_us_per_step([&] { world.eager_step(Plan::kHost); }, stream);
-        const double device_eager =
-            wall_us_per_step([&] { world.eager_step(Plan::kDevice); }, stream);
         Graph device_graph;
         world.capture_step(device_graph, Plan::kDevice);
-        const double device_replay =
-            wall_us_per_step([&] { world.replay_step(device_graph, Plan::kDevice); }, stream);
+        // Three rounds, the three ways interleaved, each its median: a step of tens of ms at
+        // full power slows the GPU over a run (bench/NOTES.md, the load effect), so timing one
+        // way after the other would favour the first.
+        std::vector<double> host_runs, eager_runs, replay_runs;
+        for (int round = 0; round < 3; ++round) {
+          host_runs.push_back(wall_us_per_step([&] { world.eager_step(Plan::kHost); }, stream));
+          eager_runs.push_back(wall_us_per_step([&] { world.eager_step(Plan::kDevice); }, stream));
+          replay_runs.push_back(
+              wall_us_per_step([&] { world.replay_step(device_graph, Plan::kDevice); }, stream));
+        }
+        const double host_eager = median(host_runs);
+        const double device_eager = median(eager_runs);
+        const double device_replay = median(replay_runs);
         const double device_kernels = world.kernels_us(Plan::kDevice);
         const bool device_same = world.replay_equals_eager(device_graph, Plan::kDevice);
         failures += device_same ? 0 : 1;

@@ -419,6 +419,8 @@ def test_multi_step_draft_without_host_lengths_is_captured_and_replayed(shared_p
             draft.init_forward_metadata_in_graph(fb)
             outs = run_steps(step_fbs)
     torch.cuda.current_stream().wait_stream(stream)
+    for loc in locs:  # the capture ran nothing: give its draft tokens K/V (later prefixes)
+        e.fill(loc.clone())
     for growth in ([9, 400, 1, 1], [1, 1, 1, 1], [700, 2, 30, 1500]):
         seq, new_locs = grow(growth)
         fb.seq_lens.copy_(torch.tensor(seq))

@@ -408,6 +408,19 @@ TEST(DevicePlanTiles, ExtendEqualsTheHostPlan) {
       num_tokens = tokens / 2;
       ++clamped;
     }
+    // Within one planning CTA (the backend refuses larger steps before planning): the tokens
+    // halved, request by request, until the bucket's plan fits.
+    while (!cuda::device_plan_tiles_fit(
+        bs, core::prefill_plan_capacity_for_tokens(bs, num_tokens, shape), shape)) {
+      tokens = 0;
+      for (int r = 0; r < bs; ++r) {
+        const int64_t q =
+            (seq[size_t(r)] - std::clamp<int64_t>(prefix[size_t(r)], 0, seq[size_t(r)])) / 2;
+        seq[size_t(r)] = std::max<int64_t>(prefix[size_t(r)], 0) + q;
+        tokens += q;
+      }
+      num_tokens = std::min(num_tokens, tokens);
+    }
     {
       std::vector<int32_t> qo{0};
       std::vector<int64_t> kv{0};

@@ -111,7 +111,7 @@ struct DevicePlanTiles {
 /// shared memory.
 constexpr int kDevicePlanTilesMaxBatch = 2048;
 constexpr int kDevicePlanTilesMaxKeys = 16384;
-constexpr size_t kDevicePlanTilesMaxSmem = 200 * 1024;
+constexpr size_t kDevicePlanTilesMaxSmem = 227 * 1024;  // sm_90: the most a CTA opts into
 
 /// Whether one tile-planning CTA takes a plan of batch_size requests of this capacity (the
 /// bounds launch_device_plan_tiles checks; a caller refuses a step before writing it).
