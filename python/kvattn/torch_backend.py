@@ -243,7 +243,8 @@ class _NativeBackendBase:
 
     # A DECODE or TARGET_VERIFY batch without seq_lens_cpu, and an EXTEND-like batch without any
     # *_cpu length, is planned on the device by the CUDA backend (core::uses_device_lengths): no
-    # host copy of its lengths, no sync (issue 15). The draft runners plan on the host.
+    # host copy of its lengths, no sync (issue 15). So does the multi-step draft backend for a
+    # batch without seq_lens_cpu.
     _plans_decode_on_device = False
 
     def make_native_batch(self, forward_batch: Any, mode=None) -> _kvattn.ForwardBatch:

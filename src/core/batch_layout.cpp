@@ -6,12 +6,12 @@
 #include "kvattn/error.h"
 
 namespace kvattn::core {
-namespace {
-
 bool is_extend_like(ForwardMode mode) {
   return mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
          mode == ForwardMode::kDraftExtend;
 }
+
+namespace {
 
 // The host copy of a length tensor: `host` when given, else `device` when it lives on the host.
 std::vector<int32_t> read_lengths(const TensorView& host, const TensorView& device,

@@ -52,6 +52,9 @@ struct HostLengths {
   std::vector<int32_t> shared_prefix_lens;  ///< [num_groups]
 };
 
+/// EXTEND, MIXED and DRAFT_EXTEND: the modes whose requests carry new tokens after a prefix.
+bool is_extend_like(ForwardMode mode);
+
 /// Reads the host lengths of `batch` (the *_cpu copies where given, else the tensors when they
 /// are on the host) and validates them (>= 0, prefix <= seq, extend = seq - prefix, ...).
 HostLengths read_host_lengths(const ForwardBatch& batch, bool is_encoder_decoder);

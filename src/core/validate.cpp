@@ -163,8 +163,7 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
                 ", expected 1-D: the rows of every request, request after request");
       check_arg(m.device() == device, "spec.custom_mask", "on ", m.device(), ", expected ", device);
     }
-    if (b.mode == ForwardMode::kExtend || b.mode == ForwardMode::kMixed ||
-        b.mode == ForwardMode::kDraftExtend) {
+    if (is_extend_like(b.mode)) {
       // The step's rows are out_cache_loc's; the device checks that the lengths add up to them.
       check_index_tensor(b.extend_prefix_lens, "extend_prefix_lens", bs, device);
       if (b.extend_seq_lens.defined())
@@ -198,8 +197,7 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
   }
   check_arg(b.seq_lens_sum < 0 || b.seq_lens_sum == sum, "seq_lens_sum", "got ", b.seq_lens_sum,
             ", the seq_lens add up to ", sum);
-  if (b.mode == ForwardMode::kExtend || b.mode == ForwardMode::kMixed ||
-      b.mode == ForwardMode::kDraftExtend) {
+  if (is_extend_like(b.mode)) {
     if (b.extend_prefix_lens.defined())
       check_index_tensor(b.extend_prefix_lens, "extend_prefix_lens", bs, device);
     if (b.extend_seq_lens.defined())

@@ -19,11 +19,6 @@
 namespace kvattn::cpu {
 namespace {
 
-bool is_extend_like(ForwardMode mode) {
-  return mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
-         mode == ForwardMode::kDraftExtend;
-}
-
 // The index sets a model's layers use (SPEC §3): window + full, self + cross, or full alone.
 std::vector<core::IndexSet> sets_for(const BackendConfig& config) {
   if (config.is_encoder_decoder) return {core::IndexSet::kDecoderSelf, core::IndexSet::kEncoder};
@@ -137,7 +132,7 @@ void CpuBackend::init_forward_metadata_out_graph(const ForwardBatch& batch, bool
   }
   plan.num_tokens = facts.num_tokens;
 
-  if (is_extend_like(batch.mode)) {
+  if (core::is_extend_like(batch.mode)) {
     plan.use_ragged = facts.ragged;
     if (plan.use_ragged) {
       plan.ragged = core::make_ragged_layout(lens);

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/backend_factory.h"
@@ -293,6 +294,22 @@ void plan_frozen_call(CallState& call, const core::CallCapacity& capacity,
 
 void freeze_call(CallState& call) {
   call.frozen = true;
+}
+
+void size_device_tile_plan(CallState& call, const core::PrefillTileShape& shape,
+                           const core::PrefillPlanCapacity& capacity, int group_size) {
+  call.plan_shape = shape;
+  call.plan_capacity = capacity;
+  core::PrefillTilePlan& plan = call.prefill_plan;
+  plan.items.resize(size_t(capacity.items));
+  plan.merges.resize(size_t(capacity.merges));
+  plan.num_partials = capacity.partials;
+  plan.tile_rows = shape.tile_rows;
+  plan.group_size = group_size;
+  plan.cluster = shape.cluster > 1 ? shape.cluster : 0;
+  call.prefill_items = capacity.items;
+  call.prefill_merges = capacity.merges;
+  call.padded = true;
 }
 
 void launch_call_plan(const CallState& call, DeviceLengths lengths,
@@ -737,7 +754,7 @@ class CudaBackend final : public AttentionBackend {
       const bool verify = step_.mode == ForwardMode::kTargetVerify;
       check.seq_lens = device_index_array(batch.seq_lens);
       check.max_seq_len = max_context - (verify ? batch.spec.draft_token_num : 0);
-      if (extend_like(step_.mode)) {
+      if (core::is_extend_like(step_.mode)) {
         check.extend_prefix_lens = device_index_array(batch.extend_prefix_lens);
         check.extend_seq_lens = device_index_array(batch.extend_seq_lens);
         check.num_tokens = step_.num_tokens;
@@ -811,16 +828,14 @@ class CudaBackend final : public AttentionBackend {
         shapes.push_back(
             prefill_shape(core::MaskMode::kCustom, -1, true, max_bs, int(per_request)));
       }
-      // An EXTEND-like step planned on the device: max_num_tokens split among max_bs requests
-      // any way (the Hopper prefill kernel's shape, shapes[0]).
-      std::vector<core::PrefillPlanCapacity> capacities{
-          core::prefill_plan_capacity_for_tokens(max_bs, max_num_tokens, shapes[0])};
+      // Each shape's capacity, and an EXTEND-like step planned on the device: max_num_tokens
+      // split among max_bs requests any way (the Hopper prefill kernel's shape, shapes[0]).
+      std::vector<std::pair<core::PrefillTileShape, core::PrefillPlanCapacity>> plans{
+          {shapes[0], core::prefill_plan_capacity_for_tokens(max_bs, max_num_tokens, shapes[0])}};
       for (const core::PrefillTileShape& shape : shapes) {
-        capacities.push_back(core::prefill_plan_capacity(max_bs, int(per_request), shape));
+        plans.emplace_back(shape, core::prefill_plan_capacity(max_bs, int(per_request), shape));
       }
-      for (size_t i = 0; i < capacities.size(); ++i) {
-        const core::PrefillTileShape& shape = shapes[i == 0 ? 0 : i - 1];
-        const core::PrefillPlanCapacity& capacity = capacities[i];
+      for (const auto& [shape, capacity] : plans) {
         const core::PrefillBufferLayout region =
             core::prefill_buffer_layout(capacity.items, capacity.merges, capacity.partials,
                                         shape.tile_rows, config_.v_head_dim);
@@ -1003,12 +1018,6 @@ class CudaBackend final : public AttentionBackend {
     return shape;
   }
 
-  // Whether a device-planned step of this mode is EXTEND-like (query tokens a request vary).
-  static bool extend_like(ForwardMode mode) {
-    return mode == ForwardMode::kExtend || mode == ForwardMode::kMixed ||
-           mode == ForwardMode::kDraftExtend;
-  }
-
   // The tile shape of a device-planned EXTEND-like call: the host's for the Hopper prefill
   // kernel (the decode-shaped one needs a known q_len), its L2 order included.
   core::PrefillTileShape device_extend_shape(const core::PagedLayout& layout,
@@ -1020,7 +1029,7 @@ class CudaBackend final : public AttentionBackend {
   void check_device_plan_fits(const ForwardBatch& batch, int64_t num_tokens) const {
     const int batch_size = batch.batch_size;
     const int q_len = device_q_len(batch);
-    const bool extend = extend_like(batch.mode);
+    const bool extend = core::is_extend_like(batch.mode);
     auto refuse = [&](int most) {
       throw_error(
           ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a ", forward_mode_name(batch.mode),
@@ -1055,7 +1064,7 @@ class CudaBackend final : public AttentionBackend {
   void plan_device_call(CallState& call, core::IndexSet set, const ForwardBatch& batch) {
     const int batch_size = batch.batch_size;
     const bool verify = batch.mode == ForwardMode::kTargetVerify;
-    const bool extend = extend_like(batch.mode);
+    const bool extend = core::is_extend_like(batch.mode);
     const int q_len = device_q_len(batch);
     core::HostLengths zeros;
     zeros.seq_lens.assign(size_t(batch_size), 0);
@@ -1081,27 +1090,18 @@ class CudaBackend final : public AttentionBackend {
     }
     call.item_limit = 0;
     call.tc_decode = !extend && tc_decode_for(q_len);
+    const int group = config_.num_q_heads / config_.num_kv_heads;
     if (extend) {
       // The query rows are in_graph's planner's to write (qo_indptr from the device lengths).
-      call.plan_shape = device_extend_shape(call.layout, batch_size);
-      call.plan_capacity =
-          core::prefill_plan_capacity_for_tokens(batch_size, step_.num_tokens, call.plan_shape);
+      const core::PrefillTileShape shape = device_extend_shape(call.layout, batch_size);
+      size_device_tile_plan(
+          call, shape, core::prefill_plan_capacity_for_tokens(batch_size, step_.num_tokens, shape),
+          group);
     } else {
-      call.plan_shape = device_tile_shape(call.layout, q_len, batch_size);
-      call.plan_capacity = core::prefill_plan_capacity(batch_size, q_len, call.plan_shape);
+      const core::PrefillTileShape shape = device_tile_shape(call.layout, q_len, batch_size);
+      size_device_tile_plan(call, shape, core::prefill_plan_capacity(batch_size, q_len, shape),
+                            group);
     }
-    // Only the plan's sizes reach the buffer view (write_prefill_buffer without a host copy);
-    // the planner writes its contents.
-    core::PrefillTilePlan& plan = call.prefill_plan;
-    plan.items.resize(size_t(call.plan_capacity.items));
-    plan.merges.resize(size_t(call.plan_capacity.merges));
-    plan.num_partials = call.plan_capacity.partials;
-    plan.tile_rows = call.plan_shape.tile_rows;
-    plan.group_size = config_.num_q_heads / config_.num_kv_heads;
-    plan.cluster = call.plan_shape.cluster > 1 ? call.plan_shape.cluster : 0;
-    call.prefill_items = call.plan_capacity.items;
-    call.prefill_merges = call.plan_capacity.merges;
-    call.padded = true;
   }
 
   // in_graph's half: the KV ranges and the plan from the batch's device seq_lens.
@@ -1118,7 +1118,7 @@ class CudaBackend final : public AttentionBackend {
       lengths.mask_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.mask_indptr));
       lengths.mask_elems = call.meta<int64_t>(call.offsets.mask_elems);
     }
-    if (extend_like(batch.mode)) {
+    if (core::is_extend_like(batch.mode)) {
       lengths.prefix_lens = batch.extend_prefix_lens.data();
       lengths.prefix_lens_int64 = batch.extend_prefix_lens.dtype() == DType::kInt64;
       lengths.num_tokens = step_.num_tokens;

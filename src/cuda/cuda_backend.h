@@ -141,6 +141,12 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 /// the step runs on (device memory; reset by that call's upload_call).
 StepState* step_state_of(const CallState& first_call);
 
+/// out_graph's half of a tensor-core call planned on the device: its tile shape and fixed
+/// capacity, and the plan's sizes (write_prefill_buffer lays the buffer out from them; in_graph's
+/// planner writes the contents). Every launch covers the capacity (call.padded).
+void size_device_tile_plan(CallState& call, const core::PrefillTileShape& shape,
+                           const core::PrefillPlanCapacity& capacity, int group_size);
+
 /// A call planned on the device (CallState::device_plan), in in_graph: its KV ranges into its
 /// metadata (kv_start, kv_len, kv_indptr) and its plan from `lengths` (whose output pointers
 /// other than kv_start / kv_len / qo_indptr / mask_indptr this fills): the tile planner for a

@@ -339,23 +339,14 @@ class CudaDraftRunner final : public core::DraftRunner {
       call.device_plan = device_plan_;
       const core::PrefillPlanCapacity capacity = core::prefill_plan_capacity(bs, topk_, shape);
       if (device_plan_) {
-        // Only the plan's sizes reach the buffer view; in_graph's planner writes its contents.
-        call.plan_shape = shape;
-        call.plan_capacity = capacity;
-        core::PrefillTilePlan& plan = call.prefill_plan;
-        plan.items.resize(size_t(capacity.items));
-        plan.merges.resize(size_t(capacity.merges));
-        plan.num_partials = capacity.partials;
-        plan.tile_rows = shape.tile_rows;
-        plan.group_size = config_.num_q_heads / config_.num_kv_heads;
-        plan.cluster = shape.cluster > 1 ? shape.cluster : 0;
+        size_device_tile_plan(call, shape, capacity, config_.num_q_heads / config_.num_kv_heads);
       } else {
         core::plan_prefill_tiles(layout.qo_indptr, layout.kv_indptr, shape, call.prefill_plan);
+        call.prefill_items = int(call.prefill_plan.items.size());
+        call.prefill_merges = int(call.prefill_plan.merges.size());
+        call.padded = graph_pool_;
+        if (graph_pool_) core::pad_prefill_plan(call.prefill_plan, capacity);
       }
-      call.prefill_items = int(call.prefill_plan.items.size());
-      call.prefill_merges = int(call.prefill_plan.merges.size());
-      call.padded = graph_pool_ || device_plan_;
-      if (graph_pool_ && !device_plan_) core::pad_prefill_plan(call.prefill_plan, capacity);
       core::CallCapacity cap;
       cap.batch_size = graph_pool_ ? graph_max_bs_ * topk_ : bs;
       cap.decode_items = graph_pool_ ? core::decode_item_capacity(cap.batch_size,
@@ -376,13 +367,14 @@ class CudaDraftRunner final : public core::DraftRunner {
 
   // Refuses (before anything is written) a batch larger than one planning CTA takes.
   void check_device_plan_fits(int bs) const {
-    const bool fits =
-        shared_prefix_ && bs <= mask_requests_
-            ? device_plan_tiles_fit(bs,
-                                    core::prefill_plan_capacity(bs, topk_, shared_prefix_shape(bs)),
-                                    shared_prefix_shape(bs))
-            : device_plan_decode_fits(bs * topk_,
-                                      core::decode_item_capacity(bs * topk_, setup_.plan_config));
+    bool fits = false;
+    if (shared_prefix_ && bs <= mask_requests_) {
+      const core::PrefillTileShape shape = shared_prefix_shape(bs);
+      fits = device_plan_tiles_fit(bs, core::prefill_plan_capacity(bs, topk_, shape), shape);
+    } else {
+      fits = device_plan_decode_fits(bs * topk_,
+                                     core::decode_item_capacity(bs * topk_, setup_.plan_config));
+    }
     if (fits) return;
     throw_error(ErrorKind::kInvalidArgument, "seq_lens_cpu", "missing: a multi-step draft batch ",
                 "without host lengths is planned on the device; this one (", bs, " requests x ",
