@@ -243,8 +243,9 @@ class _NativeBackendBase:
 
     # A DECODE or TARGET_VERIFY batch without seq_lens_cpu, and an EXTEND-like batch without any
     # *_cpu length, is planned on the device by the CUDA backend (core::uses_device_lengths): no
-    # host copy of its lengths, no sync (issue 15). So does the multi-step draft backend for a
-    # batch without seq_lens_cpu.
+    # host copy of its lengths, no sync (issue 15); in encoder-decoder models its encoder_lens
+    # must be a device tensor without encoder_lens_cpu too. So does the multi-step draft backend
+    # for a batch without seq_lens_cpu.
     _plans_decode_on_device = False
 
     def make_native_batch(self, forward_batch: Any, mode=None) -> _kvattn.ForwardBatch:
@@ -285,6 +286,14 @@ class _NativeBackendBase:
                                              on_device("out_cache_loc")) else ()
             else:
                 device_lengths = ()
+            if device_lengths and self.config.is_encoder_decoder:
+                # Encoder-decoder models: the encoder lengths on the device too, or the step
+                # plans on the host.
+                if on_device("encoder_lens") and \
+                        getattr(forward_batch, "encoder_lens_cpu", None) is None:
+                    device_lengths = device_lengths + ("encoder_lens",)
+                else:
+                    device_lengths = ()
             for device_name, host_name in _HOST_COPIES:
                 if device_name in device_lengths:
                     continue
@@ -385,8 +394,7 @@ class KvattnAttnBackend(_NativeBackendBase):
     def __init__(self, token_to_kv_pool: Any, req_to_token_pool: Any, **options: Any):
         super().__init__(token_to_kv_pool, req_to_token_pool, **options)
         self.native = _kvattn.make_backend(self.kind, self.config)
-        self._plans_decode_on_device = (self.device.type == "cuda" and
-                                        not options.get("is_encoder_decoder", False))
+        self._plans_decode_on_device = self.device.type == "cuda"
 
     @classmethod
     def from_model_runner(cls, model_runner: Any, **options: Any) -> "KvattnAttnBackend":

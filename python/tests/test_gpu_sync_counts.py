@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import kvattn  # noqa: E402
 from kvattn.torch_backend import KvattnMultiStepDraftBackend  # noqa: E402
-from torch_scenarios import Engine, ForwardMode  # noqa: E402
+from torch_scenarios import Engine, ForwardMode, assert_close  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -304,6 +304,109 @@ def test_extend_without_host_lengths_is_captured_and_replayed(mode):
             want = e.backend.forward(q, k, v, layer, host)
             assert torch.isfinite(got).all()
             assert torch.equal(got, want), f"split {split}: replay differs from the eager step"
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_encoder_decoder_without_host_lengths_is_captured_and_replayed(mode):
+    """Issue 15: an encoder-decoder model's step from device tensors only (seq_lens, encoder_lens,
+    the extend lengths; no *_cpu) is planned on the device for both index sets (decoder self
+    attention after the request's encoder tokens, cross attention over them): eager with no sync
+    and no device-to-host copy, then captured whole and replayed for other requests with other
+    encoder lengths and for longer sequences. Each step is compared with the eager step planned
+    from host lengths: bit for bit in EXTEND (the same tiles), within bf16's bar in DECODE (the
+    CUDA-core kernel's device chunks are closed-form)."""
+    e = Engine("cuda", num_q_heads=32, num_kv_heads=8, head_dim=128, size=1 << 15, max_reqs=8,
+               max_context_len=4096, num_layers=2, is_encoder_decoder=True)
+    layers = [e.layer(0), e.layer(1, is_cross_attention=True)]
+    bs = 3
+    extend = mode == ForwardMode.EXTEND
+    tokens = 96 if extend else bs
+    q, k, v = e.randn(tokens, 32 * 128), e.randn(tokens, 8, 128), e.randn(tokens, 8, 128)
+    dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device="cuda")  # noqa: E731
+    encoder = {}
+
+    def grow(reqs, encoder_lens, prefix_growth, new):
+        """Encoder tokens first (once a request), then cached decoder tokens, then the step's."""
+        slots = []
+        for r, enc, grown, n in zip(reqs, encoder_lens, prefix_growth, new):
+            if r not in encoder:
+                encoder[r] = enc
+                if enc > 0:
+                    e.fill(e.add_tokens(r, enc))
+            if grown > 0:
+                e.fill(e.add_tokens(r, grown))
+            slots.append(e.add_tokens(r, n))
+        seq = [len(e.token_slots[r]) - encoder[r] for r in reqs]  # decoder tokens only
+        prefix = [s - n for s, n in zip(seq, new)]
+        return seq, prefix, torch.cat(slots), [encoder[r] for r in reqs]
+
+    def make_batch(reqs, seq, prefix, new, loc, enc, host):
+        fields = dict(out_cache_loc=loc, encoder_lens=dev(enc))
+        if extend:
+            fields.update(extend_prefix_lens=dev(prefix), extend_seq_lens=dev(new))
+        if host:
+            fields.update(encoder_lens_cpu=torch.tensor(enc))
+            if extend:
+                fields.update(extend_prefix_lens_cpu=torch.tensor(prefix),
+                              extend_seq_lens_cpu=torch.tensor(new))
+        fb = e.batch(mode, list(reqs), seq, **fields)
+        if not host:
+            fb.seq_lens_cpu = None
+        return fb
+
+    def step(fb):
+        e.backend.init_forward_metadata(fb)
+        # (The cross layer reads the cached encoder K/V; the self layer saves the new tokens'.)
+        return [e.backend.forward(q, k, v, layers[0], fb),
+                e.backend.forward(q, None, None, layers[1], fb, save_kv_cache=False)]
+
+    def expect_host_planned(got, reqs, seq, prefix, new, loc, enc):
+        want = step(make_batch(reqs, seq, prefix, new, loc.clone(), enc, host=True))
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            if extend:
+                assert torch.equal(g, w), f"{enc} {seq}: differs from the host-planned step"
+            else:
+                assert_close(g.view(-1, 128), w.view(-1, 128), torch.bfloat16, "decode")
+
+    first = [0, 1, 2]
+    new = [40, 1, 55] if extend else [1, 1, 1]
+    seq, prefix, loc, enc = grow(first, [300, 0, 17], [100, 700, 33], new)
+    fb = make_batch(first, seq, prefix, new, loc, enc, host=False)
+    step(fb)  # warm-up
+    syncs, d2h = net_counts(lambda: step(fb))
+    print(f"\nkvattn-gpu-test encoder-decoder {mode.name} without *_cpu: {syncs} syncs, "
+          f"{d2h} DtoH copies per step")
+    assert syncs == 0 and d2h == 0, (syncs, d2h)
+    expect_host_planned(step(fb), first, seq, prefix, new, loc, enc)
+
+    e.backend.init_cuda_graph_state(8, tokens)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        with torch.cuda.graph(graph, stream=stream):
+            e.backend.init_forward_metadata_in_graph(fb)
+            outs = [e.backend.forward(q, k, v, layers[0], fb),
+                    e.backend.forward(q, None, None, layers[1], fb, save_kv_cache=False)]
+    torch.cuda.current_stream().wait_stream(stream)
+
+    # Other requests with other encoder lengths, then the first ones grown.
+    for reqs, enc_lens, growth, split in (
+            ([3, 4, 5], [1, 900, 64], [0, 5, 2000], [90, 3, 3] if extend else new),
+            (first, None, [5, 0, 300], [1, 94, 1] if extend else new)):
+        seq, prefix, loc, enc = grow(reqs, enc_lens or [0] * bs, growth, split)
+        fb.req_pool_indices.copy_(torch.tensor(reqs))
+        fb.seq_lens.copy_(torch.tensor(seq))
+        fb.encoder_lens.copy_(torch.tensor(enc))
+        if extend:
+            fb.extend_prefix_lens.copy_(torch.tensor(prefix))
+            fb.extend_seq_lens.copy_(torch.tensor(split))
+        fb.out_cache_loc.copy_(loc)
+        replay_without_syncs(e, fb, graph)
+        replayed = [o.clone() for o in outs]
+        expect_host_planned(replayed, reqs, seq, prefix, split, loc, enc)
 
 
 def test_verify_without_host_lengths_is_captured_and_replayed():

@@ -5,11 +5,14 @@
 namespace kvattn::core {
 
 bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config, bool device_plan) {
-  if (!device_plan || config.is_encoder_decoder || batch.shared_prefix_group_cpu.defined()) {
-    return false;
-  }
+  if (!device_plan || batch.shared_prefix_group_cpu.defined()) return false;
   auto on_device = [](const TensorView& t) { return t.defined() && !t.device().is_cpu(); };
   if (batch.seq_lens_cpu.defined() || !on_device(batch.seq_lens)) return false;
+  // Encoder-decoder models: the encoder lengths on the device too (they place both index sets).
+  if (config.is_encoder_decoder &&
+      (batch.encoder_lens_cpu.defined() || !on_device(batch.encoder_lens))) {
+    return false;
+  }
   switch (batch.mode) {
     case ForwardMode::kDecode:
     case ForwardMode::kTargetVerify:

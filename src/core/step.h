@@ -35,11 +35,12 @@ struct StepFacts {
 };
 
 /// Whether a backend that plans on the device (device_plan: the CUDA backend) takes `batch` from
-/// its device lengths: a DECODE or TARGET_VERIFY batch whose seq_lens are on the device with no
-/// seq_lens_cpu, no
-/// declared shared-prefix groups (their checks read the lengths) and a decoder-only model. Any
-/// other batch is read on the host (and one whose lengths are on the device alone is refused,
-/// naming the *_cpu copy it needs).
+/// its device lengths: a batch without declared shared-prefix groups (their checks read the
+/// lengths) whose seq_lens are on the device with no seq_lens_cpu; EXTEND-like, its
+/// extend_prefix_lens and out_cache_loc on the device and no extend_*_cpu; in an encoder-decoder
+/// model, its encoder_lens on the device with no encoder_lens_cpu. Any other batch is read on
+/// the host (and one whose lengths are on the device alone is refused, naming the *_cpu copy it
+/// needs).
 bool uses_device_lengths(const ForwardBatch& batch, const BackendConfig& config, bool device_plan);
 
 /// Validates `batch` against `config` on `device` (validate_batch's checks, SPEC §5: each names

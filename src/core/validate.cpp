@@ -173,6 +173,8 @@ HostLengths validate_batch_lengths(const ForwardBatch& b, const BackendConfig& c
       check_arg(b.out_cache_loc.size(0) <= INT32_MAX, "out_cache_loc", "has ",
                 b.out_cache_loc.size(0), " tokens, expected < 2^31");
     }
+    // (Its values, like seq_lens', are the device's to check: kArgEncoderLens.)
+    if (c.is_encoder_decoder) check_index_tensor(b.encoder_lens, "encoder_lens", bs, device);
     return {};
   }
   HostLengths lens = read_host_lengths(b, c.is_encoder_decoder);

@@ -638,7 +638,10 @@ class CudaBackend final : public AttentionBackend {
                                             lens, batch.spec.draft_token_num,
                                             /*prefix_only=*/step_.ragged && step_.any_prefix);
       call.paged = true;
-      call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
+      // (An encoder-decoder model's encoder set sees every encoder key: no mask.)
+      call.custom_mask = call.layout.mask == core::MaskMode::kCustom
+                             ? batch.spec.custom_mask.data_as<const uint8_t>()
+                             : nullptr;
       call.fold_window = verify && model_sets_[s] == core::IndexSet::kWindow;
       if (call.fold_window) prepare_window_fold(call, batch);
       plan_call(call, decode && !setup_.tensor_cores, graph_q_len);
@@ -709,7 +712,7 @@ class CudaBackend final : public AttentionBackend {
     const int max_context = config_.req_to_token_pool->max_context_len();
     for (size_t s = 0; s < model_sets_.size(); ++s) {
       const CallState& call = pool[s];
-      if (call.device_plan) plan_on_device(call, batch, stream);
+      if (call.device_plan) plan_on_device(call, model_sets_[s], batch, stream);
       if (call.fold_window) {
         WindowMaskFold fold;
         fold.tree_mask = call.tree_mask;
@@ -754,6 +757,7 @@ class CudaBackend final : public AttentionBackend {
       const bool verify = step_.mode == ForwardMode::kTargetVerify;
       check.seq_lens = device_index_array(batch.seq_lens);
       check.max_seq_len = max_context - (verify ? batch.spec.draft_token_num : 0);
+      if (config_.is_encoder_decoder) check.encoder_lens = device_index_array(batch.encoder_lens);
       if (core::is_extend_like(step_.mode)) {
         check.extend_prefix_lens = device_index_array(batch.extend_prefix_lens);
         check.extend_seq_lens = device_index_array(batch.extend_seq_lens);
@@ -1075,7 +1079,9 @@ class CudaBackend final : public AttentionBackend {
     call.layout = core::make_paged_layout(batch.mode, set, config_.sliding_window_size, zeros,
                                           verify ? q_len : 0);
     call.paged = true;
-    call.custom_mask = verify ? batch.spec.custom_mask.data_as<const uint8_t>() : nullptr;
+    call.custom_mask = call.layout.mask == core::MaskMode::kCustom
+                           ? batch.spec.custom_mask.data_as<const uint8_t>()
+                           : nullptr;
     call.mask_elems = verify ? batch.spec.custom_mask.numel() : 0;
     call.fold_window = verify && set == core::IndexSet::kWindow;
     if (call.fold_window) prepare_window_fold(call, batch);
@@ -1105,16 +1111,22 @@ class CudaBackend final : public AttentionBackend {
   }
 
   // in_graph's half: the KV ranges and the plan from the batch's device seq_lens.
-  void plan_on_device(const CallState& call, const ForwardBatch& batch, cudaStream_t stream) const {
+  void plan_on_device(const CallState& call, core::IndexSet set, const ForwardBatch& batch,
+                      cudaStream_t stream) const {
     const bool verify = batch.mode == ForwardMode::kTargetVerify;
     DeviceLengths lengths;
+    if (config_.is_encoder_decoder) {
+      lengths.encoder_lens = batch.encoder_lens.data();
+      lengths.encoder_lens_int64 = batch.encoder_lens.dtype() == DType::kInt64;
+      lengths.encoder_keys = set == core::IndexSet::kEncoder;
+    }
     lengths.seq_lens = batch.seq_lens.data();
     lengths.seq_lens_int64 = batch.seq_lens.dtype() == DType::kInt64;
     lengths.window = call.layout.window_left;
     lengths.max_context_len = config_.req_to_token_pool->max_context_len();
     lengths.q_len = device_q_len(batch);
     lengths.tree_tokens = verify ? batch.spec.draft_token_num : 0;
-    if (verify) {
+    if (verify && call.layout.mask == core::MaskMode::kCustom) {  // (not the encoder set's call)
       lengths.mask_indptr = const_cast<int64_t*>(call.meta<int64_t>(call.offsets.mask_indptr));
       lengths.mask_elems = call.meta<int64_t>(call.offsets.mask_elems);
     }

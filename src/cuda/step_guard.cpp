@@ -34,9 +34,14 @@ std::pair<std::string, std::string> describe_argument(const StepReport& r, int a
       return {indexed("encoder_out_cache_loc", position), "slot " + value + " " + pool};
     case kArgSeqLens:
       return {indexed("seq_lens", position),
-              "got " + value + ", expected a length in [0, max_context_len = " +
-                  std::to_string(r.row[argument]) +
-                  "] (the step was planned on the device from seq_lens: no seq_lens_cpu)"};
+              "got " + value + ", expected a length in [0, " + std::to_string(r.row[argument]) +
+                  "] (max_context_len less the request's draft and encoder tokens; the step was "
+                  "planned on the device from seq_lens: no seq_lens_cpu)"};
+    case kArgEncoderLens:
+      return {indexed("encoder_lens", position),
+              "got " + value + ", expected a length in [0, " + std::to_string(r.row[argument]) +
+                  "] (max_context_len less the draft tokens; the step was planned on the device: "
+                  "no encoder_lens_cpu)"};
     case kArgCustomMask:
       return {"spec.custom_mask", "has " + std::to_string(r.row[argument]) +
                                       " elements, the step's requests need " + value +

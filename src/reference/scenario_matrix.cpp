@@ -750,6 +750,35 @@ std::vector<ScenarioSpec> standard_scenarios(uint64_t seed) {
     s.device_lengths = true;
     s.max_q_len = 5;
   });
+  // Encoder-decoder models: no encoder_lens_cpu either (both index sets placed on the device).
+  add("decode device-plan cross layer", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.cross_attention = true;
+    s.save_kv_cache = false;  // encoder K/V cached by an earlier step
+  });
+  add("decode device-plan cross self layer page16", decode, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.cross_attention = true;
+    s.cross_layer = false;
+    s.page_size = 16;
+  });
+  add("extend device-plan cross layer", extend, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.cross_attention = true;
+  });
+  add("extend device-plan cross self layer fp8", extend, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.cross_attention = true;
+    s.cross_layer = false;
+    s.kv_dtype = DType::kFloat8E4M3;
+    s.k_scale = 0.9f;
+  });
+  add("mixed device-plan cross layer page16", ForwardMode::kMixed, [](ScenarioSpec& s) {
+    s.device_lengths = true;
+    s.batch_size = 5;
+    s.cross_attention = true;
+    s.page_size = 16;
+  });
   add("multi-step device-plan topk2", decode, [](ScenarioSpec& s) {
     s.device_lengths = true;
     s.topk = 2;

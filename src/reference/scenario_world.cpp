@@ -630,6 +630,7 @@ std::unique_ptr<ScenarioWorld> ScenarioWorld::build(const ScenarioSpec& s, Backe
     }
     if (cross_model) {
       lengths(encoder_lens, b.encoder_lens, b.encoder_lens_cpu);
+      if (s.device_lengths) b.encoder_lens_cpu = TensorView();
       std::vector<int64_t> encoder_slots;
       for (const Request& q : reqs)
         for (int j = 0; j < q.encoder; ++j) encoder_slots.push_back(q.slots[size_t(j)]);

@@ -236,5 +236,53 @@ TEST(StepFacts, DeviceLengthsForExtendLikeStepsWithoutHostCopies) {
   }
 }
 
+// Encoder-decoder models plan on the device too when the encoder lengths are device tensors as
+// well (they place both index sets); a host copy of them, or a host tensor, keeps the host plan;
+// the shape of the device encoder_lens is still checked.
+TEST(StepFacts, DeviceLengthsForEncoderDecoderModelsNeedDeviceEncoderLengths) {
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kExtend}) {
+    ScenarioSpec spec = step_spec(mode, 31);
+    spec.cross_attention = true;
+    auto w = ScenarioWorld::build(spec, BackendKind::kCpu);
+    ASSERT_TRUE(w->config.is_encoder_decoder);
+    const Device gpu = Device::cuda(0);
+    auto on_gpu = [&](const TensorView& t, int64_t n) {
+      return TensorView(const_cast<void*>(t.data()), t.dtype(), gpu, {n});
+    };
+    auto lift = [&](const TensorView& t) {
+      return t.defined() ? on_gpu(t, t.size(0)) : TensorView();
+    };
+    ForwardBatch b = w->batch;
+    b.req_pool_indices = lift(b.req_pool_indices);
+    b.seq_lens = lift(b.seq_lens);
+    b.extend_prefix_lens = lift(b.extend_prefix_lens);
+    b.extend_seq_lens = lift(b.extend_seq_lens);
+    b.out_cache_loc = lift(b.out_cache_loc);
+    b.encoder_lens = lift(b.encoder_lens);
+    b.seq_lens_cpu = b.extend_prefix_lens_cpu = b.extend_seq_lens_cpu = TensorView();
+    b.encoder_lens_cpu = TensorView();
+    const std::string name = forward_mode_name(mode);
+    EXPECT_TRUE(core::uses_device_lengths(b, w->config, true)) << name;
+    const core::StepFacts facts = core::derive_step(b, w->config, gpu, true);
+    EXPECT_TRUE(facts.device_lengths) << name;
+    EXPECT_TRUE(facts.lens.encoder_lens.empty()) << name;
+    EXPECT_FALSE(facts.ragged) << name;
+    ForwardBatch host_copy = b;
+    host_copy.encoder_lens_cpu = w->batch.encoder_lens;
+    EXPECT_FALSE(core::uses_device_lengths(host_copy, w->config, true)) << name;
+    ForwardBatch host_tensor = b;
+    host_tensor.encoder_lens = w->batch.encoder_lens;  // on the host
+    EXPECT_FALSE(core::uses_device_lengths(host_tensor, w->config, true)) << name;
+    ForwardBatch short_encoder = b;
+    short_encoder.encoder_lens = on_gpu(b.encoder_lens, b.batch_size - 1);
+    try {
+      (void)core::derive_step(short_encoder, w->config, gpu, true);
+      ADD_FAILURE() << name << ": an encoder_lens of the wrong length was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "encoder_lens") << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvattn::testing

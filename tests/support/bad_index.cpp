@@ -136,6 +136,21 @@ BadIndexBreak seq_len_past_context(ScenarioWorld& w) {
           }};
 }
 
+// An encoder-decoder model: request 0's decoder tokens one past what its encoder tokens leave
+// of req_to_token's row (each alone within max_context_len).
+BadIndexBreak seq_len_past_encoder_room(ScenarioWorld& w) {
+  std::vector<int64_t> seq = values_of(w.batch.seq_lens);
+  seq[0] = w.req_to_token_pool->max_context_len() - w.ref_batch.encoder_lens.at(0) + 1;
+  const TensorView old = w.batch.seq_lens;
+  w.batch.seq_lens = w.index_tensor(seq, old.dtype(), old.device());
+  ForwardBatch* batch = &w.batch;
+  return {"seq_lens[0]", false, [batch, old] { batch->seq_lens = old; }};
+}
+
+BadIndexBreak encoder_len_negative(ScenarioWorld& w) {
+  return {"encoder_lens[1]", false, set_index(w, w.batch.encoder_lens, 1, -1)};
+}
+
 // Declared shared-prefix groups (ScenarioSpec::declared_groups): group 0's members in batch
 // order (the first is the leader) and its shared length.
 struct DeclaredGroup {
@@ -261,6 +276,21 @@ std::vector<BadIndexCase> bad_index_cases() {
     spec.cross_layer = false;
     add("EXTEND cross-attention model, self layer, req_to_token slot -1", spec,
         [](ScenarioWorld& w) { return bad_req_to_token_first_key(w, -1); });
+  }
+  {
+    // An encoder-decoder model without host lengths: the CUDA backend plans it on the device
+    // and its step check refuses the lengths; the CPU backend reads them as always.
+    ScenarioSpec spec = base_spec("bad lengths cross", M::kDecode, ++seed);
+    spec.cross_attention = true;
+    spec.device_lengths = true;
+    spec.save_kv_cache = false;  // encoder K/V cached by an earlier step
+    add("DECODE cross-attention device lengths seq_len past the encoder's room", spec,
+        seq_len_past_encoder_room);
+    spec.seed = ++seed;
+    spec.cross_layer = false;
+    spec.save_kv_cache = true;
+    add("DECODE cross-attention model, self layer, device lengths encoder_len -1", spec,
+        encoder_len_negative);
   }
   {
     ScenarioSpec spec = base_spec("bad slot window", M::kDecode, ++seed);

@@ -125,19 +125,29 @@ __device__ __forceinline__ int64_t read_length(const void* p, bool int64, int r)
 // returned; *q_len: its query tokens (EXTEND-like: seq_len - prefix_len, before the clamp to
 // num_tokens).
 __device__ int32_t step_kv_len(const DeviceLengths& l, int r, int32_t* q_len) {
+  const int64_t room = int64_t(l.max_context_len) - l.tree_tokens;
+  int64_t encoder = 0;
+  if (l.encoder_lens != nullptr) {
+    encoder = min(max(read_length(l.encoder_lens, l.encoder_lens_int64, r), int64_t(0)), room);
+  }
   int64_t seq =
       read_length(l.seq_lens, l.seq_lens_int64, l.per_request > 1 ? r / l.per_request : r);
-  seq = min(max(seq, int64_t(0)), int64_t(l.max_context_len) - l.tree_tokens);
+  seq = min(max(seq, int64_t(0)), room - encoder);
   int64_t q = l.q_len;
   if (l.prefix_lens != nullptr) {
     const int64_t prefix = read_length(l.prefix_lens, l.prefix_lens_int64, r);
     q = seq - min(max(prefix, int64_t(0)), seq);
   }
+  *q_len = int32_t(q);
+  if (l.encoder_keys) {  // the request's encoder tokens, every query row sees them all
+    l.kv_start[r] = 0;
+    l.kv_len[r] = int32_t(encoder);
+    return int32_t(encoder);
+  }
   int64_t len = seq + l.tree_tokens;
   if (l.window >= 0) len = min(seq, int64_t(l.window) + q);
-  l.kv_start[r] = int32_t(seq + l.tree_tokens - len);
+  l.kv_start[r] = int32_t(encoder + seq + l.tree_tokens - len);
   l.kv_len[r] = int32_t(len);
-  *q_len = int32_t(q);
   return int32_t(len);
 }
 

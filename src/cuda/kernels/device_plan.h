@@ -27,9 +27,13 @@ namespace kvattn::cuda {
 ///    kv_start 0, and mask_indptr the prefix sums of q_len x kv_len (the tree mask's rows);
 ///  - EXTEND-like (prefix_lens set): query tokens q = seq_len - prefix_len a request, qo_indptr
 ///    their prefix sums, kv_len = seq_len (window < 0) or min(seq_len, window + q), kv_start =
-///    seq_len - kv_len.
-/// A seq_len outside [0, max_context_len - tree_tokens] is clamped into it here (nothing reads
-/// outside req_to_token); the step-check kernel refuses that step (kArgSeqLens). Likewise a
+///    seq_len - kv_len;
+///  - encoder-decoder models (encoder_lens set): the decoder-self set's keys sit after the
+///    request's encoder_len encoder tokens (kv_start += encoder_len); the encoder set
+///    (encoder_keys) reads the encoder tokens, kv_start 0, kv_len = encoder_len.
+/// A seq_len outside [0, max_context_len - tree_tokens - encoder_len] is clamped into it here
+/// (nothing reads outside req_to_token), and an encoder_len into [0, max_context_len -
+/// tree_tokens]; the step-check kernel refuses that step (kArgSeqLens, kArgEncoderLens). Likewise a
 /// prefix_len outside [0, seq_len] is clamped, and qo_indptr is clamped to num_tokens (nothing
 /// reads past q): the step check refuses lengths that do not add up to num_tokens. A tree mask
 /// shorter than mask_indptr[batch_size] zeroes every kv_len (nothing reads past the mask; the
@@ -49,6 +53,10 @@ struct DeviceLengths {
   /// EXTEND-like: [batch_size] int32 or int64 prefix lengths, device (q_len is then unused).
   const void* prefix_lens = nullptr;
   bool prefix_lens_int64 = false;
+  /// Encoder-decoder models: [batch_size] int32 or int64 encoder lengths, device; null else.
+  const void* encoder_lens = nullptr;
+  bool encoder_lens_int64 = false;
+  bool encoder_keys = false;            ///< the encoder index set (cross-attention layers)
   int64_t num_tokens = 0;               ///< EXTEND-like: the step's query rows (out_cache_loc's)
   int32_t* qo_indptr = nullptr;         ///< [batch_size + 1] out, EXTEND-like only
   int32_t* kv_start = nullptr;          ///< [batch_size] out (call metadata)

@@ -13,6 +13,13 @@ namespace {
 // (a few microseconds, once per step).
 constexpr int kStepCheckThreads = 512;
 
+// The largest seq_lens[i] of a step planned on the device: max_seq_len, less the request's
+// encoder tokens in an encoder-decoder model (clamped as the planner clamps them).
+__device__ __forceinline__ int64_t seq_len_bound(const StepCheckLaunch& c, int64_t i) {
+  if (c.encoder_lens.data == nullptr) return c.max_seq_len;
+  return c.max_seq_len - min(max(detail::index_at(c.encoder_lens, i), int64_t(0)), c.max_seq_len);
+}
+
 __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const StepCheckLaunch c) {
   __shared__ unsigned long long scratch;
   using detail::first_out_of_range;
@@ -21,11 +28,26 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   const int64_t bad_loc = first_out_of_range(c.out_cache_loc, c.num_slots, &scratch);
   const int64_t bad_encoder_loc =
       first_out_of_range(c.encoder_out_cache_loc, c.num_slots, &scratch);
-  const int64_t bad_seq_len = first_out_of_range(c.seq_lens, c.max_seq_len + 1, &scratch);
+  const int64_t bad_encoder_len = first_out_of_range(c.encoder_lens, c.max_seq_len + 1, &scratch);
+  int64_t bad_seq_len = INT64_MAX;
+  if (c.encoder_lens.data == nullptr) {
+    bad_seq_len = first_out_of_range(c.seq_lens, c.max_seq_len + 1, &scratch);
+  }
   // EXTEND-like steps planned on the device: the lengths against each other and the step's rows.
-  __shared__ unsigned long long bad_prefix, bad_extend, rows;
-  if (threadIdx.x == 0) bad_prefix = bad_extend = ~0ull, rows = 0;
+  // Encoder-decoder ones: each seq_len within what its encoder tokens leave of the row.
+  __shared__ unsigned long long bad_prefix, bad_extend, rows, bad_seq;
+  if (threadIdx.x == 0) bad_prefix = bad_extend = bad_seq = ~0ull, rows = 0;
   __syncthreads();
+  if (c.encoder_lens.data != nullptr && c.seq_lens.data != nullptr) {
+    for (int64_t i = threadIdx.x; i < c.seq_lens.length; i += blockDim.x) {
+      const int64_t seq = index_at(c.seq_lens, i);
+      if (seq < 0 || seq > seq_len_bound(c, i)) {
+        atomicMin(&bad_seq, static_cast<unsigned long long>(i));
+      }
+    }
+    __syncthreads();
+    if (bad_seq != ~0ull) bad_seq_len = int64_t(bad_seq);
+  }
   if (c.extend_prefix_lens.data != nullptr) {
     unsigned long long local_rows = 0;
     for (int64_t i = threadIdx.x; i < c.extend_prefix_lens.length; i += blockDim.x) {
@@ -58,8 +80,10 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   record(kArgReqPoolIndices, c.req_pool_indices, bad_row);
   record(kArgOutCacheLoc, c.out_cache_loc, bad_loc);
   record(kArgEncoderOutCacheLoc, c.encoder_out_cache_loc, bad_encoder_loc);
+  record(kArgEncoderLens, c.encoder_lens, bad_encoder_len);
+  if (bad_encoder_len != INT64_MAX) report.row[kArgEncoderLens] = c.max_seq_len;
   record(kArgSeqLens, c.seq_lens, bad_seq_len);
-  if (bad_seq_len != INT64_MAX) report.row[kArgSeqLens] = c.max_seq_len;  // for the message
+  if (bad_seq_len != INT64_MAX) report.row[kArgSeqLens] = seq_len_bound(c, bad_seq_len);
   if (bad_prefix != ~0ull) {
     const int64_t i = int64_t(bad_prefix);
     error |= 1u << kArgExtendPrefixLens;

@@ -49,7 +49,11 @@ enum StepArgument : int {
   /// extend_prefix_lens[i] (position i), or the query tokens seq - prefix do not add up to
   /// out_cache_loc's length (position -1).
   kArgExtendSeqLens = 9,
-  kNumStepArguments = 10,
+  /// An encoder-decoder step planned on the device: encoder_lens[i] outside [0, max_context_len
+  /// - draft tokens]. (A seq_len past what the request's encoder tokens leave of req_to_token's
+  /// row is kArgSeqLens.)
+  kArgEncoderLens = 10,
+  kNumStepArguments = 11,
 };
 
 /// The step's error state on the device: kStepStateBytes (core/planner.h) at the start of call
@@ -115,10 +119,13 @@ struct StepCheckLaunch {
   DeviceIndexArray out_cache_loc;
   DeviceIndexArray encoder_out_cache_loc;
   int64_t num_slots = 0;
-  /// A step planned on the device: its seq_lens, each checked to be in [0, max_seq_len]
-  /// (absent otherwise: the host read and checked them).
+  /// A step planned on the device: its seq_lens, each checked to be in [0, max_seq_len -
+  /// encoder_lens[i]] (absent otherwise: the host read and checked them).
   DeviceIndexArray seq_lens;
   int64_t max_seq_len = 0;
+  /// An encoder-decoder step planned on the device: its encoder lengths, each in [0,
+  /// max_seq_len] (absent otherwise).
+  DeviceIndexArray encoder_lens;
   /// An EXTEND-like step planned on the device: its prefix lengths (each in [0, seq_lens[i]]),
   /// its extend lengths when given (each seq - prefix), and the step's query rows (the sum of
   /// seq - prefix must equal it). Absent otherwise.
