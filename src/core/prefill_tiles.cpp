@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/size_check.h"
+#include "core/tile_keys.h"
 #include "kvattn/error.h"
 
 namespace kvattn::core {
@@ -56,9 +57,7 @@ void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int64_t> kv
     if (at == begin) continue;
     std::stable_sort(order.begin() + begin, order.begin() + at,
                      [&](uint32_t a, uint32_t b) { return keys(a) > keys(b); });
-    const int64_t kv_len = std::max<int64_t>(kv_indptr[r + 1] - kv_indptr[r], 1);
-    int heads = 1;
-    while (heads * 2 <= shape.num_kv_heads && kv_len * heads * 2 <= shape.l2_keys / 3) heads *= 2;
+    const int heads = l2_group_heads(shape, kv_indptr[r + 1] - kv_indptr[r]);
     for (int h = 0; h < shape.num_kv_heads; h += heads) {
       groups.push_back({keys(order[begin]), begin, at, h, std::min(h + heads, shape.num_kv_heads)});
     }
@@ -137,18 +136,8 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
     check_arg(rows <= INT32_MAX, "qo_indptr", "request ", r, " has ", rows,
               " packed rows, over 2^31");
     for (int64_t row = 0; row < rows; row += shape.tile_rows) {
-      const int64_t first_token = row / group;
-      const int64_t last_token = (std::min(rows, row + shape.tile_rows) - 1) / group;
-      int64_t kv_end = kv_len;
-      if (shape.mask == MaskMode::kCausal)
-        kv_end = std::clamp(kv_len - q_len + last_token + 1, int64_t{0}, kv_len);
-      int64_t kv_begin = 0;
-      if (shape.window_left >= 0 && shape.mask != MaskMode::kNone)
-        kv_begin = std::clamp(kv_len - q_len + first_token - shape.window_left, int64_t{0}, kv_end);
-      // (32-bit division: keys < 2^31; a 64-bit one a tile was most of a batch-256 plan.)
-      const auto steps = static_cast<int64_t>(
-          (static_cast<uint32_t>(kv_end - kv_begin) + uint32_t(shape.kv_tile) - 1) /
-          uint32_t(shape.kv_tile));
+      const TileKeys keys = row_tile_keys(shape, group, kv_len, q_len, row);
+      const int64_t steps = tile_steps(keys, shape.kv_tile);
       RawTile t;
       t.item.request = r;
       t.item.kv_base =
@@ -156,11 +145,11 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
       t.item.q_begin = qo_indptr[r];  // >= 0: the layout's indptr starts at 0 and q_len >= 0
       t.item.q_end = qo_indptr[r + 1];
       t.item.q_row_begin = static_cast<int32_t>(row);
-      t.item.kv_begin = static_cast<int32_t>(kv_begin);
-      t.item.kv_end = static_cast<int32_t>(kv_end);
+      t.item.kv_begin = static_cast<int32_t>(keys.begin);
+      t.item.kv_end = static_cast<int32_t>(keys.end);
       t.steps = steps;
       raw.push_back(t);
-      total_cost += (steps + 1) * shape.kv_tile * shape.num_kv_heads;
+      total_cost += tile_cost(steps, shape);
     }
   }
 
@@ -178,12 +167,10 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
         for (int c = 0; c < shape.cluster; ++c) {
           PrefillWorkItem chunk = t.item;
           chunk.kv_head = h;
-          const int64_t step_begin = steps * c / shape.cluster;
-          const int64_t step_end = steps * (c + 1) / shape.cluster;
-          chunk.kv_begin = static_cast<int32_t>(
-              std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_begin * shape.kv_tile));
-          chunk.kv_end = static_cast<int32_t>(
-              std::min<int64_t>(t.item.kv_end, t.item.kv_begin + step_end * shape.kv_tile));
+          const TileKeys k =
+              chunk_keys({t.item.kv_begin, t.item.kv_end}, steps, c, shape.cluster, shape.kv_tile);
+          chunk.kv_begin = static_cast<int32_t>(k.begin);
+          chunk.kv_end = static_cast<int32_t>(k.end);
           plan.items.push_back(chunk);
         }
       }
@@ -194,12 +181,7 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
   // Split-KV: a tile much heavier than an even share of the device would finish long after the
   // rest (decode-like batches: few tiles, long KV). Chunks are whole kernel steps, at least
   // min_split_keys long.
-  int64_t chunk_keys = 0;
-  if (shape.concurrent_ctas > 0 && !raw.empty()) {
-    const int64_t share = ceil_div(total_cost, shape.concurrent_ctas);
-    chunk_keys = std::max<int64_t>(share, std::max(shape.min_split_keys, shape.kv_tile));
-    chunk_keys = ceil_div(chunk_keys, shape.kv_tile) * shape.kv_tile;
-  }
+  const int64_t split_keys = split_chunk_keys(shape, total_cost, int64_t(raw.size()));
 
   // The work in build order (request, row tile, kv head, chunk), then launched longest first:
   // the hardware hands out CTAs in grid order, so this is a greedy LPT schedule (causal: the
@@ -232,9 +214,9 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
     return sorted;
   };
   auto tile_keys = [](const RawTile& t) { return t.item.kv_end - t.item.kv_begin; };
-  const bool splits = chunk_keys > 0 && std::any_of(raw.begin(), raw.end(), [&](const RawTile& t) {
-                        return tile_keys(t) > chunk_keys;
-                      });
+  const bool splits = std::any_of(raw.begin(), raw.end(), [&](const RawTile& t) {
+    return split_chunks(tile_keys(t), split_keys) > 1;
+  });
   if (!splits && shape.l2_keys > 0 && batch_keys * shape.num_kv_heads > shape.l2_keys) {
     emit_l2_groups(raw, kv_indptr, shape, plan.items);
     return;
@@ -258,7 +240,7 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
   built.reserve(raw.size() * size_t(shape.num_kv_heads));
   for (const RawTile& t : raw) {
     const int64_t keys = tile_keys(t);
-    const int64_t chunks = keys > chunk_keys ? ceil_div(keys, chunk_keys) : 1;
+    const int64_t chunks = split_chunks(keys, split_keys);
     const int64_t steps = t.steps;
     for (int h = 0; h < shape.num_kv_heads; ++h) {
       PrefillWorkItem item = t.item;
@@ -276,12 +258,11 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
       plan.merges.push_back(merge);
       // Even chunks in whole steps, so no chunk is a sliver.
       for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t step_begin = steps * c / chunks;
-        const int64_t step_end = steps * (c + 1) / chunks;
         PrefillWorkItem chunk = item;
-        chunk.kv_begin = static_cast<int32_t>(item.kv_begin + step_begin * shape.kv_tile);
-        chunk.kv_end = static_cast<int32_t>(
-            std::min<int64_t>(item.kv_end, item.kv_begin + step_end * shape.kv_tile));
+        const TileKeys k =
+            chunk_keys({item.kv_begin, item.kv_end}, steps, c, chunks, shape.kv_tile);
+        chunk.kv_begin = static_cast<int32_t>(k.begin);
+        chunk.kv_end = static_cast<int32_t>(k.end);
         chunk.partial = plan.num_partials++;
         chunk.merge = static_cast<int32_t>(plan.merges.size() - 1);
         built.push_back(chunk);

@@ -8,11 +8,7 @@
 
 #include <cmath>
 
-#if defined(__CUDACC__)
-#define KVATTN_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define KVATTN_HOST_DEVICE inline
-#endif
+#include "core/host_device.h"
 
 namespace kvattn::core {
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/tile_keys.h"
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/device_plan.h"
 #include "kvattn/error.h"
@@ -277,42 +278,16 @@ __global__ void __launch_bounds__(kThreads) device_plan_decode_kernel(const Devi
 
 // ---- the tensor-core kernels' plan (core::plan_prefill_tiles) -----------------------------
 
-// Keys [begin, end) of a request's rows one tile sees.
-struct TileKeys {
-  int32_t begin, end;
-};
-
-// The host's tile arithmetic (plan_prefill_tiles) for row tile `row_tile` of a request of q_len
-// query tokens and kv_len keys: causal rows see keys up to their token's bottom-right aligned
-// position, a window bounds them from below.
-__device__ __forceinline__ TileKeys row_tile_keys(const core::PrefillTileShape& s, int group,
-                                                  int32_t kv_len, int32_t q_len, int row_tile) {
-  const int64_t rows = int64_t(q_len) * group;
-  const int64_t row = int64_t(row_tile) * s.tile_rows;
-  const int64_t first_token = row / group;
-  const int64_t last_token = (min(rows, row + s.tile_rows) - 1) / group;
-  int64_t end = kv_len;
-  if (s.mask == core::MaskMode::kCausal)
-    end = min(max(int64_t(kv_len) - q_len + last_token + 1, int64_t(0)), int64_t(kv_len));
-  int64_t begin = 0;
-  if (s.window_left >= 0 && s.mask != core::MaskMode::kNone)
-    begin = min(max(int64_t(kv_len) - q_len + first_token - s.window_left, int64_t(0)), end);
-  return {int32_t(begin), int32_t(end)};
+// The host's tile arithmetic (core/tile_keys.h): row tile `row_tile` of a request's keys, its
+// kernel steps, a chunk of it.
+using core::TileKeys;
+__device__ __forceinline__ TileKeys keys_of_row_tile(const core::PrefillTileShape& s, int group,
+                                                     int32_t kv_len, int32_t q_len, int row_tile) {
+  return core::row_tile_keys(s, group, kv_len, q_len, int64_t(row_tile) * s.tile_rows);
 }
 
 __device__ __forceinline__ int32_t steps_of(TileKeys k, int kv_tile) {
-  return int32_t((uint32_t(k.end - k.begin) + uint32_t(kv_tile) - 1) / uint32_t(kv_tile));
-}
-
-// Chunk c of `chunks` of a tile of `steps` kernel steps (the host's even split in whole steps).
-__device__ __forceinline__ TileKeys chunk_keys_of(TileKeys k, int32_t steps, int c, int chunks,
-                                                  int kv_tile) {
-  const int64_t step_begin = int64_t(steps) * c / chunks;
-  const int64_t step_end = int64_t(steps) * (c + 1) / chunks;
-  TileKeys out;
-  out.begin = int32_t(min(int64_t(k.end), k.begin + step_begin * kv_tile));
-  out.end = int32_t(min(int64_t(k.end), k.begin + step_end * kv_tile));
-  return out;
+  return int32_t(core::tile_steps(k, kv_tile));
 }
 
 // Shared-memory layout of the tile planner: fixed scratch, per-request arrays, per-row-tile
@@ -353,15 +328,6 @@ __host__ __device__ inline TilesSmem tiles_smem(int batch_size, int row_tiles, i
 __host__ __device__ inline int l2_group_bound(const DevicePlanTiles& p) {
   if (p.shape.l2_keys <= 0) return 0;
   return min(p.batch_size, p.capacity.row_tiles) * p.shape.num_kv_heads;
-}
-
-// Request r's heads a group in the L2 order (core::plan_prefill_tiles's emit_l2_groups): the
-// largest power of two whose keys x heads stay within a third of l2_keys.
-__device__ __forceinline__ int l2_group_heads(const core::PrefillTileShape& s, int64_t kv_len) {
-  kv_len = max(kv_len, int64_t(1));
-  int heads = 1;
-  while (heads * 2 <= s.num_kv_heads && kv_len * heads * 2 <= s.l2_keys / 3) heads *= 2;
-  return heads;
 }
 
 __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const DevicePlanTiles p) {
@@ -422,12 +388,11 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
   // Row tile t's request, its row tile and its keys.
   auto request_of_tile = [&](int t) { return request_of_item(tile_start, bs, t); };
   auto keys_of_tile = [&](int t, int r) {
-    return row_tile_keys(s, group, lens[r], q_lens[r], t - tile_start[r]);
+    return keys_of_row_tile(s, group, lens[r], q_lens[r], t - tile_start[r]);
   };
   int64_t cost = 0;
   for (int t = threadIdx.x; t < num_tiles; t += kThreads) {
-    const int32_t steps = steps_of(keys_of_tile(t, request_of_tile(t)), s.kv_tile);
-    cost += (int64_t(steps) + 1) * s.kv_tile * heads;
+    cost += core::tile_cost(steps_of(keys_of_tile(t, request_of_tile(t)), s.kv_tile), s);
   }
   const int64_t total_cost = block_sum(cost, scratch);
 
@@ -435,8 +400,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
     item.request = r;
     item.kv_head = h;
     item.q_row_begin = row_tile * s.tile_rows;
-    item.kv_begin = k.begin;
-    item.kv_end = k.end;
+    item.kv_begin = int32_t(k.begin);
+    item.kv_end = int32_t(k.end);
     item.partial = -1;
     item.merge = -1;
     const int64_t base = p.kv_indptr[r];
@@ -470,23 +435,18 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       const TileKeys k = keys_of_tile(tile, r);
       core::PrefillWorkItem item;
       fill_item(item, r, tile - tile_start[r], h,
-                chunk_keys_of(k, steps_of(k, s.kv_tile), c, s.cluster, s.kv_tile));
+                core::chunk_keys(k, steps_of(k, s.kv_tile), c, s.cluster, s.kv_tile));
       p.items[j] = item;
     }
   } else {
     // Split-KV where a tile is much heavier than an even share of the device.
-    int64_t chunk = 0;
-    if (s.concurrent_ctas > 0 && num_tiles > 0) {
-      const int64_t share = ceil_div(total_cost, s.concurrent_ctas);
-      chunk = max(share, int64_t(max(s.min_split_keys, s.kv_tile)));
-      chunk = ceil_div(chunk, s.kv_tile) * s.kv_tile;
-    }
+    const int64_t chunk = core::split_chunk_keys(s, total_cost, num_tiles);
     int64_t longest = 0;
     for (int t = threadIdx.x; t < num_tiles; t += kThreads) {
       const TileKeys k = keys_of_tile(t, request_of_tile(t));
-      longest = max(longest, int64_t(k.end - k.begin));
+      longest = max(longest, k.end - k.begin);
     }
-    const bool splits = chunk > 0 && block_max(longest, scratch) > chunk;
+    const bool splits = core::split_chunks(block_max(longest, scratch), chunk) > 1;
     const bool l2_order = !splits && s.l2_keys > 0 && p.kv_indptr[bs] * int64_t(heads) > s.l2_keys;
     if (l2_order) {
       // The L2 order (emit_l2_groups): each request's tiles heaviest first (ties in build
@@ -515,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       int32_t* group_start = reinterpret_cast<int32_t*>(lens64);  // [bs + 1]
       for (int r = threadIdx.x; r < bs; r += kThreads) {
         const bool rows = tile_start[r + 1] > tile_start[r] && tile_start[r] < num_tiles;
-        const int hg = l2_group_heads(s, lens[r]);
+        const int hg = core::l2_group_heads(s, lens[r]);
         group_start[r] = rows ? (heads + hg - 1) / hg : 0;
       }
       block_exclusive_scan<int32_t>(group_start, group_start, bs, partials32);
@@ -534,7 +494,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       bitonic_sort(keys, padded_groups);
       // 3. Items a sorted group (its tiles x its heads), scanned; item j finds its group.
       auto group_heads = [&](int g, int r, int* head_begin) {
-        const int hg = l2_group_heads(s, lens[r]);
+        const int hg = core::l2_group_heads(s, lens[r]);
         *head_begin = (g - group_start[r]) * hg;
         return min(hg, heads - *head_begin);
       };
@@ -583,8 +543,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
       // Build order (request, row tile, kv head, chunk): a tile's items, merges and partial
       // slots are consecutive, so three scans over the row tiles number them all.
       auto chunks_of = [&](TileKeys k) {
-        const int64_t n = k.end - k.begin;
-        return n > chunk ? int32_t(ceil_div(n, chunk)) : 1;
+        return int32_t(core::split_chunks(k.end - k.begin, chunk));
       };
       for (int t = threadIdx.x; t < num_tiles; t += kThreads) {
         const int32_t chunks = chunks_of(keys_of_tile(t, request_of_tile(t)));
@@ -612,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
         const int local = i - built[b.t];
         b.h = local / b.chunks;
         b.c = local % b.chunks;
-        b.chunk = chunk_keys_of(k, steps_of(k, s.kv_tile), b.c, b.chunks, s.kv_tile);
+        b.chunk = core::chunk_keys(k, steps_of(k, s.kv_tile), b.c, b.chunks, s.kv_tile);
         return b;
       };
       const int padded = padded_pow2(total_built);
