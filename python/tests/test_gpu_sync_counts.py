@@ -86,9 +86,10 @@ def eager_step(e, fb, layers, qkv):
     return run
 
 
-def capture_step(e, fb, layers, qkv, max_tokens=8):
+def capture_step(e, fb, layers, qkv, max_tokens=8, forward=None):
     """As an engine captures a bucket: graph state, out_graph(in_capture) outside, in_graph and
-    every layer's forward inside. Returns the graph and the layers' captured outputs."""
+    every layer's forward inside (or forward(): the layers' outputs). Returns the graph and the
+    layers' captured outputs."""
     e.backend.init_cuda_graph_state(8, max_tokens)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -97,7 +98,7 @@ def capture_step(e, fb, layers, qkv, max_tokens=8):
         e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
         with torch.cuda.graph(graph, stream=stream):
             e.backend.init_forward_metadata_in_graph(fb)
-            outs = [e.backend.forward(*qkv, layer, fb) for layer in layers]
+            outs = forward() if forward else [e.backend.forward(*qkv, layer, fb) for layer in layers]
     torch.cuda.current_stream().wait_stream(stream)
     return graph, outs
 
@@ -354,11 +355,14 @@ def test_encoder_decoder_without_host_lengths_is_captured_and_replayed(mode):
             fb.seq_lens_cpu = None
         return fb
 
-    def step(fb):
-        e.backend.init_forward_metadata(fb)
+    def layer_outputs(fb):
         # (The cross layer reads the cached encoder K/V; the self layer saves the new tokens'.)
         return [e.backend.forward(q, k, v, layers[0], fb),
                 e.backend.forward(q, None, None, layers[1], fb, save_kv_cache=False)]
+
+    def step(fb):
+        e.backend.init_forward_metadata(fb)
+        return layer_outputs(fb)
 
     def expect_host_planned(got, reqs, seq, prefix, new, loc, enc):
         want = step(make_batch(reqs, seq, prefix, new, loc.clone(), enc, host=True))
@@ -380,17 +384,8 @@ def test_encoder_decoder_without_host_lengths_is_captured_and_replayed(mode):
     assert syncs == 0 and d2h == 0, (syncs, d2h)
     expect_host_planned(step(fb), first, seq, prefix, new, loc, enc)
 
-    e.backend.init_cuda_graph_state(8, tokens)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        e.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        with torch.cuda.graph(graph, stream=stream):
-            e.backend.init_forward_metadata_in_graph(fb)
-            outs = [e.backend.forward(q, k, v, layers[0], fb),
-                    e.backend.forward(q, None, None, layers[1], fb, save_kv_cache=False)]
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, outs = capture_step(e, fb, layers, (q, k, v), max_tokens=tokens,
+                               forward=lambda: layer_outputs(fb))
 
     # Other requests with other encoder lengths, then the first ones grown.
     for reqs, enc_lens, growth, split in (
