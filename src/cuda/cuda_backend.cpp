@@ -1076,6 +1076,7 @@ class CudaBackend final : public AttentionBackend {
       zeros.prefix_lens = zeros.seq_lens;
       zeros.extend_lens = zeros.seq_lens;
     }
+    if (config_.is_encoder_decoder) zeros.encoder_lens = zeros.seq_lens;
     call.layout = core::make_paged_layout(batch.mode, set, config_.sliding_window_size, zeros,
                                           verify ? q_len : 0);
     call.paged = true;
