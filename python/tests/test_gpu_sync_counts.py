@@ -384,7 +384,7 @@ def test_encoder_decoder_without_host_lengths_is_captured_and_replayed(mode):
     assert syncs == 0 and d2h == 0, (syncs, d2h)
     expect_host_planned(step(fb), first, seq, prefix, new, loc, enc)
 
-    graph, outs = capture_step(e, fb, layers, (q, k, v), max_tokens=tokens,
+    graph, outs = capture_step(e, fb, layers, (q, k, v), max_tokens=max(tokens, 8),
                                forward=lambda: layer_outputs(fb))
 
     # Other requests with other encoder lengths, then the first ones grown.
