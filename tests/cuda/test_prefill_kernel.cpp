@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -1273,17 +1272,6 @@ TEST_F(TcDecodeKernel, NarrowTiles) {
   c.cluster = 16;
   c.seed = 135;
   run_case(c);
-  // Batch-1 decode as the backend plans it (GQA 4, page 1, one long request and a short one;
-  // with KVATTN_TC_DECODE_DEEP=1 on the deep, four-stage ring where every cluster fits).
-  c.name = "tc narrow decode cluster 16 page 1 bf16 long";
-  c.io = c.kv = DType::kBFloat16;
-  c.input_range = 2.f;
-  c.paged = true;
-  c.q_lens = {1, 1};
-  c.kv_lens = {9001, 17};
-  c.cluster = 16;
-  c.seed = 136;
-  run_case(c);
 }
 
 TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
@@ -1299,19 +1287,6 @@ TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
   EXPECT_EQ(shape.kv_tile, 64);
   EXPECT_GE(shape.ctas_per_sm, 1);
   EXPECT_THROW(tc_decode_kernel_shape(256, 256), Error);
-  // The deep ring of cluster-split plans (one CTA an SM): what the device holds at once, for the
-  // record (a batch-1 decode at 8 kv heads needs 8 clusters of 16).
-  int previous = -1;
-  for (int cluster : {16, 8, 4, 2}) {
-    const int at_once = tc_decode_deep_clusters_at_once(cluster);
-    std::printf(
-        "  tc_decode deep ring: %d clusters of %d at once (three-stage instance: max "
-        "cluster %d, %d CTAs an SM)\n",
-        at_once, cluster, shape.max_cluster, shape.ctas_per_sm);
-    EXPECT_GE(at_once, previous) << "smaller clusters fit at least as often";
-    previous = at_once;
-  }
-  EXPECT_GE(previous, 1) << "one cluster of two CTAs fits any Hopper";
 }
 
 }  // namespace

@@ -568,13 +568,6 @@ PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int devi
   return shape;
 }
 
-bool tc_decode::deep_cluster_enabled() {
-  // Off by default: no gain measured on the H100 (bench/NOTES.md, sixteenth session); kept for
-  // the H200 A/B, whose higher read bandwidth needs more bytes in flight an SM.
-  static const bool enabled = env_int("KVATTN_TC_DECODE_DEEP", 0, 0) != 0;
-  return enabled;
-}
-
 #if defined(KVATTN_TC_DECODE_TRACE)
 bool tc_decode::trace_requested() {
   const char* v = std::getenv("KVATTN_TC_DECODE_TRACE");

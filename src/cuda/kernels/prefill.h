@@ -81,9 +81,6 @@ PrefillKernelShape prefill_kernel_shape(int head_dim);
 /// pair; tc_decode_kernel_shape gives its plan shape (throws kNotSupported where it does not).
 bool tc_decode_serves(int head_dim, int v_head_dim);
 PrefillKernelShape tc_decode_kernel_shape(int head_dim, int v_head_dim, int device = -1);
-/// Clusters of `cluster` CTAs (2..16) of the head_dim 128 narrow instance's deep ring (cluster-
-/// split plans, tc_decode::kDeepStages) resident at once on the current device.
-int tc_decode_deep_clusters_at_once(int cluster);
 
 /// Runs a plan made with tc_decode_kernel_shape's tile_rows / kv_tile (and its split merge),
 /// as launch_batch_prefill does for the prefill families. The kernel and the merge are launched

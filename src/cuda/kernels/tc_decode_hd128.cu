@@ -12,15 +12,3 @@ void launch_tc_decode_hd128(const core::AttentionParams& p, const core::PrefillT
 PrefillKernelShape tc_decode_shape_hd128() { return shape_if_compiled<128>(); }
 
 }  // namespace kvattn::cuda::tc_decode
-
-namespace kvattn::cuda {
-
-int tc_decode_deep_clusters_at_once(int cluster) {
-  if constexpr (head_dim_compiled(128)) {
-    return tc_decode::deep_clusters_at_once<128>(cluster);
-  } else {
-    return 0;
-  }
-}
-
-}  // namespace kvattn::cuda

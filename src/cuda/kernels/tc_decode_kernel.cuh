@@ -47,7 +47,7 @@ namespace kvattn::cuda::tc_decode {
 // kMAtoms m16 atoms of rows a tile: 2 (32 rows: 8 tree tokens x 4 q heads) or 1 (16 rows: the
 // narrow instance for calls of <= 16 packed rows a request: draft extend, the multi-step draft's
 // branches, decode; about 40% fewer instructions a key step, and Q stays in registers).
-template <int kHeadDim, int kMAtomsOfTile = 2, int kStagesOfTile = 0>
+template <int kHeadDim, int kMAtomsOfTile = 2>
 struct Traits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
@@ -61,9 +61,8 @@ struct Traits {
   static constexpr int kSubBytes = kWarpKeys * kRowBytes;  // a warp's K (or V) stage, 16-bit
   static constexpr int kStageBytes = 2 * kSubBytes;        // K then V
   // 16-bit KV: 3 stages at head_dim 128 (104 KB, two CTAs an SM: 2 x 4 x 2 stages x 8 KB = 128 KB
-  // in flight an SM), 4 at head_dim 64. kStagesOfTile overrides it: the deep instance of
-  // cluster-split plans (kDeepStages), whose grids run one CTA an SM.
-  static constexpr int kStages = kStagesOfTile > 0 ? kStagesOfTile : kHeadDim <= 64 ? 4 : 3;
+  // in flight an SM, several times what Little's law asks for), 4 at head_dim 64.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
   // Steps an iteration of the main loop: 1 for the 32-row tile (its small batches are bound by
   // the latency of code fetched cold: one copy), UNROLL_NARROW for the 16-row one.
   static constexpr int kStepUnroll = kMAtoms == 1 ? 2 : 1;
@@ -132,10 +131,10 @@ enum TraceSlot : int {
 bool trace_requested();
 #endif
 
-template <int kHeadDim, int kMAtomsOfTile, typename T, int kStagesOfTile = 0>
-__global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile, kStagesOfTile>::kThreads)
+template <int kHeadDim, int kMAtomsOfTile, typename T>
+__global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
-  using Tr = Traits<kHeadDim, kMAtomsOfTile, kStagesOfTile>;
+  using Tr = Traits<kHeadDim, kMAtomsOfTile>;
   constexpr int kChunks = Tr::kChunks;
   constexpr int kMAtoms = Tr::kMAtoms;
   constexpr int kDimTiles = kHeadDim / 8;
@@ -950,11 +949,11 @@ PrefillKernelShape shape_of() {
   return shape;
 }
 
-template <int kHeadDim, int kMAtoms, typename T, int kStagesOfTile = 0>
+template <int kHeadDim, int kMAtoms, typename T>
 void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                   cudaStream_t stream) {
-  using Tr = Traits<kHeadDim, kMAtoms, kStagesOfTile>;
-  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T, kStagesOfTile>;
+  using Tr = Traits<kHeadDim, kMAtoms>;
+  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T>;
   static std::atomic<uint64_t> devices_ready{0};
   int device = 0;
   const cudaError_t got = cudaGetDevice(&device);
@@ -973,52 +972,6 @@ void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tile
                                         tiles.cluster, p, tiles);
 }
 
-/// The narrow instance's ring depth for cluster-split plans at head_dim 128: four stages (three
-/// steps of K and V in flight a warp, 132 KB: one CTA an SM, as a cluster-split grid is placed
-/// anyway), where the 104 KB three-stage instance keeps two steps in flight: a batch-1 decode
-/// reads 1 x 32768 at ~0.8 of the read ceiling in its key loop with two.
-constexpr int kDeepStages = 4;
-
-/// KVATTN_TC_DECODE_DEEP=1 (read once; default off, A/B runs): cluster-split plans take the deep
-/// ring where it fits.
-bool deep_cluster_enabled();
-
-/// The clusters of `cluster` CTAs (a power of two, 2..16) of the deep narrow bf16 instance
-/// resident at once on the current device (0: refused), read once per device and size.
-template <int kHeadDim>
-int deep_clusters_at_once(int cluster) {
-  using Tr = Traits<kHeadDim, 1, kDeepStages>;
-  static std::atomic<int> cached[64][5] = {};  // [device][log2(cluster) - 1], value + 1
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return 0;
-  int slot = 0;
-  while ((2 << slot) < cluster && slot < 4) ++slot;
-  const int known = cached[device][slot].load(std::memory_order_acquire);
-  if (known > 0) return known - 1;
-  auto kernel = tc_decode_kernel<kHeadDim, 1, __nv_bfloat16, kDeepStages>;
-  int clusters = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           Tr::max_smem_bytes()) == cudaSuccess &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-          cudaSuccess) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(cluster));
-    config.blockDim = dim3(Tr::kThreads);
-    config.dynamicSmemBytes = size_t(Tr::smem_bytes(false));
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = unsigned(cluster);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) clusters = 0;
-  }
-  (void)cudaGetLastError();
-  cached[device][slot].store(clusters + 1, std::memory_order_release);
-  return clusters;
-}
-
 /// The launcher of one instance file (kNotSupported when the head_dim was not compiled).
 template <int kHeadDim>
 void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles& tiles,
@@ -1026,19 +979,6 @@ void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles
   if constexpr (head_dim_compiled(kHeadDim)) {
     // The plan's tile picks the instance (validated against the shape by launch_tc_decode).
     const bool narrow = tiles.tile_rows == Traits<kHeadDim, 1>::kTileRows;
-    if constexpr (kHeadDim == 128) {
-      // Cluster-split plans whose clusters all fit at once take the deep ring.
-      if (narrow && tiles.cluster > 1 && deep_cluster_enabled() &&
-          int64_t(tiles.num_items) <=
-              int64_t(deep_clusters_at_once<kHeadDim>(tiles.cluster)) * tiles.cluster) {
-        if (p.io_dtype == DType::kBFloat16) {
-          launch_typed<kHeadDim, 1, __nv_bfloat16, kDeepStages>(p, tiles, stream);
-        } else {
-          launch_typed<kHeadDim, 1, __half, kDeepStages>(p, tiles, stream);
-        }
-        return;
-      }
-    }
     if (p.io_dtype == DType::kBFloat16) {
       if (narrow) {
         launch_typed<kHeadDim, 1, __nv_bfloat16>(p, tiles, stream);
