@@ -1272,6 +1272,16 @@ TEST_F(TcDecodeKernel, NarrowTiles) {
   c.cluster = 16;
   c.seed = 135;
   run_case(c);
+  // Batch-1 decode as the backend plans it (GQA 4, page 1, one long request and a short one).
+  c.name = "tc narrow decode cluster 16 page 1 bf16 long";
+  c.io = c.kv = DType::kBFloat16;
+  c.input_range = 2.f;
+  c.paged = true;
+  c.q_lens = {1, 1};
+  c.kv_lens = {9001, 17};
+  c.cluster = 16;
+  c.seed = 136;
+  run_case(c);
 }
 
 TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
