@@ -607,11 +607,18 @@ class CudaBackend final : public AttentionBackend {
     // its plan's size follow the lengths.)
     const bool graph_batch = graph_max_bs_ > 0 && (decode || verify || facts.device_lengths) &&
                              batch.batch_size <= graph_max_bs_;
-    step_.graph_pool = graph_batch && step_.num_tokens <= graph_max_tokens_;
+    // (EXTEND-like steps: as many tokens as one fixed-size plan of the graph buffers holds.)
+    const int64_t graph_tokens =
+        core::is_extend_like(batch.mode) ? graph_extend_tokens_ : graph_max_tokens_;
+    step_.graph_pool = graph_batch && step_.num_tokens <= graph_tokens;
     if (in_capture && graph_batch && !step_.graph_pool) {
       throw_error(ErrorKind::kOutOfResources, "max_num_tokens", "init_cuda_graph_state reserved ",
-                  graph_max_tokens_, " query tokens; this ", forward_mode_name(batch.mode),
-                  " batch has ", step_.num_tokens);
+                  graph_tokens, " query tokens for ", forward_mode_name(batch.mode), " steps",
+                  graph_tokens < graph_max_tokens_
+                      ? " (of its " + std::to_string(graph_max_tokens_) +
+                            ": one fixed-size plan holds no more)"
+                      : std::string(),
+                  "; this batch has ", step_.num_tokens);
     }
     check_arg(
         !in_capture || step_.graph_pool, "in_capture",
@@ -818,6 +825,7 @@ class CudaBackend final : public AttentionBackend {
     // of max_num_tokens / max_bs query tokens each covers every bucket's plan (the capacity grows
     // with both), decode's one token per request included. Sized from its counts alone.
     core::PrefillBufferLayout prefill_region;
+    int64_t extend_tokens = 0;  // graph_extend_tokens_ once the call succeeds
     const int64_t per_request = (max_num_tokens + max_bs - 1) / max_bs;
     check_arg(per_request <= INT32_MAX, "max_num_tokens", "got ", max_num_tokens,
               ", over 2^31 tokens a request");
@@ -833,9 +841,14 @@ class CudaBackend final : public AttentionBackend {
             prefill_shape(core::MaskMode::kCustom, -1, true, max_bs, int(per_request)));
       }
       // Each shape's capacity, and an EXTEND-like step planned on the device: max_num_tokens
-      // split among max_bs requests any way (the Hopper prefill kernel's shape, shapes[0]).
-      std::vector<std::pair<core::PrefillTileShape, core::PrefillPlanCapacity>> plans{
-          {shapes[0], core::prefill_plan_capacity_for_tokens(max_bs, max_num_tokens, shapes[0])}};
+      // split among max_bs requests any way (the Hopper prefill kernel's shape, shapes[0]), where
+      // one plan can hold them (a request's packed rows stay below core::kNoOpRow); beyond that
+      // such steps run eagerly and their capture is refused.
+      std::vector<std::pair<core::PrefillTileShape, core::PrefillPlanCapacity>> plans;
+      const int64_t group = config_.num_q_heads / config_.num_kv_heads;
+      extend_tokens = std::min<int64_t>(max_num_tokens, core::kNoOpRow / group);
+      plans.emplace_back(shapes[0],
+                         core::prefill_plan_capacity_for_tokens(max_bs, extend_tokens, shapes[0]));
       for (const core::PrefillTileShape& shape : shapes) {
         plans.emplace_back(shape, core::prefill_plan_capacity(max_bs, int(per_request), shape));
       }
@@ -882,6 +895,7 @@ class CudaBackend final : public AttentionBackend {
     graph_kv_capacity_ = kv_capacity;
     graph_max_bs_ = max_bs;
     graph_max_tokens_ = max_num_tokens;
+    graph_extend_tokens_ = extend_tokens;
   }
 
   int cuda_graph_seq_len_fill_value() const override { return 0; }
@@ -1353,6 +1367,9 @@ class CudaBackend final : public AttentionBackend {
   Buffer graph_io_scratch_;  ///< the graph pool's fp32-io copies (frozen once allocated)
   int graph_max_bs_ = 0;
   int64_t graph_max_tokens_ = 0;
+  /// The most query tokens of an EXTEND-like step (planned on the device) the graph buffers'
+  /// fixed-size plan holds: graph_max_tokens_, or less where one plan cannot hold that many.
+  int64_t graph_extend_tokens_ = 0;
   int64_t graph_kv_capacity_ = 0;
 };
 
