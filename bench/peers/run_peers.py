@@ -89,6 +89,90 @@ def replay_count(per_call_ms: float, calls: int, target_s: float) -> int:
     return int(min(MAX_REPS, max(MIN_REPS, round(target_s / per_replay_s))))
 
 
+class GpuSampler:
+    """The GPU's SM clock, board power and clock-event reasons sampled every `period_s` on a
+    thread while a measurement runs (issue 12: under sustained load the board's power cap lowers
+    the clock, and whether kvattn loses more to it than FlashInfer is a question of clock and
+    power per row, read here, not assumed). Through NVML (the `pynvml` module of nvidia-ml-py);
+    without it, or without a GPU, every method is a no-op and summary() is empty."""
+
+    SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
+    HW_SLOWDOWN = 0x8 | 0x40 | 0x80  # HW slowdown, thermal, power brake
+    SW_THERMAL = 0x20
+
+    def __init__(self, period_s: float = 0.01, nvml=None, handle=None):
+        self.period_s = period_s
+        self.nvml = nvml
+        self.handle = handle
+        self.samples: List[Tuple[float, float, int]] = []  # (MHz, W, reasons)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def for_device(cls, pci_bus_id: str = "", period_s: float = 0.01) -> "GpuSampler":
+        """A sampler of the GPU with this PCI bus id (or NVML's device 0), or a no-op one."""
+        try:
+            import pynvml  # nvidia-ml-py
+            pynvml.nvmlInit()
+            handle = None
+            if pci_bus_id:
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
+                except Exception:  # noqa: BLE001  (formats differ: fall back to the index)
+                    handle = None
+            if handle is None:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return cls(period_s, pynvml, handle)
+        except Exception:  # noqa: BLE001  (no NVML, no GPU: sample nothing)
+            return cls(period_s)
+
+    def _read(self) -> Tuple[float, float, int]:
+        n = self.nvml
+        clock = float(n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM))
+        power = n.nvmlDeviceGetPowerUsage(self.handle) / 1000.0
+        getter = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            getattr(n, "nvmlDeviceGetCurrentClocksThrottleReasons")
+        return clock, power, int(getter(self.handle))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self._read())
+            except Exception:  # noqa: BLE001  (a failed read ends the sampling quietly)
+                return
+            self._stop.wait(self.period_s)
+
+    def start(self) -> None:
+        self.samples = []
+        if self.nvml is None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        return self.summary()
+
+    def summary(self) -> dict:
+        """Mean SM clock (MHz) and power (W) of the samples, the fraction of samples under the
+        software power cap and under any hardware / thermal slowdown; {} without samples."""
+        if not self.samples:
+            return {}
+        count = len(self.samples)
+        return {"sm_clock_mhz": round(sum(s[0] for s in self.samples) / count, 1),
+                "power_w": round(sum(s[1] for s in self.samples) / count, 1),
+                "power_capped": round(sum(1 for s in self.samples
+                                          if s[2] & self.SW_POWER_CAP) / count, 3),
+                "slowdown": round(sum(1 for s in self.samples
+                                      if s[2] & (self.HW_SLOWDOWN | self.SW_THERMAL)) / count,
+                                  3),
+                "clock_samples": count}
+
+
 def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -687,6 +771,10 @@ class Runner:
         self.notes: List[str] = []
         self.log_prefix = ""
         self.context_lost = ""  # "label / impl" of the measurement after which CUDA was unusable
+        # Clock and power during each timed measurement (rows' sm_clock_mhz, power_w, ...).
+        self.sampler = GpuSampler.for_device(
+            str(getattr(torch.cuda.get_device_properties(0), "pci_bus_id", "") or "")
+            if self.cuda else "") if self.cuda else GpuSampler()
 
     # ---- time ----
 
@@ -1065,6 +1153,7 @@ class Runner:
         # The host's time to enqueue the timed calls (no sync inside): about time_us when the
         # calls are host-bound (an eager loop of short calls), far below it when the GPU is.
         host_start = time.perf_counter()
+        self.sampler.start()
         with self.on_stream():
             for start, end in events:
                 self.mark(start)
@@ -1076,12 +1165,13 @@ class Runner:
                 self.mark(end)
         host_us = (time.perf_counter() - host_start) * 1e6 / max(1, reps * calls)
         self.sync()
+        clocks = self.sampler.stop()
         times = [start.elapsed_time(end) * 1e3 / calls for start, end in events]
         del graph
         result = {"time_us": median(times), "timing": "graph" if allow_graph and not graph_error
                   else "eager", "sets": sets, "calls_per_replay": calls, "reps": reps,
                   "spread": (max(times) - min(times)) / median(times) if times else None,
-                  "host_us": host_us}
+                  "host_us": host_us, **clocks}
         if graph_error:
             result["graph_error"] = graph_error
         return result
@@ -2484,6 +2574,34 @@ def self_test() -> int:
         not STICKY_CUDA_ERROR.search("CUDA out of memory"))
     check("speed ratio", report.speed_ratio(100.0, 150.0) == 1.5 and
           report.speed_ratio(None, 1.0) is None)
+    # The clock sampler: a no-op without NVML; with a fake NVML, the summary of its samples.
+    idle = GpuSampler()
+    idle.start()
+    check("sampler without nvml", idle.stop() == {})
+
+    class FakeNvml:
+        NVML_CLOCK_SM = 1
+        def __init__(self):
+            self.reads = [(1980, 600_000, 0), (1755, 700_000, 0x4), (1980, 650_000, 0x20)]
+        def nvmlDeviceGetClockInfo(self, handle, kind):
+            return self.reads[0][0]
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return self.reads[0][1]
+        def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+            value = self.reads[0][2]
+            self.reads.append(self.reads.pop(0))
+            return value
+
+    fake = GpuSampler(nvml=FakeNvml(), handle=0)
+    fake.samples = [fake._read() for _ in range(3)]
+    got = fake.summary()
+    check("sampler summary", got.get("sm_clock_mhz") == 1905.0 and got.get("power_w") == 650.0 and
+          got.get("power_capped") == round(1 / 3, 3) and got.get("slowdown") == round(1 / 3, 3)
+          and got.get("clock_samples") == 3, str(got))
+    live = GpuSampler(period_s=0.001, nvml=FakeNvml(), handle=0)
+    live.start()
+    time.sleep(0.02)
+    check("sampler thread", live.stop().get("clock_samples", 0) >= 1)
     print(f"self-test: {len(passed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 
