@@ -173,6 +173,16 @@ class GpuSampler:
                 "clock_samples": count}
 
 
+def pci_bus_id(torch) -> str:
+    """CUDA device 0's PCI bus id as NVML names it (domain:bus:device.0), or ""."""
+    try:
+        props = torch.cuda.get_device_properties(0)
+        return (f"{int(props.pci_domain_id):08X}:{int(props.pci_bus_id):02X}:"
+                f"{int(props.pci_device_id):02X}.0")
+    except Exception:  # noqa: BLE001  (older torch: NVML's device 0)
+        return ""
+
+
 def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -772,9 +782,7 @@ class Runner:
         self.log_prefix = ""
         self.context_lost = ""  # "label / impl" of the measurement after which CUDA was unusable
         # Clock and power during each timed measurement (rows' sm_clock_mhz, power_w, ...).
-        self.sampler = GpuSampler.for_device(
-            str(getattr(torch.cuda.get_device_properties(0), "pci_bus_id", "") or "")
-            if self.cuda else "") if self.cuda else GpuSampler()
+        self.sampler = GpuSampler.for_device(pci_bus_id(torch)) if self.cuda else GpuSampler()
 
     # ---- time ----
 
