@@ -296,6 +296,13 @@ void freeze_call(CallState& call) {
   call.frozen = true;
 }
 
+int64_t call_kv_capacity(const CallState& call, bool graph_pool, int64_t graph_kv_capacity,
+                         int max_context_len) {
+  if (graph_pool) return graph_kv_capacity;
+  if (call.device_plan) return int64_t(call.layout.batch_size) * max_context_len;
+  return call.layout.total_kv();
+}
+
 void size_device_tile_plan(CallState& call, const core::PrefillTileShape& shape,
                            const core::PrefillPlanCapacity& capacity, int group_size) {
   call.plan_shape = shape;
@@ -698,11 +705,8 @@ class CudaBackend final : public AttentionBackend {
       cap.custom_mask = verify;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      // (A device plan's keys are at most max_context_len a request.)
-      const int64_t keys = step_.graph_pool   ? graph_kv_capacity_
-                           : call.device_plan ? int64_t(call.layout.batch_size) *
-                                                    config_.req_to_token_pool->max_context_len()
-                                              : call.layout.total_kv();
+      const int64_t keys = call_kv_capacity(call, step_.graph_pool, graph_kv_capacity_,
+                                            config_.req_to_token_pool->max_context_len());
       upload_call(call, cap, keys, config_.v_head_dim, step_.id, device_, stream);
     }
     step_.ready = true;

@@ -141,6 +141,12 @@ void upload_call(CallState& call, const core::CallCapacity& capacity, int64_t kv
 /// the step runs on (device memory; reset by that call's upload_call).
 StepState* step_state_of(const CallState& first_call);
 
+/// The keys `call`'s kv_indices must hold: graph_kv_capacity on the graph pool, else its
+/// layout's keys, or max_context_len a request for a call planned on the device (its lengths are
+/// on the device only).
+int64_t call_kv_capacity(const CallState& call, bool graph_pool, int64_t graph_kv_capacity,
+                         int max_context_len);
+
 /// out_graph's half of a tensor-core call planned on the device: its tile shape and fixed
 /// capacity, and the plan's sizes (write_prefill_buffer lays the buffer out from them; in_graph's
 /// planner writes the contents). Every launch covers the capacity (call.padded).

@@ -124,9 +124,8 @@ class CudaDraftRunner final : public core::DraftRunner {
                              : call.item_limit;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      const int64_t keys = graph_pool_    ? graph_kv_capacity_
-                           : device_plan_ ? int64_t(entries) * pool.max_context_len()
-                                          : layout.total_kv();
+      const int64_t keys =
+          call_kv_capacity(call, graph_pool_, graph_kv_capacity_, pool.max_context_len());
       upload_call(call, cap, keys, config_.v_head_dim, step_, device_, stream);
     }
     ready_ = true;
@@ -355,10 +354,8 @@ class CudaDraftRunner final : public core::DraftRunner {
       cap.custom_mask = true;
       cap.num_q_heads = config_.num_q_heads;
       cap.v_head_dim = config_.v_head_dim;
-      const int64_t keys = graph_pool_ ? graph_kv_capacity_
-                           : device_plan_
-                               ? int64_t(bs) * config_.req_to_token_pool->max_context_len()
-                               : layout.total_kv();
+      const int64_t keys = call_kv_capacity(call, graph_pool_, graph_kv_capacity_,
+                                            config_.req_to_token_pool->max_context_len());
       upload_call(call, cap, keys, config_.v_head_dim, step_, device_, stream);
     }
   }
