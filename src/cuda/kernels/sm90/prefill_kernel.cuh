@@ -213,17 +213,19 @@ void launch_instance(const core::AttentionParams& p, const core::PrefillTiles& t
   check_launch("batch_prefill_sm90");
 }
 
-/// The instance of a call: the io dtype, and the ring depth (the tensor-map path takes the
-/// deepest ring that fits, row copies two stages; LaunchOptions::stages overrides for A/B).
+/// The instance of a call: the io dtype, and the ring depth: two stages (at head_dim <= 128 with
+/// two Q buffers: the next tile's Q lands during this one, the output is staged through Q), the
+/// deeper ring only when LaunchOptions::stages asks for it (A/B runs).
 template <int kHeadDim, int kHeadDimV>
 void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                       const LaunchOptions& options, cudaStream_t stream) {
   constexpr int kDeep = max_prefill_stages(kHeadDim);
   constexpr int kKvTile = PrefillTraits<kHeadDim, kHeadDimV>::kKvTile;
-  // The tensor-map path takes the deepest ring (with one Q buffer at head_dim 128: a third stage
-  // measured as fast as a second Q buffer, bench/NOTES.md v7); row copies two stages.
+  // Two stages also for the tensor-map path: at head_dim 128 they take 1 x 16384 in 2.6% fewer
+  // cycles than three stages with one Q buffer (bench/NOTES.md, seventeenth session; the row
+  // copies measured faster with two since v5).
   const PrefillTensorMaps maps = make_ragged_tensor_maps(p, kKvTile);
-  const int stages = options.stages > 0 ? options.stages : (maps.enabled ? kDeep : 2);
+  const int stages = options.stages > 0 ? options.stages : 2;
   const bool deep = stages >= 3 && kDeep >= 3;
   auto launch = [&]<int kStages>() {
     if (p.io_dtype == DType::kBFloat16) {

@@ -43,9 +43,9 @@ struct PrefillTraits {
   // stages of K and V (2 x 2 x 32 KiB) and Q (64 KiB) fit, and O (128 registers) + S fit the
   // consumers' register budget.
   static constexpr int kKvTile = kHeadDim <= 192 ? 128 : 64;
-  // Stages of the K/V ring (an instance parameter, see launch_for_dtype): the tensor-map path
-  // starts a block's copies two blocks ahead with three; the row copies measured faster with
-  // two (bench/NOTES.md, Hopper prefill v5).
+  // Stages of the K/V ring (an instance parameter, see launch_for_dtype): two by default (the
+  // row copies measured faster with two since v5, the tensor-map path with two and two Q
+  // buffers since the seventeenth session, bench/NOTES.md); three for A/B runs where they fit.
   static constexpr int kStages = kStages_;
   // Registers per thread after setmaxnreg: 128 x 72 + 256 x 216 (or 56 + 224 where O is 256
   // wide) = 64512 of 65536; with three consumer warpgroups 128 x 32 + 384 x 160 = 65536. The
