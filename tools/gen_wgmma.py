@@ -8,11 +8,9 @@ are generated rather than written by hand. Run from the repository root after ch
 """
 import pathlib
 
-# (operand source, N, B transposed) triples: SS = A and B from shared memory (S = Q K^T), RS = A
-# from registers (O += P V with V MN-major; the row sums of P against a K-major tile of ones, N 8).
-# M is 64 and K is 16 for every 16-bit wgmma.
-SHAPES = [("ss", 64, False), ("ss", 128, False), ("rs", 8, False), ("rs", 64, True),
-          ("rs", 128, True), ("rs", 256, True)]
+# (operand source, N) pairs: SS = A and B from shared memory (S = Q K^T), RS = A from registers
+# (O += P V). M is 64 and K is 16 for every 16-bit wgmma.
+SHAPES = [("ss", 64), ("ss", 128), ("rs", 64), ("rs", 128), ("rs", 256)]
 TYPES = [("bf16", "__nv_bfloat16"), ("f16", "__half")]
 
 HEADER = """\
@@ -104,12 +102,12 @@ struct WgmmaRs<{c_type}, {n}, {tb}> {{
 
 def main():
     out = [HEADER]
-    for kind, n, trans_b in SHAPES:
+    for kind, n in SHAPES:
         for ptx_type, c_type in TYPES:
             if kind == "ss":
                 out.append(emit_ss(ptx_type, c_type, n))
             else:
-                out.append(emit_rs(ptx_type, c_type, n, trans_b))
+                out.append(emit_rs(ptx_type, c_type, n, True))
     out.append("\n}  // namespace kvattn::cuda::ptx\n")
     path = pathlib.Path("src/cuda/kernels/toolkit/wgmma_ops.cuh")
     path.write_text("".join(out))

@@ -51,11 +51,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     sm.ptr = smem_raw + (aligned - raw);
   }
   if (threadIdx.x == 0) sm.init_barriers(maps.enabled != 0);
-  if (threadIdx.x < ptx::kOnesTileBytes / 4) {
-    // The row-sum wgmma's B operand (read by the async proxy after the CTA barrier).
-    reinterpret_cast<uint32_t*>(sm.ptr + Tr::kOnesOffset)[threadIdx.x] = ptx::pack2<T>(1.f, 1.f);
-    ptx::fence_proxy_async_shared();
-  }
   __syncthreads();
 
   const int warp = static_cast<int>(threadIdx.x) / 32;

@@ -492,66 +492,25 @@ struct PrefillConsumer {
     ptx::fence_registers(s);
   }
 
-  template <int kSteps>
-  __device__ __forceinline__ static void fence_fragments(uint32_t (&pf)[kSteps][4]) {
+  __device__ __forceinline__ static void fence_fragments(uint32_t (&pf)[kKeySteps][4]) {
 #pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) ptx::fence_registers(pf[kk]);
+    for (int kk = 0; kk < kKeySteps; ++kk) ptx::fence_registers(pf[kk]);
   }
 
-  // P's row sums (kRowSums 1): the k16 fragments added pairwise in the io dtype down to
-  // kSumSteps, each multiplied by a tile of ones in the P V group.
-  static constexpr int kSumSteps = Tr::kRowSums == 1 ? Tr::kRowSumSteps : 1;
-  static_assert(kKeySteps % kSumSteps == 0, "row-sum steps divide the block's k16 steps");
-
-  /// The A fragments of the row-sum wgmmas: group g adds P's k16 fragments g * n .. g * n + n - 1
-  /// (n = kKeySteps / kSumSteps) as a tree.
-  __device__ __forceinline__ static void sum_fragments(const uint32_t (&pf)[kKeySteps][4],
-                                                       uint32_t (&ps)[kSumSteps][4]) {
-    constexpr int kPer = kKeySteps / kSumSteps;
-#pragma unroll
-    for (int g = 0; g < kSumSteps; ++g) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t part[kPer];
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) part[i] = pf[g * kPer + i][j];
-#pragma unroll
-        for (int width = 1; width < kPer; width *= 2) {
-#pragma unroll
-          for (int i = 0; i + width < kPer; i += 2 * width) part[i] = ptx::add2<T>(part[i], part[i + width]);
-        }
-        ps[g][j] = part[0];
-      }
-    }
-  }
-
-  /// Issues O += P V on stage `stage` and (kRowSums 1) P's row sums into `sums`, one wgmma
-  /// group; ps (sum_fragments of P, added here: in the last S product's shadow) stays live, like
-  /// pf, until the group has completed.
-  __device__ __forceinline__ void issue_pv(float (&o)[kOutRegs], float (&sums)[4],
-                                           uint32_t (&pf)[kKeySteps][4],
-                                           uint32_t (&ps)[kSumSteps][4], int stage) const {
-    if constexpr (Tr::kRowSums == 1) sum_fragments(pf, ps);
+  /// Issues O += P V on stage `stage` (one wgmma group).
+  __device__ __forceinline__ void issue_pv(float (&o)[kOutRegs], uint32_t (&pf)[kKeySteps][4],
+                                           int stage) const {
     ptx::fence_registers(o);
-    ptx::fence_registers(sums);
     fence_fragments(pf);
-    fence_fragments(ps);
     ptx::wgmma_fence();
     const ptx::SmemDescriptor v = v_desc(stage);
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk) {
       ptx::wgmma_rs_trans_b<T, Tr::kHeadDimV>(o, pf[kk], v.at(ptx::mnmajor_step(kk)), true);
     }
-    if constexpr (Tr::kRowSums == 1) {
-      const uint64_t ones = ptx::ones_tile_desc(sm.base + Tr::kOnesOffset);
-#pragma unroll
-      for (int g = 0; g < kSumSteps; ++g) ptx::wgmma_rs<T, 8>(sums, ps[g], ones, true);
-    }
     ptx::wgmma_commit_group();
     ptx::fence_registers(o);
-    ptx::fence_registers(sums);
     fence_fragments(pf);
-    fence_fragments(ps);
   }
 
   /// Signals that this warp is done reading a stage (the barrier counts the consumer warps).
@@ -646,11 +605,9 @@ struct PrefillConsumer {
     }
   }
 
-  /// Scales an accumulator (O, or the n8 row sums) row by row.
-  template <int kRegs>
-  __device__ __forceinline__ static void rescale(float (&o)[kRegs], const float (&f)[2]) {
+  __device__ __forceinline__ static void rescale(float (&o)[kOutRegs], const float (&f)[2]) {
 #pragma unroll
-    for (int j = 0; j < kRegs / 4; ++j) {
+    for (int j = 0; j < kOutRegs / 4; ++j) {
       o[4 * j + 0] *= f[0];
       o[4 * j + 1] *= f[0];
       o[4 * j + 2] *= f[1];
@@ -687,12 +644,9 @@ struct PrefillConsumer {
 #pragma unroll
     for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
     softmax = RowPairSoftmax{};
-    constexpr bool kSoftmaxSums = Tr::kRowSums == 0;
-    float sums[4] = {0.f, 0.f, 0.f, 0.f};  // kRowSums > 0: P's row sums (n8 accumulator layout)
 
     float s[kScoreRegs];
     uint32_t pf[kKeySteps][4];
-    uint32_t ps[kSumSteps][4];  // kRowSums 1: the row-sum wgmmas' A fragments
     float factor[2];
     int block = t.num_blocks - 1;
     const uint32_t scratch = sm.scratch_word(wg * 4 + warp);
@@ -707,7 +661,7 @@ struct PrefillConsumer {
     release(sm.k_empty(at.stage));
     if (free_q_early && block == 0) release_q(q_buffer);
     transform_scores(s, t, group, block, mask_base, mask_row_len);
-    softmax.update<kKeyBlocks8, kSoftmaxSums>(s, scale_log2, factor);
+    softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
     stamp(trace, kTraceFirstDone);
 
@@ -720,38 +674,25 @@ struct PrefillConsumer {
       timed_wait(sm.k_full(next.stage), next.phase, trace, k_waited);
       schedule_wait();
       issue_scores(s, next.stage, q_buffer);
-      if (rescale_due) {
-        rescale(o, factor);
-        if constexpr (!kSoftmaxSums) rescale(sums, factor);
-      }
+      if (rescale_due) rescale(o, factor);
       timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
-      issue_pv(o, sums, pf, ps, at.stage);
+      issue_pv(o, pf, at.stage);
       schedule_pass();
-#if defined(KVATTN_SM90_SERIAL)
-      ptx::wgmma_wait_group<0>();  // A/B: S and P V done before the softmax (FA3's order)
-#else
       ptx::wgmma_wait_group<1>();  // S done; P V may still run
-#endif
       ptx::fence_registers(s);
       release(sm.k_empty(next.stage));
       if (free_q_early && block == 0) release_q(q_buffer);  // the tile's last S
       bool moved = false;
       if (!(diagnostic & kDiagnosticNoSoftmax)) {
         transform_scores(s, t, group, block, mask_base, mask_row_len);
-        moved = softmax.update<kKeyBlocks8, kSoftmaxSums>(s, scale_log2, factor);
+        moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
       }
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
       ptx::fence_registers(s);
-#ifndef KVATTN_SM90_PIN
-#define KVATTN_SM90_PIN 1
-#endif
-      if constexpr (kSoftmaxSums && KVATTN_SM90_PIN) {
-        if (lane == 0) ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
-      }
+      if (lane == 0) ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
       // P stays live until the product that reads it asynchronously has completed.
       fence_fragments(pf);
-      fence_fragments(ps);
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(o);
       release(sm.v_empty(at.stage));
@@ -760,16 +701,11 @@ struct PrefillConsumer {
       at = next;
       ++it;
     }
-    if (rescale_due) {
-      rescale(o, factor);
-      if constexpr (!kSoftmaxSums) rescale(sums, factor);
-    }
+    if (rescale_due) rescale(o, factor);
     timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
-    issue_pv(o, sums, pf, ps, at.stage);
+    issue_pv(o, pf, at.stage);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(o);
-    ptx::fence_registers(sums);
-    if constexpr (!kSoftmaxSums) softmax.set_row_totals(sums[0], sums[2], lane);
     stamp(trace, kTraceLoopDone);
     if (trace != nullptr) {
       trace[kTraceKWait] = k_waited;

@@ -29,21 +29,8 @@ constexpr int max_prefill_stages(int head_dim) {
   return head_dim <= 128 ? 3 : 2;
 }
 
-/// Where the consumers sum P's rows (A/B build switches): KVATTN_SM90_ROW_SUMS 0, FADDs on the
-/// CUDA cores (64 a thread and block at 128 keys); 1, m64n8k16 wgmmas of P against a tile of
-/// ones in the P V group, KVATTN_SM90_ROW_SUM_STEPS of them a block (P's k16 fragments added
-/// pairwise in the io dtype down to that many first).
-#ifndef KVATTN_SM90_ROW_SUMS
-#define KVATTN_SM90_ROW_SUMS 1
-#endif
-#ifndef KVATTN_SM90_ROW_SUM_STEPS
-#define KVATTN_SM90_ROW_SUM_STEPS 1
-#endif
-
 template <int kHeadDim_, int kHeadDimV_, int kStages_ = 2>
 struct PrefillTraits {
-  static constexpr int kRowSums = KVATTN_SM90_ROW_SUMS;
-  static constexpr int kRowSumSteps = KVATTN_SM90_ROW_SUM_STEPS;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
   // Consumer warpgroups, each 64 of the tile's rows: three at head_dim 64 (FA3's 192-row tile
@@ -75,12 +62,11 @@ struct PrefillTraits {
   static constexpr int kKBytes = kKvTile * kHeadDim * 2;
   static constexpr int kVBytes = kKvTile * kHeadDimV * 2;
   // Everything but the Q buffers: the K/V ring, the slot tables, the tile descriptions, the
-  // scratch words, the barriers (at most 2 x 2 + 4 x kStages of them) and the ones tile, rounded up.
+  // scratch words and the barriers (at most 2 x 2 + 4 x kStages of them), rounded up.
   static constexpr int kSlotTables = 3;
   static constexpr int kTileInfoBytes = 64;  // one PrefillTile (static_assert in the kernel)
   static constexpr int kRingAndTables = kStages * (kKBytes + kVBytes) + kSlotTables * kKvTile * 4 +
-                                        2 * kTileInfoBytes + 64 + (4 + 4 * kStages) * 8 +
-                                        ptx::kOnesTileBytes;
+                                        2 * kTileInfoBytes + 64 + (4 + 4 * kStages) * 8;
   /// Two Q buffers where they fit next to the ring, else one (then the next tile's Q is loaded
   /// only after this tile's last S, and the output is stored from registers).
   static constexpr int kQBuffers = 2 * kQBytes + kRingAndTables + 1024 <= 227 * 1024 ? 2 : 1;
@@ -100,16 +86,12 @@ struct PrefillTraits {
   static constexpr int kBarrierOffset = kNextItemOffset + 16;
   // q_full / q_empty per Q buffer, then k_full / v_full / k_empty / v_empty per stage.
   static constexpr int kNumBarriers = 2 * kQBuffers + 4 * kStages;
-  // A constant tile of 16-bit ones (written once a CTA): the B operand of the wgmma that sums
-  // P's rows on the tensor cores (ptx::ones_tile_desc).
-  static constexpr int kOnesOffset = kBarrierOffset + kNumBarriers * 8;
-  static constexpr int kSmemBytes = kOnesOffset + ptx::kOnesTileBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + kNumBarriers * 8;
   static constexpr int kSmemAllocBytes = kSmemBytes + 1024;  // slack to align the base
 
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "columns come in 64-wide sub-tiles");
   static_assert(kKvTile % 16 == 0 && kKvTile <= 128, "one slot per producer thread and block key");
   static_assert(kTileInfoOffset % 16 == 0, "tile descriptions are read as vectors");
-  static_assert(kOnesOffset % 16 == 0, "a wgmma operand starts on 16 bytes");
   static_assert(kQOffset % 1024 == 0 && kKOffset % 1024 == 0 && kVOffset % 1024 == 0 &&
                     kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "swizzled tiles start on 1024-byte boundaries");

@@ -27,15 +27,13 @@ struct RowPairSoftmax {
 
   /// Turns the scores of one block into probabilities in place and folds them into the state.
   /// factor[h] is what the output accumulated so far must be multiplied by; returns true when
-  /// some factor is not 1 (the caller rescales only then). kSums false: the caller sums the
-  /// probabilities itself (on the tensor cores, rescaled with the output) and hands the totals
-  /// over with set_row_totals before finish; `sum` is then left alone.
+  /// some factor is not 1 (the caller rescales only then).
   ///
   /// Wide blocks (>= 8 n8 blocks, the Hopper prefill's 128 keys) reduce a row's max and sum in
   /// four independent chains and add those up at the end: the softmax sits on the critical
   /// path between a block's S and the next products, and with two warps a scheduler a 32-deep
   /// chain of dependent FMNMX / FADD is latency nobody hides. Narrow blocks keep one chain.
-  template <int kBlocks, bool kSums = true>
+  template <int kBlocks>
   __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
                                          float (&factor)[2]) {
     constexpr int kChains = kBlocks >= 8 ? 4 : 1;
@@ -59,17 +57,11 @@ struct RowPairSoftmax {
       const bool move = (block_max - max[h]) * scale_log2 > kRescaleLog2;
       factor[h] = move ? ptx::fast_exp2((max[h] - block_max) * scale_log2) : 1.f;
       max[h] = move ? block_max : max[h];
-      if constexpr (kSums) sum[h] *= factor[h];
+      sum[h] *= factor[h];
       moved |= move;
       // A row that has seen only masked keys keeps max -inf; exponentiate against 0 then.
       const float offset = max[h] == -INFINITY ? 0.f : -max[h] * scale_log2;
-      if constexpr (!kSums) {
-#pragma unroll
-        for (int i = 0; i < 2 * kBlocks; ++i) {
-          float& x = s[4 * (i / 2) + 2 * h + i % 2];
-          x = ptx::fast_exp2(fmaf(x, scale_log2, offset));
-        }
-      } else if constexpr (kChains == 1) {
+      if constexpr (kChains == 1) {
 #pragma unroll
         for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
@@ -96,13 +88,6 @@ struct RowPairSoftmax {
       }
     }
     return moved;
-  }
-
-  /// Takes whole-row sums (each lane of a quad holds its rows' totals, as the n8 accumulator of
-  /// the tensor-core row sums does) in place of the per-lane partial sums.
-  __device__ __forceinline__ void set_row_totals(float total0, float total1, int lane) {
-    sum[0] = (lane & 3) == 0 ? total0 : 0.f;
-    sum[1] = (lane & 3) == 0 ? total1 : 0.f;
   }
 
   /// The final per-row normaliser and natural-log LSE (an empty row: 0 and -inf, the empty

@@ -322,18 +322,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-/// The sum of two registers of two T each, lane by lane, rounded to T (one HADD2 / HFMA2).
-template <typename T>
-__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("add.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  } else {
-    asm("add.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  }
-  return r;
-}
-
 /// Two fp8 values (low byte first) -> two T, exactly (every e4m3 and e5m2 value is a half and a
 /// bf16 value).
 template <typename T>

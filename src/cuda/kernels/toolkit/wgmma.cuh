@@ -65,17 +65,6 @@ __device__ __forceinline__ SmemDescriptor smem_descriptor(uint32_t start) {
   return {uint32_t(d), uint32_t(d >> 32)};
 }
 
-/// The descriptor of a K-major n8 x k16 B operand of 16-bit ones (kOnesTileBytes, 16-byte aligned) in the no-swizzle layout (type 0): two 8 x 8 core matrices of 128 bytes, 128 bytes
-/// apart along K. Every k16 block reads the same bytes, so one descriptor serves all of them:
-/// `wgmma_rs<T, 8>` of P against it gives P's row sums (every column of the n8 result is
-/// the row's sum).
-constexpr int kOnesTileBytes = 256;
-__device__ __forceinline__ uint64_t ones_tile_desc(uint32_t start) {
-  constexpr uint32_t kCoreMatrixBytes = 128;
-  const uint32_t low = ((start & 0x3ffff) >> 4) | ((kCoreMatrixBytes >> 4) << 16);
-  return (uint64_t(kCoreMatrixBytes >> 4) << 32) | low;  // layout type 0: no swizzle
-}
-
 /// Byte step of k16 block `kk` in a K-major swizzled tile of kRows rows.
 template <int kRows>
 __host__ __device__ constexpr uint32_t kmajor_step(int kk) {
@@ -155,13 +144,6 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                          bool accumulate) {
   WgmmaSs<T, N>::issue(d, desc_a, desc_b, accumulate);
-}
-
-/// One m64nNk16 product, A from registers, B K-major from shared memory: d (+)= A B.
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4],
-                                         uint64_t desc_b, bool accumulate) {
-  WgmmaRs<T, N, false>::issue(d, a, desc_b, accumulate);
 }
 
 /// One m64nNk16 product, A from registers, B MN-major from shared memory: d (+)= A B.

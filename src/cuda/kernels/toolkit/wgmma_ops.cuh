@@ -122,34 +122,6 @@ struct WgmmaSs<__half, 128> {
 };
 
 template <>
-struct WgmmaRs<__nv_bfloat16, 8, false> {
-  static __device__ __forceinline__ void issue(float (&d)[4], const uint32_t (&a)[4],
-                                               uint64_t desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3},"
-        " {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
-  }
-};
-
-template <>
-struct WgmmaRs<__half, 8, false> {
-  static __device__ __forceinline__ void issue(float (&d)[4], const uint32_t (&a)[4],
-                                               uint64_t desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
-        "%0, %1, %2, %3},"
-        " {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
-  }
-};
-
-template <>
 struct WgmmaRs<__nv_bfloat16, 64, true> {
   static __device__ __forceinline__ void issue(float (&d)[32], const uint32_t (&a)[4],
                                                uint64_t desc_b, bool accumulate) {
