@@ -29,11 +29,16 @@ def load(path):
     for r in data:
         if len(r) <= samples or not r[col["Address"]].startswith("0x"):
             continue
+        source = r[col["Source"]].strip()
+        # A predicated branch's target as an offset (the CSV prints absolute addresses); the
+        # out-of-line retry stubs of barrier waits jump back unpredicated and get none.
+        branch = re.search(r"^@!?U?P\d\s+BRA (0x[0-9a-f]+)", source)
         out.append({
             "offset": int(r[col["Address"]], 16) - base,
-            "source": r[col["Source"]].strip(),
+            "source": source,
             "samples": int(r[samples] or 0),
             "stalls": {name: int(r[i]) for i, name in stalls if r[i] not in ("", "0")},
+            "branch_to": int(branch.group(1), 16) - base if branch else None,
         })
     return out
 
@@ -68,19 +73,10 @@ def main():
     for b in sorted(buckets):
         if buckets[b] >= total * 0.005:
             print(f"  {b * 0x800:7x} {buckets[b]:8d} {buckets[b] / total:6.1%}")
-    # Loops: predicated backward branches over more than 64 instructions (the out-of-line
-    # retry stubs of barrier waits jump back unpredicated; they are not loops).
     print("loops (predicated backward branches over more than 64 instructions):")
-    rows = list(csv.reader(open(sys.argv[1], newline="")))
-    header = next(k for k, r in enumerate(rows) if "Address" in r and "Source" in r)
-    ia, isrc = rows[header].index("Address"), rows[header].index("Source")
-    base = int(rows[header + 1][ia], 16)
-    for r in rows[header + 1:]:
-        m = re.search(r"^\s*@!?U?P\d\s+BRA (0x[0-9a-f]+)", r[isrc])
-        if m is None:
-            continue
-        at, target = int(r[ia], 16) - base, int(m.group(1), 16) - base
-        if 0 <= target < at and at - target > 64 * 16:
+    for b in instrs:
+        target, at = b["branch_to"], b["offset"]
+        if target is not None and 0 <= target < at and at - target > 64 * 16:
             inside = [i for i in instrs if target <= i["offset"] <= at]
             s = sum(i["samples"] for i in inside)
             print(f"  {target:#7x} <- {at:#7x}: {len(inside)} instructions, "
