@@ -10,7 +10,8 @@
 #          s3=.carry/bin/kvattn_cuda_tests:KVATTN_SM90_STAGES=3 other=.carry/bin/other_tests
 # ROW indexes PrefillBench.Grid's rows (0: prefill 1 x 16384 ragged hd128, 1: the same page 1,
 # 2: 1 x 4096, 3: 1 x 1024, 4: 8 x 2048, 5: extend 8 x (4096 + 512) page 1, 6: hd64 1 x 4096,
-# 7: hd256 1 x 4096). Each measurement takes ~5-10 s (one launch profiled after three).
+# 7: hd256 1 x 4096; past the grid, KVATTN_PREFILL_BENCH_ONLY only: 8: hd64 1 x 16384, 9: hd256
+# 1 x 16384). Each measurement takes ~5-10 s (one launch profiled after three).
 set -u
 ROW=${1:?row}; REPEATS=${2:?repeats}; shift 2
 OUT=${OUT:-/tmp/kvattn-device}; mkdir -p "$OUT"

@@ -29,25 +29,23 @@ __global__ void __launch_bounds__(kStepCheckThreads) step_check_kernel(const Ste
   const int64_t bad_encoder_loc =
       first_out_of_range(c.encoder_out_cache_loc, c.num_slots, &scratch);
   const int64_t bad_encoder_len = first_out_of_range(c.encoder_lens, c.max_seq_len + 1, &scratch);
-  int64_t bad_seq_len = INT64_MAX;
-  if (c.encoder_lens.data == nullptr) {
-    bad_seq_len = first_out_of_range(c.seq_lens, c.max_seq_len + 1, &scratch);
-  }
-  // EXTEND-like steps planned on the device: the lengths against each other and the step's rows.
-  // Encoder-decoder ones: each seq_len within what its encoder tokens leave of the row.
+  // Each seq_len within its row: max_seq_len, less what the request's encoder tokens take in an
+  // encoder-decoder model (seq_len_bound). EXTEND-like steps planned on the device: the lengths
+  // against each other and the step's rows.
   __shared__ unsigned long long bad_prefix, bad_extend, rows, bad_seq;
   if (threadIdx.x == 0) bad_prefix = bad_extend = bad_seq = ~0ull, rows = 0;
   __syncthreads();
-  if (c.encoder_lens.data != nullptr && c.seq_lens.data != nullptr) {
+  if (c.seq_lens.data != nullptr) {
     for (int64_t i = threadIdx.x; i < c.seq_lens.length; i += blockDim.x) {
       const int64_t seq = index_at(c.seq_lens, i);
       if (seq < 0 || seq > seq_len_bound(c, i)) {
         atomicMin(&bad_seq, static_cast<unsigned long long>(i));
+        break;  // later indices of this thread are larger
       }
     }
-    __syncthreads();
-    if (bad_seq != ~0ull) bad_seq_len = int64_t(bad_seq);
   }
+  __syncthreads();
+  const int64_t bad_seq_len = bad_seq != ~0ull ? int64_t(bad_seq) : INT64_MAX;
   if (c.extend_prefix_lens.data != nullptr) {
     unsigned long long local_rows = 0;
     for (int64_t i = threadIdx.x; i < c.extend_prefix_lens.length; i += blockDim.x) {
