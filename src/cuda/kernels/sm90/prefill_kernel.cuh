@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     constexpr unsigned long long* trace = nullptr;  // every stamp below folds away
 #endif
     // A Q buffer whose staged output went out by a bulk store: lane 0 releases it once the store
-    // has read it, at the next tile's start (the store runs under the Q wait instead of stalling
-    // the warp's next products).
+    // has read it, after the next tile's first S is issued (the store runs under that product
+    // instead of stalling the warp), or at the next tile's start when that tile has no products.
     int bulk_stored = -1;
     for (uint32_t taken = 0;; ++taken) {
       const QRing at = QRing::of(taken);
@@ -157,21 +157,15 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
           trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr;
       stamp(tile_trace, kTraceTileStart);
       ptx::mbarrier_wait(sm.q_full(at.stage), at.phase);
-      if (bulk_stored >= 0) {
-        if (lane == 0) {
-          ptx::tma_store_wait_read();
-          consumer.release_q(bulk_stored);
-        }
-        bulk_stored = -1;
-      }
       const PrefillTile t = *sm.tile_info(at.stage);
+      if (t.request < 0 || t.num_blocks == 0) consumer.release_after_store(bulk_stored);
       if (t.request < 0) break;  // the producer's end of work
       stamp(tile_trace, kTraceQArrived);
       if (tile_trace != nullptr) tile_trace[kTraceBlocks] = t.num_blocks;
       const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
-        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, tile_trace);
+        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, bulk_stored, tile_trace);
       } else {
 #pragma unroll
         for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;
