@@ -2,7 +2,8 @@
 """FlashInfer's FA3 (or FA2) ragged causal prefill on one request, launched a few times for a
 profiler: the per-cycle comparison of kvattn's Hopper prefill with FA3 (bench/NOTES.md,
 seventeenth session). Same shape as the kernel bench's first row (PrefillBench.Grid, row 0):
-32 q / 8 kv heads, head_dim 128, bf16, random N(0, 1) inputs.
+32 q / 8 kv heads, head_dim 128 (--head-dim: 64 or 256 for those rows' shape), bf16, random
+N(0, 1) inputs.
 
 On the device, after installing the `.whl/peers` wheels into /tmp/site (bench/peers/README.md):
 
@@ -33,13 +34,14 @@ def main() -> None:
     parser.add_argument("--len", type=int, default=16384, help="tokens of the one request")
     parser.add_argument("--reps", type=int, default=5, help="launches before the timed ten")
     parser.add_argument("--backend", default="fa3", choices=("fa3", "fa2"))
+    parser.add_argument("--head-dim", type=int, default=128, help="head_dim of q, k and v")
     parser.add_argument("--aot-dir", default=run_peers.DEFAULT_AOT_DIR)
     args = parser.parse_args()
     if os.path.isdir(args.aot_dir):
         print("prebuilt FlashInfer modules:", run_peers.install_aot(args.aot_dir))
     import flashinfer as fi
 
-    n, hq, hk, d = args.len, 32, 8, 128
+    n, hq, hk, d = args.len, 32, 8, args.head_dim
     torch.manual_seed(0)
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(n, hk, d, device="cuda", dtype=torch.bfloat16)
@@ -59,7 +61,8 @@ def main() -> None:
         wrapper.run(q, k, v)
     stop.record()
     torch.cuda.synchronize()
-    print(f"{args.backend} ragged causal 1 x {n}: {start.elapsed_time(stop) / 10 * 1e3:.1f} us a call")
+    us = start.elapsed_time(stop) / 10 * 1e3
+    print(f"{args.backend} ragged causal 1 x {n} hd{d}: {us:.1f} us a call")
 
 
 if __name__ == "__main__":
