@@ -147,64 +147,44 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
 #else
     constexpr unsigned long long* trace = nullptr;  // every stamp below folds away
 #endif
-    auto trace_of = [&](uint32_t taken) -> unsigned long long* {
-      return trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr;
-    };
     // A Q buffer whose staged output went out by a bulk store: lane 0 releases it once the store
-    // has read it, after the next tile's first block (the store runs under that block's product
-    // and softmax instead of stalling the warp), or at once when the next tile has no products.
+    // has read it, after the next tile's first S is issued (the store runs under that product
+    // instead of stalling the warp), or at the next tile's start when that tile has no products.
     int bulk_stored = -1;
-    float s[Consumer::kScoreRegs];
-    // Takes the tile published as number `taken`: its description (and Q), and its first S
-    // issued when it has keys.
-    auto take = [&](uint32_t taken, PrefillTile& t) {
+    for (uint32_t taken = 0;; ++taken) {
       const QRing at = QRing::of(taken);
-      unsigned long long* const tile_trace = trace_of(taken);
+      unsigned long long* const tile_trace =
+          trace != nullptr && taken < kTraceTiles ? trace + taken * kTraceSlots : nullptr;
       stamp(tile_trace, kTraceTileStart);
       ptx::mbarrier_wait(sm.q_full(at.stage), at.phase);
-      t = *sm.tile_info(at.stage);
-      if (t.request < 0) return;  // the producer's end of work
+      const PrefillTile t = *sm.tile_info(at.stage);
+      if (t.request < 0 || t.num_blocks == 0) consumer.release_after_store(bulk_stored);
+      if (t.request < 0) break;  // the producer's end of work
       stamp(tile_trace, kTraceQArrived);
       if (tile_trace != nullptr) tile_trace[kTraceBlocks] = t.num_blocks;
-      if (t.num_blocks > 0) consumer.start_tile(s, it, at.stage, tile_trace);
-    };
-    PrefillTile t;
-    take(0, t);
-    for (uint32_t taken = 0; t.request >= 0; ++taken) {
-      const int buffer = QRing::of(taken).stage;
-      unsigned long long* const tile_trace = trace_of(taken);
       const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
-        consumer.finish_tile(t, group, s, o, softmax, it, buffer, !staged, bulk_stored,
-                             tile_trace);
+        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, bulk_stored, tile_trace);
       } else {
-        consumer.release_after_store(bulk_stored);
 #pragma unroll
         for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;
-        // No S read the buffer: free it now (with one buffer the next tile's Q needs it).
-        if (!staged) consumer.release_q(buffer);
       }
-      // The next tile's first S goes to the tensor cores before this tile's output is written.
-      PrefillTile next;
-      take(taken + 1, next);
-      bool stored_here = false;
       if constexpr (Tr::kQBuffers == 2) {
         if (staged) {
           const bool bulk = store_tile_rows_staged<Tr, T>(
               p, t, group, v_dim, rows, consumer.wg * 64 + consumer.warp * 16, lane, o, softmax,
-              scale_log2, sm.ptr + Tr::kQOffset + buffer * Tr::kQBytes, maps);
-          if (bulk) bulk_stored = buffer;
-          if (!bulk || lane != 0) consumer.release_q(buffer);
-          stored_here = true;
+              scale_log2, sm.ptr + Tr::kQOffset + at.stage * Tr::kQBytes, maps);
+          if (bulk) bulk_stored = at.stage;
+          if (!bulk || lane != 0) consumer.release_q(at.stage);
+          stamp(tile_trace, kTraceStored);
+          continue;
         }
       }
-      if (!stored_here) {
-        store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2,
-                           vec16_output);
-      }
+      if (t.num_blocks == 0) consumer.release_q(at.stage);  // no S read the buffer
+      store_tile_rows<T>(p, tiles, t, group, v_dim, rows, lane, o, softmax, scale_log2,
+                         vec16_output);
       stamp(tile_trace, kTraceStored);
-      t = next;
     }
     if (lane == 0) ptx::tma_store_wait_all();  // the last bulk stores, before the CTA ends
   }

@@ -6,15 +6,13 @@
 // buffer u % kQBuffers of the running tile count u):
 //   producer:  the tile's description and Q (once the buffer is free), K[n_last], then for each
 //              later block: K[n], V[n + 1]; finally V[0]
-//   consumer:  S = Q K[n_last] (issued under the last tile's output, below); softmax
+//   consumer:  wait for the tile; S = Q K[n_last]; softmax
 //              for each later block: issue S = Q K[n]; rescale O (under that product) where
 //              the last softmax moved a row's max; issue O += P V[n + 1]; wait for S; release
 //              K; softmax of S (overlapping the P V product on the tensor cores); wait for O;
 //              release V; P = S
-//              O += P V[0]; wait for the next tile and issue its first S (start_tile); this
-//              tile's output (staged through its Q buffer and bulk-stored where it can be)
-//              under that product; release the Q buffer (after the last S when the output does
-//              not use it; after the next tile's first block when a bulk store reads it)
+//              O += P V[0]; the output (staged through the tile's Q buffer where it can be);
+//              release the Q buffer (after the last S when the output does not use it)
 // Optionally (LaunchOptions::ping_pong, off by default) the consumer warpgroups take turns
 // issuing their products, round robin (named barriers kScheduleFirst + wg), FA3's ping-pong.
 //
@@ -637,27 +635,15 @@ struct PrefillConsumer {
     }
   }
 
-  /// The first S of a tile (num_blocks > 0) whose Q is in buffer q_buffer: waits for its K and
-  /// issues the product into s (finish_tile waits for it). Issued before the previous tile's
-  /// output is written, so that product runs under those stores.
-  __device__ __forceinline__ void start_tile(float (&s)[kScoreRegs], uint32_t it, int q_buffer,
-                                             unsigned long long* trace) const {
-    const Ring at = Ring::of(it);
-    ptx::mbarrier_wait(sm.k_full(at.stage), at.phase);
-    stamp(trace, kTraceFirstK);
-    issue_scores(s, at.stage, q_buffer);
-  }
-
-  /// The rest of the mainloop of a tile after start_tile: on return o holds the unnormalised
-  /// output and `softmax` the rows' state; `it` advances. With free_q_early the Q buffer is
-  /// released as soon as the tile's last S is done. `stored`: the last tile's Q buffer awaiting
-  /// release_after_store (or -1), released after the first block. `trace`: the tile's stamps
-  /// (KVATTN_SM90_TRACE builds), nullptr otherwise.
-  __device__ __forceinline__ void finish_tile(const PrefillTile& t, int group,
-                                              float (&s)[kScoreRegs], float (&o)[kOutRegs],
-                                              RowPairSoftmax& softmax, uint32_t& it, int q_buffer,
-                                              bool free_q_early, int& stored,
-                                              unsigned long long* trace) const {
+  /// The whole mainloop of one tile (num_blocks > 0) whose Q is in buffer q_buffer: on return
+  /// o holds the unnormalised output and `softmax` the rows' state; `it` advances. With
+  /// free_q_early the Q buffer is released as soon as the tile's last S is done. `stored`: the
+  /// last tile's Q buffer awaiting release_after_store (or -1), released once the first S is
+  /// issued. `trace`: the tile's stamps (KVATTN_SM90_TRACE builds), nullptr otherwise.
+  __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, float (&o)[kOutRegs],
+                                           RowPairSoftmax& softmax, uint32_t& it, int q_buffer,
+                                           bool free_q_early, int& stored,
+                                           unsigned long long* trace) const {
     const uint8_t* mask_base = nullptr;
     int64_t mask_row_len = 0;
     if (custom) {
@@ -671,12 +657,17 @@ struct PrefillConsumer {
     for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
     softmax = RowPairSoftmax{};
 
+    float s[kScoreRegs];
     uint32_t pf[kKeySteps][4];
     float factor[2];
     int block = t.num_blocks - 1;
     const uint32_t scratch = sm.scratch_word(wg * 4 + warp);
 
     Ring at = Ring::of(it);
+    ptx::mbarrier_wait(sm.k_full(at.stage), at.phase);
+    stamp(trace, kTraceFirstK);
+    issue_scores(s, at.stage, q_buffer);
+    release_after_store(stored);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(s);
     stamp(trace, kTraceFirstS);
@@ -685,7 +676,6 @@ struct PrefillConsumer {
     transform_scores(s, t, group, block, mask_base, mask_row_len);
     softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
-    release_after_store(stored);  // the last tile's bulk store ran under this S and softmax
     stamp(trace, kTraceFirstDone);
 
     unsigned long long k_waited = 0, v_waited = 0;  // traced tiles only (timed_wait)
