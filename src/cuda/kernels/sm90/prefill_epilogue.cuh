@@ -151,24 +151,21 @@ __device__ __forceinline__ bool store_tile_rows_staged(
       p.lse[(int64_t(t.q_begin) + token) * p.num_q_heads + head] = lse[h];
     }
   }
-  if (maps.out_enabled && t.row0 + warp_row0 + 16 <= t.rows_total) {
-    ptx::fence_proxy_async_shared();  // the rows above, before the bulk store reads them
-    __syncwarp();
-    if (lane == 0) {
-      const uint32_t rows0 = ptx::smem_address(q_buffer) + warp_row0 * 128;
-      const int token0 = t.q_begin + (t.row0 + warp_row0) / group;
-#pragma unroll
-      for (int sub = 0; sub < Tr::kHeadDimV / 64; ++sub) {
-        if (sub * 64 < v_dim) {
-          ptx::tma_store_3d(&maps.out, rows0 + sub * kSubTileBytes, sub * 64, t.kv_head * group,
-                            token0);
-        }
-      }
-      ptx::tma_store_commit();
-    }
-    return true;
-  }
+  const bool bulk = maps.out_enabled && t.row0 + warp_row0 + 16 <= t.rows_total;
+  if (bulk) ptx::fence_proxy_async_shared();  // the rows above, before the bulk store reads them
   __syncwarp();
+  if (bulk && lane == 0) {
+    const uint32_t rows0 = ptx::smem_address(q_buffer) + warp_row0 * 128;
+    const int token0 = t.q_begin + (t.row0 + warp_row0) / group;
+#pragma unroll
+    for (int sub = 0; sub < Tr::kHeadDimV / 64; ++sub) {
+      if (sub * 64 < v_dim) {
+        ptx::tma_store_3d(&maps.out, rows0 + sub * kSubTileBytes, sub * 64, t.kv_head * group,
+                          token0);
+      }
+    }
+    ptx::tma_store_commit();
+  }
   constexpr int kChunks = Tr::kHeadDimV / 8;  // 16-byte chunks of a row
   static_assert(kChunks <= 32 && 32 % kChunks == 0, "a row per lane group");
   constexpr int kRowsPerPass = 32 / kChunks;
@@ -178,7 +175,7 @@ __device__ __forceinline__ bool store_tile_rows_staged(
   for (int i = 0; i < 16 / kRowsPerPass; ++i) {
     const int r = warp_row0 + lane / kChunks + i * kRowsPerPass;
     int token = 0, head = 0;
-    if (column && t.output_row(r, group, token, head)) {
+    if (!bulk && column && t.output_row(r, group, token, head)) {
       const uint4 value = *reinterpret_cast<const uint4*>(
           q_buffer + (c / 8) * kSubTileBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4));
       T* dst = static_cast<T*>(p.out) + (int64_t(t.q_begin) + token) * p.out_stride_token +
@@ -186,7 +183,7 @@ __device__ __forceinline__ bool store_tile_rows_staged(
       *reinterpret_cast<uint4*>(dst) = value;
     }
   }
-  return false;
+  return bulk;
 }
 
 }  // namespace kvattn::cuda::sm90
