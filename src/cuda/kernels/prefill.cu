@@ -348,15 +348,14 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-/// A [rows, heads, cols] 16-bit tensor with a [box_rows, box_heads, 64] box in the 128-byte
-/// swizzle.
+/// A [rows, heads, cols] 16-bit tensor with a [kv_tile, 1, 64] box in the 128-byte swizzle.
 bool encode_rows(CUtensorMap* map, const void* base, DType dtype, int64_t rows, int heads, int cols,
-                 int64_t stride_token, int64_t stride_head, int box_rows, int box_heads = 1) {
+                 int64_t stride_token, int64_t stride_head, int kv_tile) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(heads), cuuint64_t(rows)};
   const cuuint64_t strides[2] = {cuuint64_t(stride_head) * 2, cuuint64_t(stride_token) * 2};
-  const cuuint32_t box[3] = {64, cuuint32_t(box_heads), cuuint32_t(box_rows)};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(kv_tile)};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult status =
       encode(map,
@@ -370,31 +369,16 @@ bool encode_rows(CUtensorMap* map, const void* base, DType dtype, int64_t rows, 
 
 }  // namespace
 
-PrefillTensorMaps make_tensor_maps(const core::AttentionParams& p, int kv_tile, int group) {
+PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile) {
   static const bool allowed = env_int("KVATTN_SM90_TMA", 1, 0) != 0;  // A/B: 0 copies rows
-  // A/B: 0 stores the staged output with ordinary stores.
-  static const bool store_allowed = env_int("KVATTN_SM90_TMA_STORE", 1, 0) != 0;
   PrefillTensorMaps maps{};
+  const bool ragged_16bit = p.kv_indices == nullptr && !is_fp8_dtype(p.kv_dtype) &&
+                            p.num_slots > 0 && p.num_slots < (int64_t(1) << 31);
   // Strides a tensor map takes: multiples of 16 bytes below 2^40 (rows are 16-byte aligned
   // already, see validate()).
   const auto stride_ok = [](int64_t elements) {
     return elements > 0 && (elements * 2) % 16 == 0 && elements * 2 < (int64_t(1) << 40);
   };
-  // The output: a warp's 16 packed rows are 16 / group tokens x group heads, one box a 64-column
-  // sub-tile (the kernel stores only warps whose rows are all inside their request). The token
-  // extent is never the bound (no store reaches past its request), so it is the largest the
-  // token index can be.
-  if (allowed && store_allowed && !p.out_fp32 && group > 0 && 16 % group == 0 &&
-      (reinterpret_cast<uintptr_t>(p.out) & 15u) == 0 && stride_ok(p.out_stride_token) &&
-      stride_ok(p.out_stride_head) && p.v_head_dim % 8 == 0) {
-    maps.out_enabled = encode_rows(&maps.out, p.out, p.io_dtype, INT32_MAX, p.num_q_heads,
-                                   p.v_head_dim, p.out_stride_token, p.out_stride_head,
-                                   16 / group, group)
-                           ? 1
-                           : 0;
-  }
-  const bool ragged_16bit = p.kv_indices == nullptr && !is_fp8_dtype(p.kv_dtype) &&
-                            p.num_slots > 0 && p.num_slots < (int64_t(1) << 31);
   if (!allowed || !ragged_16bit || !stride_ok(p.k_stride_token) || !stride_ok(p.k_stride_head) ||
       !stride_ok(p.v_stride_token) || !stride_ok(p.v_stride_head)) {
     return maps;

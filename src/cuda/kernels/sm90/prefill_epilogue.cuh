@@ -7,7 +7,6 @@
 
 #include "core/attention_params.h"
 #include "core/prefill_tiles.h"
-#include "cuda/kernels/sm90/prefill_traits.cuh"
 #include "cuda/kernels/sm90/tile_scheduler.cuh"
 #include "cuda/kernels/toolkit/online_softmax.cuh"
 #include "cuda/kernels/toolkit/ptx.cuh"
@@ -119,20 +118,15 @@ __device__ __forceinline__ void store_tile_rows(
 
 /// The same for a 16-bit output through shared memory: this warp's 16 rows of O (the rows its
 /// wgmma fragments hold, tile rows warp_row0 .. warp_row0 + 15) are normalised into Q buffer
-/// `q_buffer` (free once the tile's last S is done) in Q's 128-byte swizzled layout, then go out
-/// by one bulk tensor store a 64-column sub-tile from lane 0 where the output's tensor map exists
-/// and all 16 rows are inside the request (the box of PrefillTensorMaps::out is exactly them);
-/// else a whole row per 16-byte lane group (a row of O is contiguous in the output), so a store
-/// instruction covers whole rows instead of a 16-byte piece of each of eight rows. Needs out
-/// 16-byte aligned with strides and v_dim multiples of 8 (prefill_kernel.cuh checks). Returns
-/// true when the bulk store went: lane 0 must then wait for it to read the buffer
-/// (ptx::tma_store_wait_read) before it releases the buffer.
+/// `q_buffer` (free once the tile's last S is done) in Q's 128-byte swizzled layout, then
+/// written out a whole row per 16-byte lane group (a row of O is contiguous in the output), so
+/// a store instruction covers whole rows instead of a 16-byte piece of each of eight rows.
+/// Needs out 16-byte aligned with strides and v_dim multiples of 8 (prefill_kernel.cuh checks).
 template <class Tr, typename T, int kOutRegs>
-__device__ __forceinline__ bool store_tile_rows_staged(
+__device__ __forceinline__ void store_tile_rows_staged(
     const core::AttentionParams& p, const PrefillTile& t, int group, int v_dim,
     const int (&rows)[2], int warp_row0, int lane, const float (&o)[kOutRegs],
-    const RowPairSoftmax& softmax, float scale_log2, unsigned char* q_buffer,
-    const PrefillTensorMaps& maps) {
+    const RowPairSoftmax& softmax, float scale_log2, unsigned char* q_buffer) {
   static_assert(kOutRegs * 2 == Tr::kHeadDimV && Tr::kHeadDimV <= Tr::kHeadDim, "O fits Q");
   constexpr int kSubTileBytes = Tr::kTileRows * 128;  // a 64-column sub-tile of the buffer
   float inv_sum[2], lse[2];
@@ -151,21 +145,7 @@ __device__ __forceinline__ bool store_tile_rows_staged(
       p.lse[(int64_t(t.q_begin) + token) * p.num_q_heads + head] = lse[h];
     }
   }
-  const bool bulk = maps.out_enabled && t.row0 + warp_row0 + 16 <= t.rows_total;
-  if (bulk) ptx::fence_proxy_async_shared();  // the rows above, before the bulk store reads them
   __syncwarp();
-  if (bulk && lane == 0) {
-    const uint32_t rows0 = ptx::smem_address(q_buffer) + warp_row0 * 128;
-    const int token0 = t.q_begin + (t.row0 + warp_row0) / group;
-#pragma unroll
-    for (int sub = 0; sub < Tr::kHeadDimV / 64; ++sub) {
-      if (sub * 64 < v_dim) {
-        ptx::tma_store_3d(&maps.out, rows0 + sub * kSubTileBytes, sub * 64, t.kv_head * group,
-                          token0);
-      }
-    }
-    ptx::tma_store_commit();
-  }
   constexpr int kChunks = Tr::kHeadDimV / 8;  // 16-byte chunks of a row
   static_assert(kChunks <= 32 && 32 % kChunks == 0, "a row per lane group");
   constexpr int kRowsPerPass = 32 / kChunks;
@@ -175,7 +155,7 @@ __device__ __forceinline__ bool store_tile_rows_staged(
   for (int i = 0; i < 16 / kRowsPerPass; ++i) {
     const int r = warp_row0 + lane / kChunks + i * kRowsPerPass;
     int token = 0, head = 0;
-    if (!bulk && column && t.output_row(r, group, token, head)) {
+    if (column && t.output_row(r, group, token, head)) {
       const uint4 value = *reinterpret_cast<const uint4*>(
           q_buffer + (c / 8) * kSubTileBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4));
       T* dst = static_cast<T*>(p.out) + (int64_t(t.q_begin) + token) * p.out_stride_token +
@@ -183,7 +163,6 @@ __device__ __forceinline__ bool store_tile_rows_staged(
       *reinterpret_cast<uint4*>(dst) = value;
     }
   }
-  return bulk;
 }
 
 }  // namespace kvattn::cuda::sm90

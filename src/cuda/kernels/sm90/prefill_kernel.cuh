@@ -147,10 +147,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
 #else
     constexpr unsigned long long* trace = nullptr;  // every stamp below folds away
 #endif
-    // A Q buffer whose staged output went out by a bulk store: lane 0 releases it once the store
-    // has read it, after the next tile's first S is issued (the store runs under that product
-    // instead of stalling the warp), or at the next tile's start when that tile has no products.
-    int bulk_stored = -1;
     for (uint32_t taken = 0;; ++taken) {
       const QRing at = QRing::of(taken);
       unsigned long long* const tile_trace =
@@ -158,25 +154,23 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
       stamp(tile_trace, kTraceTileStart);
       ptx::mbarrier_wait(sm.q_full(at.stage), at.phase);
       const PrefillTile t = *sm.tile_info(at.stage);
-      if (t.request < 0 || t.num_blocks == 0) consumer.release_after_store(bulk_stored);
       if (t.request < 0) break;  // the producer's end of work
       stamp(tile_trace, kTraceQArrived);
       if (tile_trace != nullptr) tile_trace[kTraceBlocks] = t.num_blocks;
       const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
-        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, bulk_stored, tile_trace);
+        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, tile_trace);
       } else {
 #pragma unroll
         for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;
       }
       if constexpr (Tr::kQBuffers == 2) {
         if (staged) {
-          const bool bulk = store_tile_rows_staged<Tr, T>(
-              p, t, group, v_dim, rows, consumer.wg * 64 + consumer.warp * 16, lane, o, softmax,
-              scale_log2, sm.ptr + Tr::kQOffset + at.stage * Tr::kQBytes, maps);
-          if (bulk) bulk_stored = at.stage;
-          if (!bulk || lane != 0) consumer.release_q(at.stage);
+          store_tile_rows_staged<Tr, T>(p, t, group, v_dim, rows, consumer.wg * 64 + consumer.warp * 16,
+                                        lane, o, softmax, scale_log2,
+                                        sm.ptr + Tr::kQOffset + at.stage * Tr::kQBytes);
+          consumer.release_q(at.stage);
           stamp(tile_trace, kTraceStored);
           continue;
         }
@@ -186,17 +180,16 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
                          vec16_output);
       stamp(tile_trace, kTraceStored);
     }
-    if (lane == 0) ptx::tma_store_wait_all();  // the last bulk stores, before the CTA ends
   }
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then
 #endif
 }
 
-/// Host side: the tensor maps of a call (PrefillTensorMaps): ragged K and V (io dtype, 16-byte
-/// aligned rows; disabled when the call is paged, fp8, or not expressible: the kernel then copies
-/// row by row) and the output (GQA group `group`).
-PrefillTensorMaps make_tensor_maps(const core::AttentionParams& p, int kv_tile, int group);
+/// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
+/// Host side: the tensor maps of ragged K and V (io dtype, 16-byte aligned rows), or disabled
+/// maps when the call is paged, fp8, or not expressible (the kernel then copies row by row).
+PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile);
 
 /// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
 template <int kHeadDim, int kHeadDimV, int kStages, typename T>
@@ -231,7 +224,7 @@ void launch_for_dtype(const core::AttentionParams& p, const core::PrefillTiles& 
   // Two stages also for the tensor-map path: at head_dim 128 they take 1 x 16384 in 2.6% fewer
   // cycles than three stages with one Q buffer (bench/NOTES.md, seventeenth session; the row
   // copies measured faster with two since v5).
-  const PrefillTensorMaps maps = make_tensor_maps(p, kKvTile, tiles.group_size);
+  const PrefillTensorMaps maps = make_ragged_tensor_maps(p, kKvTile);
   const int stages = options.stages > 0 ? options.stages : 2;
   const bool deep = stages >= 3 && kDeep >= 3;
   auto launch = [&]<int kStages>() {

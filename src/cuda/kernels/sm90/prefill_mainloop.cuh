@@ -522,16 +522,6 @@ struct PrefillConsumer {
   __device__ __forceinline__ void release_q(int q_buffer) const {
     ptx::mbarrier_arrive(sm.q_empty(q_buffer));
   }
-  /// The release of Q buffer `stored` (>= 0) whose output this warp's lane 0 bulk-stored (the
-  /// other lanes released it at once): once the store has read it. Sets `stored` to -1.
-  __device__ __forceinline__ void release_after_store(int& stored) const {
-    if (stored < 0) return;
-    if (lane == 0) {
-      ptx::tma_store_wait_read();
-      release_q(stored);
-    }
-    stored = -1;
-  }
 
   /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf).
   __device__ __forceinline__ void transform_scores(float (&s)[kScoreRegs], const PrefillTile& t,
@@ -637,13 +627,11 @@ struct PrefillConsumer {
 
   /// The whole mainloop of one tile (num_blocks > 0) whose Q is in buffer q_buffer: on return
   /// o holds the unnormalised output and `softmax` the rows' state; `it` advances. With
-  /// free_q_early the Q buffer is released as soon as the tile's last S is done. `stored`: the
-  /// last tile's Q buffer awaiting release_after_store (or -1), released once the first S is
-  /// issued. `trace`: the tile's stamps (KVATTN_SM90_TRACE builds), nullptr otherwise.
+  /// free_q_early the Q buffer is released as soon as the tile's last S is done. `trace`: the
+  /// tile's stamps (KVATTN_SM90_TRACE builds), nullptr otherwise.
   __device__ __forceinline__ void run_tile(const PrefillTile& t, int group, float (&o)[kOutRegs],
                                            RowPairSoftmax& softmax, uint32_t& it, int q_buffer,
-                                           bool free_q_early, int& stored,
-                                           unsigned long long* trace) const {
+                                           bool free_q_early, unsigned long long* trace) const {
     const uint8_t* mask_base = nullptr;
     int64_t mask_row_len = 0;
     if (custom) {
@@ -667,7 +655,6 @@ struct PrefillConsumer {
     ptx::mbarrier_wait(sm.k_full(at.stage), at.phase);
     stamp(trace, kTraceFirstK);
     issue_scores(s, at.stage, q_buffer);
-    release_after_store(stored);
     ptx::wgmma_wait_group<0>();
     ptx::fence_registers(s);
     stamp(trace, kTraceFirstS);

@@ -99,19 +99,14 @@ struct PrefillTraits {
   static_assert(kSmemAllocBytes <= 227 * 1024, "shared memory of one SM");
 };
 
-/// Tensor maps (TMA), passed as a __grid_constant__ kernel parameter. Ragged K/V: 3-d maps over
-/// [rows, heads, dim] of k and v with a box of [kKvTile rows, 1 head, 64 columns] in the 128-byte
-/// swizzle, which lands as one sub-tile of the stage's layout; `enabled` false: the producer
-/// copies row by row (paged K/V, fp8, or maps the driver could not encode). The output: a map
-/// over [tokens, q heads, v_head_dim] with a box of [16 / group tokens, group heads, 64 columns]
-/// (one consumer warp's 16 packed rows of a staged sub-tile); `out_enabled` false: the staged
-/// output goes out with ordinary stores (a group that does not divide 16, an fp32 output, ...).
+/// Ragged K/V by tensor map (TMA): 3-d maps over [rows, heads, dim] of k and v with a box of
+/// [kKvTile rows, 1 head, 64 columns] in the 128-byte swizzle, which lands as one sub-tile of the
+/// stage's layout. `enabled` false: the producer copies row by row (paged K/V, fp8, or maps the
+/// driver could not encode). Passed as a __grid_constant__ kernel parameter.
 struct PrefillTensorMaps {
   CUtensorMap k;
   CUtensorMap v;
-  CUtensorMap out;
   int enabled = 0;
-  int out_enabled = 0;
 };
 
 /// Launch choices of the Hopper prefill kernel that are not part of the plan (defaults are the

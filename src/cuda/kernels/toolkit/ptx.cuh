@@ -136,35 +136,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tensor_map
       : "memory");
 }
 
-/// Copies shared memory at `src` into the box at coordinates (c0 innermost, c1, c2) of the 3-d
-/// tensor map at `tensor_map` (elements outside the tensor are not written), in this thread's
-/// current bulk group (tma_store_commit). The writes to `src` must be ordered before it by
-/// fence_proxy_async_shared in every writing thread and a barrier.
-__device__ __forceinline__ void tma_store_3d(const void* tensor_map, uint32_t src, int c0, int c1,
-                                             int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-          reinterpret_cast<uint64_t>(tensor_map)),
-      "r"(src), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-/// Closes this thread's bulk group of stores (tma_store_3d).
-__device__ __forceinline__ void tma_store_commit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-
-/// Waits until this thread's bulk store groups have read their shared memory (the source may be
-/// overwritten then; the global writes may still be in flight).
-__device__ __forceinline__ void tma_store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
-/// Waits until this thread's bulk store groups have completed (the writes are done).
-__device__ __forceinline__ void tma_store_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
-
 // ---- named barriers (ids 1..15; 0 is __syncthreads) ---------------------------------------
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
