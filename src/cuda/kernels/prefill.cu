@@ -289,9 +289,9 @@ Sm90Trace* sm90_trace() {
 /// The Hopper kernel's launch options: a persistent grid of one CTA per SM, the dynamic tile
 /// schedule, no ping-pong of its consumer warpgroups, unless KVATTN_SM90_CTAS /
 /// KVATTN_SM90_SCHEDULE / KVATTN_SM90_PINGPONG (A/B runs) say otherwise (read once).
-sm90::LaunchOptions sm90_options(int sm_count) {
+sm90::LaunchOptions sm90_options(int sm_count, int head_dim) {
   static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
-  static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", 0, 0);
+  static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", -1, 0);  // -1: the default
   static const int diagnostic = env_int("KVATTN_SM90_DIAG", 0, 0);
   static const int stages = env_int("KVATTN_SM90_STAGES", 0, 0);
   static const bool dynamic_schedule = [] {
@@ -307,7 +307,10 @@ sm90::LaunchOptions sm90_options(int sm_count) {
   options.diagnostic = diagnostic;
   options.stages = stages;
   options.max_ctas = ctas > 0 ? ctas : sm_count;
-  options.ping_pong = ping_pong != 0;
+  // Ping-pong by default where it measured faster: head_dim 64, three consumer warpgroups
+  // (-2.6% cycles at 1 x 4096; bench/NOTES.md, eighteenth session); off above (no gain at
+  // head_dim 128, +2.3% on its paged rows).
+  options.ping_pong = ping_pong < 0 ? head_dim <= 64 : ping_pong != 0;
 #if defined(KVATTN_SM90_TRACE)
   const Sm90Trace* trace = sm90_trace();
   options.trace = trace != nullptr ? trace->buffer : nullptr;
@@ -486,7 +489,7 @@ void launch_batch_prefill(const core::AttentionParams& p, const core::PrefillTil
   const PrefillKernelShape shape = validate(p, tiles, device, /*tc_decode=*/false);
   if (tiles.num_items == 0) return;
   if (shape.family == PrefillKernelFamily::kSm90) {
-    const sm90::LaunchOptions options = sm90_options(device_info(device).sm_count);
+    const sm90::LaunchOptions options = sm90_options(device_info(device).sm_count, p.head_dim);
     switch (p.head_dim) {
       case 64:
         sm90::launch_prefill_sm90_hd64(p, tiles, options, stream);

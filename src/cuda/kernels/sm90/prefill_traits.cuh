@@ -114,10 +114,10 @@ struct PrefillTensorMaps {
 struct LaunchOptions {
   int max_ctas = 0;  ///< persistent grid size: min(items, max_ctas); the SM count by default
   /// The consumer warpgroups take turns issuing their products, round robin (FA3's scheduler
-  /// barrier).
-  /// Off by default: no measurable gain in any A/B run (bench/NOTES.md), and with it on the
-  /// backend's hd256 8 x 2048 ragged prefill failed its check (5e-2, moving: a race not yet
-  /// found) while every kernel test passed. KVATTN_SM90_PINGPONG=1 turns it on.
+  /// barrier). The host turns it on at head_dim 64 (three consumer warpgroups: -2.6% cycles)
+  /// and leaves it off above (no gain at 128; bench/NOTES.md, eighteenth session: the hd256
+  /// 8 x 2048 check failure seen with it on in 2026-12-02's kernel did not come back in three
+  /// runs, racecheck and synccheck clean); KVATTN_SM90_PINGPONG=0|1 forces it.
   bool ping_pong = false;
   /// Benchmarking only (KVATTN_SM90_DIAG; the output is then garbage): bit 0 skips the K/V
   /// copies (the stages are signalled full at once), bit 1 skips the softmax (P = S). Times with
