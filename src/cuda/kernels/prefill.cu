@@ -286,9 +286,10 @@ Sm90Trace* sm90_trace() {
 }  // namespace
 #endif
 
-/// The Hopper kernel's launch options: a persistent grid of one CTA per SM, the dynamic tile
-/// schedule, no ping-pong of its consumer warpgroups, unless KVATTN_SM90_CTAS /
-/// KVATTN_SM90_SCHEDULE / KVATTN_SM90_PINGPONG (A/B runs) say otherwise (read once).
+/// The Hopper kernel's launch options for a call at `head_dim`: a persistent grid of one CTA per
+/// SM, the dynamic tile schedule, ping-pong of the consumer warpgroups at head_dim 64 only,
+/// unless KVATTN_SM90_CTAS / KVATTN_SM90_SCHEDULE / KVATTN_SM90_PINGPONG (A/B runs) say
+/// otherwise (read once).
 sm90::LaunchOptions sm90_options(int sm_count, int head_dim) {
   static const int ctas = env_int("KVATTN_SM90_CTAS", 0);
   static const int ping_pong = env_int("KVATTN_SM90_PINGPONG", -1, 0);  // -1: the default
