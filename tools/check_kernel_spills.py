@@ -21,8 +21,8 @@ import sys
 def main() -> int:
     build_dir, source, pattern, max_bytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     entries = json.load(open(os.path.join(build_dir, "compile_commands.json")))
-    entry = next((e for e in entries if os.path.normpath(e["file"]).endswith(os.path.normpath(source))),
-                 None)
+    wanted = os.path.normpath(source)
+    entry = next((e for e in entries if os.path.normpath(e["file"]).endswith(wanted)), None)
     if entry is None:
         print(f"{source}: not in {build_dir}/compile_commands.json")
         return 1
