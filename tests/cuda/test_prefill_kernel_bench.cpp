@@ -249,13 +249,18 @@ TEST(PrefillBench, Grid) {
   if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const double gemm = gemm_bf16_tflops();
   const std::vector<Workload> grid = {
-      {"prefill", 1, 0, 16384, 128, false}, {"prefill", 1, 0, 16384, 128, true},
-      {"prefill", 1, 0, 4096, 128, false},  {"prefill", 1, 0, 1024, 128, false},
-      {"prefill", 8, 0, 2048, 128, false},  {"extend", 8, 4096, 512, 128, true},
-      {"prefill", 1, 0, 4096, 64, false},   {"prefill", 1, 0, 4096, 256, false},
+      {"prefill", 1, 0, 16384, 128, false},
+      {"prefill", 1, 0, 16384, 128, true},
+      {"prefill", 1, 0, 4096, 128, false},
+      {"prefill", 1, 0, 1024, 128, false},
+      {"prefill", 8, 0, 2048, 128, false},
+      {"extend", 8, 4096, 512, 128, true},
+      {"prefill", 1, 0, 4096, 64, false},
+      {"prefill", 1, 0, 4096, 256, false},
       // Past the grid (KVATTN_PREFILL_BENCH_ONLY only): the long rows at head_dim 64 and 256,
       // where a tile's fixed cost no longer counts (the steady state of a block).
-      {"prefill", 1, 0, 16384, 64, false},  {"prefill", 1, 0, 16384, 256, false},
+      {"prefill", 1, 0, 16384, 64, false},
+      {"prefill", 1, 0, 16384, 256, false},
   };
   constexpr size_t kGridRows = 8;
   // KVATTN_PREFILL_BENCH_ONLY=<index> times one row (for a profiler run).
