@@ -248,26 +248,22 @@ TEST(PrefillBench, Grid) {
   if (std::getenv("KVATTN_PREFILL_BENCH") == nullptr) GTEST_SKIP() << "set KVATTN_PREFILL_BENCH=1";
   if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const double gemm = gemm_bf16_tflops();
-  const std::vector<Workload> grid = {
-      {"prefill", 1, 0, 16384, 128, false},
-      {"prefill", 1, 0, 16384, 128, true},
-      {"prefill", 1, 0, 4096, 128, false},
-      {"prefill", 1, 0, 1024, 128, false},
-      {"prefill", 8, 0, 2048, 128, false},
-      {"extend", 8, 4096, 512, 128, true},
-      {"prefill", 1, 0, 4096, 64, false},
-      {"prefill", 1, 0, 4096, 256, false},
-      // Past the grid (KVATTN_PREFILL_BENCH_ONLY only): the long rows at head_dim 64 and 256,
-      // where a tile's fixed cost no longer counts (the steady state of a block).
-      {"prefill", 1, 0, 16384, 64, false},
-      {"prefill", 1, 0, 16384, 256, false},
+  std::vector<Workload> grid = {
+      {"prefill", 1, 0, 16384, 128, false}, {"prefill", 1, 0, 16384, 128, true},
+      {"prefill", 1, 0, 4096, 128, false},  {"prefill", 1, 0, 1024, 128, false},
+      {"prefill", 8, 0, 2048, 128, false},  {"extend", 8, 4096, 512, 128, true},
+      {"prefill", 1, 0, 4096, 64, false},   {"prefill", 1, 0, 4096, 256, false},
   };
-  constexpr size_t kGridRows = 8;
+  const size_t grid_rows = grid.size();
+  // Past the grid (KVATTN_PREFILL_BENCH_ONLY only): the long rows at head_dim 64 and 256, where
+  // a tile's fixed cost no longer counts (the steady state of a block).
+  grid.push_back({"prefill", 1, 0, 16384, 64, false});
+  grid.push_back({"prefill", 1, 0, 16384, 256, false});
   // KVATTN_PREFILL_BENCH_ONLY=<index> times one row (for a profiler run).
   const char* only = std::getenv("KVATTN_PREFILL_BENCH_ONLY");
   std::vector<Row> rows;
   for (size_t i = 0; i < grid.size(); ++i) {
-    if (only != nullptr ? std::atoi(only) != static_cast<int>(i) : i >= kGridRows) continue;
+    if (only != nullptr ? std::atoi(only) != static_cast<int>(i) : i >= grid_rows) continue;
     const Workload& w = grid[i];
     rows.push_back(time_workload(w));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
