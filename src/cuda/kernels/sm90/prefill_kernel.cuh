@@ -86,16 +86,17 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
     if (options.dynamic_schedule && tiles.scheduler != nullptr) {
       const DynamicTileScheduler dynamic{tiles.scheduler};
       const bool leader = threadIdx.x == 0;
-      int next = dynamic.second();
-      uint32_t taken = 0;
-      for (int index = dynamic.first(); index < tiles.num_items; ++taken) {
-        // The item after `next`, in flight during this item's loads.
-        const int after = leader && next < tiles.num_items ? dynamic.take() : tiles.num_items;
+      int index = dynamic.first();
+      for (uint32_t taken = 0; index < tiles.num_items; ++taken) {
+        // The item after this one: round 1 of the static schedule after the first, then the
+        // next ticket, taken as this item starts (its round trip hides under this item's
+        // loads). The CTA commits to one item ahead and no more, so the greedy choice of each
+        // item is made as late as the loads allow.
+        const int next = taken == 0 ? DynamicTileScheduler::second() : (leader ? dynamic.take() : 0);
         run_item(index);
-        if (leader) *sm.next_item(taken) = after;
+        if (leader) *sm.next_item(taken) = next;
         ptx::named_barrier_sync(kProducerTable, 128);
-        index = next;
-        next = *sm.next_item(taken);
+        index = *sm.next_item(taken);
       }
       if (leader) dynamic.finish();
     } else {
