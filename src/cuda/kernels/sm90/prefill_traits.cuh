@@ -57,14 +57,6 @@ struct PrefillTraits {
   static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <= 65536,
                 "the register file");
 
-  // Of every 16 n8 blocks of a row's scores, how many exponentiate on the FMA pipes instead of
-  // the MUFU (RowPairSoftmax::update; A/B builds: -DKVATTN_SM90_FMA_EXP2=n).
-#if defined(KVATTN_SM90_FMA_EXP2)
-  static constexpr int kFmaExp2Of16 = KVATTN_SM90_FMA_EXP2;
-#else
-  static constexpr int kFmaExp2Of16 = 0;
-#endif
-
   // Shared memory (byte offsets from a 1024-byte aligned base).
   static constexpr int kQBytes = kTileRows * kHeadDim * 2;
   static constexpr int kKBytes = kKvTile * kHeadDim * 2;

@@ -33,17 +33,9 @@ struct RowPairSoftmax {
   /// four independent chains and add those up at the end: the softmax sits on the critical
   /// path between a block's S and the next products, and with two warps a scheduler a 32-deep
   /// chain of dependent FMNMX / FADD is latency nobody hides. Narrow blocks keep one chain.
-  ///
-  /// kFmaOf16: of every 16 n8 blocks, this many (evenly spaced) exponentiate on the FMA pipes
-  /// (ptx::exp2_fma) instead of the MUFU, whose 16 a clock bound a wide block's softmax.
-  template <int kBlocks, int kFmaOf16 = 0>
+  template <int kBlocks>
   __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
                                          float (&factor)[2]) {
-    static_assert(kFmaOf16 >= 0 && kFmaOf16 <= 16, "blocks of 16");
-    // n8 block j exponentiates on the FMA pipes when the even spacing steps at it.
-    constexpr auto on_fma = [](int j) {
-      return (j % 16) * kFmaOf16 / 16 != (j % 16 + 1) * kFmaOf16 / 16;
-    };
     constexpr int kChains = kBlocks >= 8 ? 4 : 1;
     bool moved = false;
 #pragma unroll
@@ -87,8 +79,7 @@ struct RowPairSoftmax {
         for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, offset);
-            const float p = on_fma(j) ? ptx::exp2_fma(x) : ptx::fast_exp2(x);
+            const float p = ptx::fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, offset));
             s[4 * j + 2 * h + e] = p;
             chain_sum[j % kChains] += p;
           }

@@ -304,22 +304,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-/// 2^x on the FMA and integer pipes, no MUFU (FA4's offload of part of a softmax's
-/// exponentials: the SM's MUFU issues 16 a clock against 128 FMAs). x is rounded to an integer j
-/// by adding 1.5 x 2^23 (j lands in the low mantissa bits), 2^f for f = x - j in [-0.5, 0.5] is
-/// a degree-3 polynomial (minimax in relative error: 1.0e-4, below a bf16 or fp16 P's rounding),
-/// and j is added to its exponent. x is clamped at -127, where the sum is exactly +0 (so -inf and
-/// NaN give 0, as ex2.approx.ftz gives 0 for -inf); results below 2^-126 are tiny subnormals or 0.
-/// Valid for x <= 127.
-__device__ __forceinline__ float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 x 2^23
-  x = fmaxf(x, -127.f);
-  const float t = __fadd_rn(x, kRound);
-  const float f = __fsub_rn(x, __fsub_rn(t, kRound));
-  const float p = fmaf(fmaf(fmaf(0.05500858f, f, 0.24221037f), f, 0.6932829f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 __device__ __forceinline__ float fast_tanh(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
