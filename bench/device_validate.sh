@@ -82,7 +82,9 @@ if want diag; then
     --workload cascade
 fi
 want all && step all 200 "$T" --gtest_brief=1 --gtest_filter="${ALL_FILTER:-*}"
-want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 200 \
+# (checks: its CUDA-graph tests, memcheck over the bad-input tests and the soak take several
+# minutes together; run it in a call of its own or with few other steps.)
+want checks && SOAK_STEPS=${SOAK_STEPS:-10000} OUT=$LOGS/checks step checks 560 \
   bash tests/cuda/run_device_checks.sh "$T"
 if want sanitize; then  # the decode-shaped kernel under memcheck and racecheck (small cases)
   step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$T" \
