@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/batch_layout.h"
+#include "core/fast_divmod.h"
 
 namespace kvattn::core {
 
@@ -136,6 +137,7 @@ struct PrefillTiles {
   int num_partials = 0;
   int tile_rows = 0;
   int group_size = 0;
+  FastDivmod group_div;  ///< group_size as a fast divisor: packed row -> (token, head in group)
   /// The attention kernel merges the split tiles itself (the decode-shaped kernel: the last
   /// chunk of a tile to finish, counted in PrefillMergeItem::arrived); else a merge grid does.
   int merge_in_kernel = 0;

@@ -457,6 +457,15 @@ TEST(PrefillTiles, BufferSizingAndFillingAgree) {
   std::copy(host.begin(), host.end(), fake_device.begin());
   ASSERT_EQ(view.num_items, static_cast<int>(plan.items.size()));
   ASSERT_EQ(view.num_merges, static_cast<int>(plan.merges.size()));
+  // The kernels' packed row -> (token, head) divisor is the plan's group.
+  ASSERT_GT(plan.group_size, 1);
+  EXPECT_EQ(view.group_size, plan.group_size);
+  EXPECT_EQ(view.group_div.divisor, plan.group_size);
+  for (int row = 0; row < 300 * plan.group_size; ++row) {
+    int in_group = -1;
+    ASSERT_EQ(view.group_div.divmod(row, in_group), row / plan.group_size);
+    ASSERT_EQ(in_group, row % plan.group_size);
+  }
   for (int i = 0; i < view.num_items; ++i) {
     EXPECT_EQ(view.items[i].kv_begin, plan.items[i].kv_begin);
     EXPECT_EQ(view.items[i].partial, plan.items[i].partial);

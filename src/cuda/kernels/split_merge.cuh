@@ -31,9 +31,9 @@ __device__ __forceinline__ void merge_split_row(const core::AttentionParams& p,
   if (r >= tiles.tile_rows) return;
   const int q_begin = p.qo_indptr[merge.request];
   const int q_len = p.qo_indptr[merge.request + 1] - q_begin;
-  const int group = tiles.group_size;
+  const core::FastDivmod& group = tiles.group_div;
   const int packed = merge.q_row_begin + r;
-  if (packed >= q_len * group) return;  // (a graph's padding merge has no rows)
+  if (packed >= q_len * group.divisor) return;  // (a graph's padding merge has no rows)
   const int n = merge.num_partials;
   const float* lse_of = tiles.partial_lse + int64_t(merge.first_partial) * tiles.tile_rows + r;
   const float* out_of = tiles.partial_out +
@@ -58,8 +58,9 @@ __device__ __forceinline__ void merge_split_row(const core::AttentionParams& p,
   const float inv_total = empty ? 0.f : 1.f / total;
   const float weight_first = empty ? 0.f : __expf(lse_first - top) * inv_total;
 
-  const int token = packed / group;
-  const int head = merge.kv_head * group + packed % group;
+  int in_group;
+  const int token = group.divmod(packed, in_group);
+  const int head = merge.kv_head * group.divisor + in_group;
   const int64_t out_row =
       (int64_t(q_begin) + token) * p.out_stride_token + int64_t(head) * p.out_stride_head;
   for (int base = 0; base < p.v_head_dim; base += 128) {  // uniform: the shuffles need all lanes

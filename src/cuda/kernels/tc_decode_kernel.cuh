@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // is ~30 dependent instructions, and at a small batch the kernel's time is the latency of the
   // code it runs once). magic = ceil(2^32 / group) (2^32 for a group of 1), no branch on the
   // group (the compiler would version the code on it); exact for |n| < 2^32 / group, C's
-  // truncation for n < 0.
+  // truncation for n < 0. (Not the plan's core::FastDivmod: read from the kernel's parameters it
+  // cost the 32-row instance, at 255 registers, a spill.)
   const uint64_t group_magic = uint64_t{0xFFFFFFFFu / static_cast<uint32_t>(group)} + 1u;
   auto div_group = [&](int n) -> int {
     const uint64_t m = static_cast<uint32_t>(n < 0 ? -n : n);

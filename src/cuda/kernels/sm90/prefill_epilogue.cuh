@@ -19,7 +19,7 @@ namespace kvattn::cuda::sm90 {
 /// whole warp transposes before any row guard.
 template <typename T, int kOutRegs>
 __device__ __forceinline__ void store_rows_vec16(const core::AttentionParams& p,
-                                                 const PrefillTile& t, int group, int v_dim,
+                                                 const PrefillTile& t, const core::FastDivmod& group, int v_dim,
                                                  const int (&rows)[2], int lane,
                                                  const float (&o)[kOutRegs],
                                                  const float (&inv_sum)[2], const float (&lse)[2]) {
@@ -63,7 +63,7 @@ __device__ __forceinline__ void store_rows_vec16(const core::AttentionParams& p,
 template <typename T, int kOutRegs>
 __device__ __forceinline__ void store_tile_rows(
     const core::AttentionParams& p, const core::PrefillTiles& tiles, const PrefillTile& t,
-    int group, int v_dim, const int (&rows)[2], int lane, const float (&o)[kOutRegs],
+    const core::FastDivmod& group, int v_dim, const int (&rows)[2], int lane, const float (&o)[kOutRegs],
     const RowPairSoftmax& softmax, float scale_log2, bool vec16) {
   float inv_sum[2], lse[2];
   softmax.finish(scale_log2, p.v_scale, inv_sum, lse);
@@ -124,7 +124,7 @@ __device__ __forceinline__ void store_tile_rows(
 /// Needs out 16-byte aligned with strides and v_dim multiples of 8 (prefill_kernel.cuh checks).
 template <class Tr, typename T, int kOutRegs>
 __device__ __forceinline__ void store_tile_rows_staged(
-    const core::AttentionParams& p, const PrefillTile& t, int group, int v_dim,
+    const core::AttentionParams& p, const PrefillTile& t, const core::FastDivmod& group, int v_dim,
     const int (&rows)[2], int warp_row0, int lane, const float (&o)[kOutRegs],
     const RowPairSoftmax& softmax, float scale_log2, unsigned char* q_buffer) {
   static_assert(kOutRegs * 2 == Tr::kHeadDimV && Tr::kHeadDimV <= Tr::kHeadDim, "O fits Q");

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warpgroup = warp / 4;
-  const int group = tiles.group_size;
+  const core::FastDivmod& group = tiles.group_div;  // packed row -> token, head
   const int v_dim = p.v_head_dim;
   const StaticTileScheduler scheduler{tiles.num_items};
   const bool soft_cap = p.logit_cap > 0.f;
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
       const bool staged = staged_output && t.partial < 0;
       RowPairSoftmax softmax;
       if (t.num_blocks > 0) {
-        consumer.run_tile(t, group, o, softmax, it, at.stage, !staged, tile_trace);
+        consumer.run_tile(t, group.divisor, o, softmax, it, at.stage, !staged, tile_trace);
       } else {
 #pragma unroll
         for (int i = 0; i < Consumer::kOutRegs; ++i) o[i] = 0.f;

@@ -151,7 +151,7 @@ struct PrefillProducer {
 
   /// Gathers the tile's 128 packed rows of Q (rows past the request are zeros) into Q buffer
   /// `buffer` (the caller arrives on the buffer's barrier).
-  __device__ __forceinline__ void load_q(const PrefillTile& t, int group, int buffer) const {
+  __device__ __forceinline__ void load_q(const PrefillTile& t, const core::FastDivmod& group, int buffer) const {
     constexpr int kSubTiles = Tr::kHeadDim / 64;
     const T* q = static_cast<const T*>(p.q) + (tid % 8) * 8;
     const uint32_t dst = sm.q(buffer) + chunk_base();
@@ -161,8 +161,9 @@ struct PrefillProducer {
       const bool valid = packed < t.rows_total;
       const T* src = q;
       if (valid) {
-        const int token = packed / group;
-        const int head = t.kv_head * group + packed % group;
+        int in_group;
+        const int token = group.divmod(packed, in_group);
+        const int head = t.kv_head * group.divisor + in_group;
         src = q + (int64_t(t.q_begin) + token) * p.q_stride_token + int64_t(head) * p.q_stride_head;
       }
 #pragma unroll
@@ -176,7 +177,7 @@ struct PrefillProducer {
   /// Publishes a tile to the consumers: once its Q buffer is free, the tile's description and
   /// (when it has keys) its Q rows; a description with request < 0 ends the CTA's work.
   /// `published` counts the tiles this CTA published before.
-  __device__ __forceinline__ void publish_tile(const PrefillTile& t, int group,
+  __device__ __forceinline__ void publish_tile(const PrefillTile& t, const core::FastDivmod& group,
                                                uint32_t published) const {
     using QRing = RingPosition<Tr::kQBuffers>;
     const QRing at = QRing::of(published);
@@ -523,7 +524,9 @@ struct PrefillConsumer {
     ptx::mbarrier_arrive(sm.q_empty(q_buffer));
   }
 
-  /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf).
+  /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf). (`group`
+  /// as an int: with core::FastDivmod here the compiler kept the loop-invariant quotients live
+  /// through the block loop, and the head_dim 128 consumer spilled 76 bytes instead of 8.)
   __device__ __forceinline__ void transform_scores(float (&s)[kScoreRegs], const PrefillTile& t,
                                                    int group, int block, const uint8_t* mask_base,
                                                    int64_t mask_row_len) const {

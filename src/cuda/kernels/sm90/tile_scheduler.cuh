@@ -60,11 +60,13 @@ struct PrefillTile {
 
   /// The output row of the tile's row `row` (0 .. kTileRows - 1): the token within the request
   /// and the q head; false past the request's rows (nothing to write).
-  __device__ __forceinline__ bool output_row(int row, int group, int& token, int& head) const {
+  __device__ __forceinline__ bool output_row(int row, const core::FastDivmod& group, int& token,
+                                             int& head) const {
     const int packed = row0 + row;
     if (packed >= rows_total) return false;
-    token = packed / group;
-    head = kv_head * group + packed % group;
+    int in_group;
+    token = group.divmod(packed, in_group);
+    head = kv_head * group.divisor + in_group;
     return true;
   }
 };
