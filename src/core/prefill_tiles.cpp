@@ -144,6 +144,7 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
           kv_indptr[r] >= 0 && kv_indptr[r] <= INT32_MAX ? static_cast<int32_t>(kv_indptr[r]) : -1;
       t.item.q_begin = qo_indptr[r];  // >= 0: the layout's indptr starts at 0 and q_len >= 0
       t.item.q_end = qo_indptr[r + 1];
+      t.item.kv_len = static_cast<int32_t>(kv_len);  // < 2^31: checked above
       t.item.q_row_begin = static_cast<int32_t>(row);
       t.item.kv_begin = static_cast<int32_t>(keys.begin);
       t.item.kv_end = static_cast<int32_t>(keys.end);

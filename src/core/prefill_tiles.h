@@ -35,16 +35,17 @@ struct PrefillWorkItem {
   int32_t kv_end = 0;       ///< the tile can see (causal / window); multiples of kv_tile inside
   int32_t partial = -1;     ///< -1: writes out/lse itself; else its slot in the partial buffers
   int32_t merge = -1;       ///< a split chunk: its tile's merge item (else -1)
-  /// kv_indptr[request], qo_indptr[request] and qo_indptr[request + 1] as the call's indptrs
-  /// have them (the host plans from the same layout it uploads), or -1 where not given
-  /// (kv_base: kv_indptr[request] at or above 2^31): the decode-shaped kernel addresses Q and
-  /// its first K/V indices from the item without waiting for the indptrs, one dependent memory
-  /// round trip less before the first Q and K/V bytes. Where these are -1 the kernels read the
+  /// kv_indptr[request], qo_indptr[request], qo_indptr[request + 1] and the request's kv
+  /// length as the call's indptrs have them (the host plans from the same layout it uploads), or
+  /// -1 where not given (kv_base: kv_indptr[request] at or above 2^31): the kernels address Q
+  /// and the first K/V from the item without waiting for the indptrs, one dependent memory round
+  /// trip less before a tile's first Q and K/V bytes. Where these are -1 the kernels read the
   /// indptrs.
   int32_t kv_base = -1;
   int32_t q_begin = -1;
   int32_t q_end = -1;
-  int32_t reserved[2] = {0, 0};  ///< 48 bytes: three 16-byte loads
+  int32_t kv_len = -1;
+  int32_t reserved = 0;  ///< 48 bytes: three 16-byte loads
 };
 
 /// One split tile to finish: merges num_partials consecutive partial slots into out/lse.

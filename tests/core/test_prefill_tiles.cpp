@@ -78,6 +78,8 @@ PrefillTilePlan plan_and_check(const Batch& b, const PrefillTileShape& s) {
     EXPECT_EQ(it.kv_base, b.kv_indptr[it.request]) << "request " << it.request;
     EXPECT_EQ(it.q_begin, b.qo_indptr[it.request]) << "request " << it.request;
     EXPECT_EQ(it.q_end, b.qo_indptr[it.request + 1]) << "request " << it.request;
+    EXPECT_EQ(it.kv_len, b.kv_indptr[it.request + 1] - b.kv_indptr[it.request])
+        << "request " << it.request;
   }
   std::map<std::tuple<int, int, int>, PrefillMergeItem> merges;
   for (const PrefillMergeItem& m : plan.merges) {

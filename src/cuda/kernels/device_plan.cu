@@ -408,7 +408,8 @@ __global__ void __launch_bounds__(kThreads) device_plan_tiles_kernel(const Devic
     item.kv_base = base <= INT32_MAX ? int32_t(base) : -1;
     item.q_begin = qo[r];
     item.q_end = qo[r + 1];
-    item.reserved[0] = item.reserved[1] = 0;
+    item.kv_len = int32_t(p.kv_indptr[r + 1] - base);
+    item.reserved = 0;
   };
   int num_items = 0;
   int num_merges = 0;

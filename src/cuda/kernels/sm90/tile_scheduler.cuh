@@ -40,10 +40,19 @@ struct PrefillTile {
     t.request = item.request;
     t.kv_head = item.kv_head;
     t.row0 = item.q_row_begin;
-    t.q_begin = p.qo_indptr[item.request];
-    t.q_len = p.qo_indptr[item.request + 1] - t.q_begin;
-    t.kv_base = p.kv_indptr[item.request];
-    t.kv_len = static_cast<int>(p.kv_indptr[item.request + 1] - t.kv_base);
+    // The request's facts from the item where the plan gives them (no dependent load of the
+    // indptrs on the producer's way to the tile's Q), else from the indptrs.
+    if (item.kv_base >= 0 && item.q_begin >= 0 && item.kv_len >= 0) {
+      t.q_begin = item.q_begin;
+      t.q_len = item.q_end - item.q_begin;
+      t.kv_base = item.kv_base;
+      t.kv_len = item.kv_len;
+    } else {
+      t.q_begin = p.qo_indptr[item.request];
+      t.q_len = p.qo_indptr[item.request + 1] - t.q_begin;
+      t.kv_base = p.kv_indptr[item.request];
+      t.kv_len = static_cast<int>(p.kv_indptr[item.request + 1] - t.kv_base);
+    }
     t.rows_total = t.q_len * tiles.group_size;
     t.kv_begin = item.kv_begin;
     t.kv_end = item.kv_end;
