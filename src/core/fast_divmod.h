@@ -27,7 +27,8 @@ struct FastDivmod {
     uint32_t l = 0;
     while ((uint64_t{1} << l) < static_cast<uint64_t>(d)) ++l;
     const uint64_t p2 = uint64_t{1} << (31 + l);
-    multiplier = static_cast<uint32_t>((p2 + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+    multiplier =
+        static_cast<uint32_t>((p2 + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
     shift = l - 1;
   }
 

@@ -620,6 +620,25 @@ TEST_F(PrefillKernel, GqaGroups) {
   c.num_q_heads = c.num_kv_heads = 3;
   c.seed = 13;
   run_case(c);
+  // Groups that do not divide a tile's rows (128 / 192): tiles start and end inside a token, and
+  // the packed row -> (token, head) map (core::FastDivmod) takes its non-power-of-two path.
+  c.name = "group 6 hd128";
+  c.num_q_heads = 12;
+  c.num_kv_heads = 2;
+  c.q_lens = {45, 100};
+  c.kv_lens = {45, 230};
+  c.seed = 31;
+  run_case(c);
+  c.name = "group 7 hd64 fp16 page 16";
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.num_q_heads = 7;
+  c.num_kv_heads = 1;
+  c.page_size = 16;
+  c.q_lens = {60, 1};
+  c.kv_lens = {300, 77};
+  c.seed = 32;
+  run_case(c);
 }
 
 TEST_F(PrefillKernel, SplitKvDecodeLikeAndPrefill) {

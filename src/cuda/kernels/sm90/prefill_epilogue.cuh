@@ -19,7 +19,8 @@ namespace kvattn::cuda::sm90 {
 /// whole warp transposes before any row guard.
 template <typename T, int kOutRegs>
 __device__ __forceinline__ void store_rows_vec16(const core::AttentionParams& p,
-                                                 const PrefillTile& t, const core::FastDivmod& group, int v_dim,
+                                                 const PrefillTile& t,
+                                                 const core::FastDivmod& group, int v_dim,
                                                  const int (&rows)[2], int lane,
                                                  const float (&o)[kOutRegs],
                                                  const float (&inv_sum)[2], const float (&lse)[2]) {
@@ -63,8 +64,8 @@ __device__ __forceinline__ void store_rows_vec16(const core::AttentionParams& p,
 template <typename T, int kOutRegs>
 __device__ __forceinline__ void store_tile_rows(
     const core::AttentionParams& p, const core::PrefillTiles& tiles, const PrefillTile& t,
-    const core::FastDivmod& group, int v_dim, const int (&rows)[2], int lane, const float (&o)[kOutRegs],
-    const RowPairSoftmax& softmax, float scale_log2, bool vec16) {
+    const core::FastDivmod& group, int v_dim, const int (&rows)[2], int lane,
+    const float (&o)[kOutRegs], const RowPairSoftmax& softmax, float scale_log2, bool vec16) {
   float inv_sum[2], lse[2];
   softmax.finish(scale_log2, p.v_scale, inv_sum, lse);
   if constexpr (kOutRegs % 16 == 0) {

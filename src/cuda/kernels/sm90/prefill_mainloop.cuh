@@ -151,7 +151,8 @@ struct PrefillProducer {
 
   /// Gathers the tile's 128 packed rows of Q (rows past the request are zeros) into Q buffer
   /// `buffer` (the caller arrives on the buffer's barrier).
-  __device__ __forceinline__ void load_q(const PrefillTile& t, const core::FastDivmod& group, int buffer) const {
+  __device__ __forceinline__ void load_q(const PrefillTile& t, const core::FastDivmod& group,
+                                         int buffer) const {
     constexpr int kSubTiles = Tr::kHeadDim / 64;
     const T* q = static_cast<const T*>(p.q) + (tid % 8) * 8;
     const uint32_t dst = sm.q(buffer) + chunk_base();
