@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
         // next ticket, taken as this item starts (its round trip hides under this item's
         // loads). The CTA commits to one item ahead and no more, so the greedy choice of each
         // item is made as late as the loads allow.
-        const int next = taken == 0 ? DynamicTileScheduler::second() : (leader ? dynamic.take() : 0);
+        const int next =
+            taken == 0 ? DynamicTileScheduler::second() : (leader ? dynamic.take() : 0);
         run_item(index);
         if (leader) *sm.next_item(taken) = next;
         ptx::named_barrier_sync(kProducerTable, 128);
