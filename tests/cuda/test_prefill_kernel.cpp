@@ -639,6 +639,16 @@ TEST_F(PrefillKernel, GqaGroups) {
   c.kv_lens = {300, 77};
   c.seed = 32;
   run_case(c);
+  c.name = "group 24 hd128 (a tile's rows step within a token)";
+  c.head_dim = 128;
+  c.io = c.kv = DType::kBFloat16;
+  c.num_q_heads = 24;
+  c.num_kv_heads = 1;
+  c.page_size = 1;
+  c.q_lens = {20, 3};
+  c.kv_lens = {90, 40};
+  c.seed = 33;
+  run_case(c);
 }
 
 TEST_F(PrefillKernel, SplitKvDecodeLikeAndPrefill) {

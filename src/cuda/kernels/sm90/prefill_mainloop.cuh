@@ -167,7 +167,8 @@ struct PrefillProducer {
     const int step_tokens = group.divmod(kRowStep, step_heads);
     const T* src = q + (int64_t(t.q_begin) + token) * p.q_stride_token +
                    int64_t(t.kv_head * group.divisor + in_group) * p.q_stride_head;
-    const int64_t step = int64_t(step_tokens) * p.q_stride_token + int64_t(step_heads) * p.q_stride_head;
+    const int64_t step =
+        int64_t(step_tokens) * p.q_stride_token + int64_t(step_heads) * p.q_stride_head;
     const int64_t carry = p.q_stride_token - int64_t(group.divisor) * p.q_stride_head;
 #pragma unroll
     for (int i = 0; i < Tr::kTileRows / kRowStep; ++i) {
