@@ -138,7 +138,9 @@ struct PrefillTiles {
   int num_partials = 0;
   int tile_rows = 0;
   int group_size = 0;
-  FastDivmod group_div;  ///< group_size as a fast divisor: packed row -> (token, head in group)
+  /// group_size as a fast divisor (packed row -> token, head in group); launches check that the
+  /// two agree.
+  FastDivmod group_div;
   /// The attention kernel merges the split tiles itself (the decode-shaped kernel: the last
   /// chunk of a tile to finish, counted in PrefillMergeItem::arrived); else a merge grid does.
   int merge_in_kernel = 0;

@@ -97,6 +97,10 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
   const int group = p.num_q_heads / p.num_kv_heads;
   check_arg(tiles.group_size == group, "tiles.group_size", "got ", tiles.group_size,
             ", the call's GQA group is ", group);
+  // The kernels divide packed rows by group_div (write_prefill_buffer builds it from the same
+  // group): a view built otherwise must carry both.
+  check_arg(tiles.group_div.divisor == group, "tiles.group_div", "got a divisor of ",
+            tiles.group_div.divisor, ", the call's GQA group is ", group);
   check_arg(tiles.tile_rows == shape.tile_rows ||
                 (shape.narrow_tile_rows > 0 && tiles.tile_rows == shape.narrow_tile_rows),
             "tiles.tile_rows", "got ", tiles.tile_rows, ", the head_dim ", p.head_dim,
