@@ -76,15 +76,6 @@ void emit_l2_groups(const std::vector<RawTile>& raw, std::span<const int64_t> kv
   }
 }
 
-// EXPERIMENT: equal-key items with the kv head outermost (stable: requests in order).
-void heads_major_order(std::vector<PrefillWorkItem>& items) {
-  std::stable_sort(items.begin(), items.end(), [](const PrefillWorkItem& a, const PrefillWorkItem& b) {
-    const int ka = a.kv_end - a.kv_begin, kb = b.kv_end - b.kv_begin;
-    if (ka != kb) return ka > kb;
-    return a.kv_head < b.kv_head;
-  });
-}
-
 }  // namespace
 
 PrefillTilePlan plan_prefill_tiles(std::span<const int32_t> qo_indptr,
@@ -244,7 +235,6 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
         }
       }
     }
-    if (shape.heads_major) heads_major_order(plan.items);
     return;
   }
   std::vector<PrefillWorkItem> built;
@@ -286,7 +276,6 @@ void plan_prefill_tiles(std::span<const int32_t> qo_indptr, std::span<const int6
     plan.items.insert(plan.items.end(), built.begin() + run.begin,
                       built.begin() + run.begin + run.size);
   }
-  if (shape.heads_major) heads_major_order(plan.items);
 }
 
 int cluster_split_size(int batch_size, int q_len, const PrefillTileShape& shape, int max_cluster) {

@@ -91,8 +91,6 @@ struct PrefillTileShape {
   /// the inputs from HBM at 8 x 2048; bench/NOTES.md, eleventh session). Otherwise every tile
   /// heaviest first (LPT; measured faster where the K/V fits: hd256 1 x 4096).
   int64_t l2_keys = 0;
-  /// EXPERIMENT: within items of equal keys, kv head outermost (requests of one head adjacent).
-  bool heads_major = false;
 };
 
 /// The cluster of a cluster-split plan (PrefillTileShape::cluster) for a batch of batch_size

@@ -522,7 +522,6 @@ core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const Backen
   shape.concurrent_ctas = tc ? setup.concurrent_tc_decode_ctas : setup.concurrent_prefill_ctas;
   if (config.deterministic) shape.concurrent_ctas = 0;  // no split-KV: tiles are the request's
   if (tc) shape.min_split_keys = setup.tc_decode_min_split;
-  if (tc) shape.heads_major = env_int("KVATTN_TC_DECODE_HEADS_MAJOR", 0, 0) != 0;
   if (!tc) shape.l2_keys = setup.prefill_l2_keys;
   if (tc && batch_size > 0) {
     const int64_t rows = int64_t(q_len) * (config.num_q_heads / config.num_kv_heads);

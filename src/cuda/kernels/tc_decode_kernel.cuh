@@ -62,22 +62,10 @@ struct Traits {
   static constexpr int kStageBytes = 2 * kSubBytes;        // K then V
   // 16-bit KV: 3 stages at head_dim 128 (104 KB, two CTAs an SM: 2 x 4 x 2 stages x 8 KB = 128 KB
   // in flight an SM, several times what Little's law asks for), 4 at head_dim 64.
-#ifndef KVATTN_TC_DECODE_NARROW_OCC
-#define KVATTN_TC_DECODE_NARROW_OCC 0
-#endif
-  // EXPERIMENT (KVATTN_TC_DECODE_NARROW_OCC): the narrow instance at three CTAs an SM (two
-  // stages, registers bounded by the launch bounds).
-  static constexpr bool kThreeCtas = KVATTN_TC_DECODE_NARROW_OCC && kMAtomsOfTile == 1;
-  static constexpr int kMinCtas = kThreeCtas ? 3 : 1;
-  static constexpr int kStages = kThreeCtas ? 2 : (kHeadDim <= 64 ? 4 : 3);
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
   // Steps an iteration of the main loop: 1 for the 32-row tile (its small batches are bound by
   // the latency of code fetched cold: one copy), UNROLL_NARROW for the 16-row one.
   static constexpr int kStepUnroll = kMAtoms == 1 ? 2 : 1;
-#ifndef KVATTN_TC_DECODE_S_CHAINS
-#define KVATTN_TC_DECODE_S_CHAINS 1
-#endif
-  // Independent partial sums of each S block (see the kernel's S = Q K^T).
-  static constexpr int kSChains = KVATTN_TC_DECODE_S_CHAINS;
   static constexpr int kQBytes = kTileRows * kRowBytes;
   // fp8 KV: raw stages of half the size plus one converted stage a warp.
   static constexpr int kRawStageBytes = kStageBytes / 2;
@@ -144,8 +132,7 @@ bool trace_requested();
 #endif
 
 template <int kHeadDim, int kMAtomsOfTile, typename T>
-__global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads,
-                                  Traits<kHeadDim, kMAtomsOfTile>::kMinCtas)
+__global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
   using Tr = Traits<kHeadDim, kMAtomsOfTile>;
   constexpr int kChunks = Tr::kChunks;
@@ -433,17 +420,12 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads,
   int32_t slot_ahead, slot_after;
   {
     constexpr int kFirst = kStages - 1;  // 2 (head_dim 128) or 3 (64)
-    static_assert(kFirst >= 1 && kFirst <= 3, "the prologue's slots cover steps 0..4");
+    static_assert(kFirst == 2 || kFirst == 3, "the prologue's slots cover steps 0..4");
     const int32_t first01 = load_slots(0, true);
     const int32_t first23 = load_slots(2, true);
     const int32_t third = __shfl_xor_sync(0xffffffffu, first23, 16);  // step 3 in lanes 0-15
-    if constexpr (kFirst == 1) {
-      slot_ahead = __shfl_xor_sync(0xffffffffu, first01, 16);  // step 1 in lanes 0-15
-      slot_after = first23;
-    } else {
-      slot_ahead = kFirst == 2 ? first23 : third;
-      slot_after = kFirst == 2 ? third : load_slots(4, false);
-    }
+    slot_ahead = kFirst == 2 ? first23 : third;
+    slot_after = kFirst == 2 ? third : load_slots(4, false);
 #pragma unroll 1
     for (int u = 0; u < kFirst; ++u) issue(u, u < 2 ? first01 : first23, (u & 1) * 16);
   }
@@ -570,19 +552,12 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads,
     }
     v_stage = k_stage + Tr::kSubBytes;
 
-    // S = Q K^T over the warp's 16 keys (two n8 blocks), the head_dim's k16 slices spread over
-    // kSChains partial sums a block (summed after the last slice): one accumulator a block made
-    // its 8 products one dependent chain, and a warp waited on each product's latency.
-    constexpr int kSChains = Tr::kSChains;
+    // S = Q K^T over the warp's 16 keys (two n8 blocks).
     float s[kMAtoms][8];
-    float s_part[kMAtoms][kSChains][8];
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
-      for (int c = 0; c < kSChains; ++c) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s_part[a][c][i] = 0.f;
-      }
+      for (int i = 0; i < 8; ++i) s[a][i] = 0.f;
     }
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -590,8 +565,8 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads,
       ldmatrix_x4(kb, ((k_stage + k_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
-        float(&s0)[4] = *reinterpret_cast<float(*)[4]>(&s_part[a][kk % kSChains][0]);
-        float(&s1)[4] = *reinterpret_cast<float(*)[4]>(&s_part[a][kk % kSChains][4]);
+        float(&s0)[4] = *reinterpret_cast<float(*)[4]>(&s[a][0]);
+        float(&s1)[4] = *reinterpret_cast<float(*)[4]>(&s[a][4]);
         if constexpr (Tr::kQInRegisters) {
           mma_16816<T>(s0, q_frag[kk], kb[0], kb[1]);
           mma_16816<T>(s1, q_frag[kk], kb[2], kb[3]);
@@ -601,16 +576,6 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads,
           mma_16816<T>(s0, qa, kb[0], kb[1]);
           mma_16816<T>(s1, qa, kb[2], kb[3]);
         }
-      }
-    }
-#pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float sum = s_part[a][0][i];
-#pragma unroll
-        for (int c = 1; c < kSChains; ++c) sum += s_part[a][c][i];
-        s[a][i] = sum;
       }
     }
     if (soft_cap) {
