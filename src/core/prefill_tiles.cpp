@@ -384,6 +384,7 @@ PrefillBufferLayout write_prefill_buffer(const PrefillTilePlan& plan, int v_head
         plan.num_partials > 0 ? reinterpret_cast<float*>(base + partial_lse_offset) : nullptr;
     t.num_partials = plan.num_partials;
     t.tile_rows = plan.tile_rows;
+    t.group_size = plan.group_size;
     t.group_div = FastDivmod(plan.group_size > 0 ? plan.group_size : 1);
     t.cluster = plan.cluster;
     t.scheduler = reinterpret_cast<int*>(base + o.scheduler);

@@ -137,9 +137,9 @@ struct PrefillTiles {
   float* partial_lse = nullptr;  ///< [num_partials, tile_rows], natural log
   int num_partials = 0;
   int tile_rows = 0;
-  /// The GQA group (q heads per kv head; group_div.divisor) as a fast divisor: packed row ->
-  /// token, head in group. The view's only copy of the group: launches check it against the
-  /// call's.
+  int group_size = 0;
+  /// group_size as a fast divisor (packed row -> token, head in group); launches check that the
+  /// two agree.
   FastDivmod group_div;
   /// The attention kernel merges the split tiles itself (the decode-shaped kernel: the last
   /// chunk of a tile to finish, counted in PrefillMergeItem::arrived); else a merge grid does.

@@ -461,6 +461,7 @@ TEST(PrefillTiles, BufferSizingAndFillingAgree) {
   ASSERT_EQ(view.num_merges, static_cast<int>(plan.merges.size()));
   // The kernels' packed row -> (token, head) divisor is the plan's group.
   ASSERT_GT(plan.group_size, 1);
+  EXPECT_EQ(view.group_size, plan.group_size);
   EXPECT_EQ(view.group_div.divisor, plan.group_size);
   for (int row = 0; row < 300 * plan.group_size; ++row) {
     int in_group = -1;

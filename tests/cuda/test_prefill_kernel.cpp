@@ -1027,6 +1027,7 @@ TEST_F(PrefillKernel, RejectsUnsupported) {
   // A K/V row pitch of 4 GiB or more: the kernels address a row as a 32-bit row (slot or key)
   // times a 32-bit pitch, so the call is refused by name before any launch.
   p.kv_dtype = DType::kBFloat16;
+  tiles.group_size = 4;
   tiles.group_div = core::FastDivmod(4);
   tiles.tile_rows = prefill_kernel_shape(128).tile_rows;
   const int32_t qo[2] = {0, 1};

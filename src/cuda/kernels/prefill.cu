@@ -95,6 +95,10 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
   check_arg(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "num_q_heads", "got ",
             p.num_q_heads, " q heads over ", p.num_kv_heads, " kv heads");
   const int group = p.num_q_heads / p.num_kv_heads;
+  check_arg(tiles.group_size == group, "tiles.group_size", "got ", tiles.group_size,
+            ", the call's GQA group is ", group);
+  // The kernels divide packed rows by group_div (write_prefill_buffer builds it from the same
+  // group): a view built otherwise must carry both.
   check_arg(tiles.group_div.divisor == group, "tiles.group_div", "got a divisor of ",
             tiles.group_div.divisor, ", the call's GQA group is ", group);
   check_arg(tiles.tile_rows == shape.tile_rows ||

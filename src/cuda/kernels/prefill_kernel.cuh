@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim>::kThreads,
   const int q_len = p.qo_indptr[request + 1] - q_begin;
   const int64_t kv_base = p.kv_indptr[request];
   const int kv_len = static_cast<int>(p.kv_indptr[request + 1] - kv_base);
-  const int group = tiles.group_div.divisor;
+  const int group = tiles.group_size;
   const int rows_total = q_len * group;
   const int row0 = item.q_row_begin;
   const int kv_head = item.kv_head;

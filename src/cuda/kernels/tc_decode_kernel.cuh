@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // The first K/V index loads need the request's first index: from the item where the plan
   // gives it (no wait for the indptr), else the indptr's.
   const int64_t kv_first = item.kv_base >= 0 ? int64_t{item.kv_base} : kv_base;
-  const int group = tiles.group_div.divisor;
+  const int group = tiles.group_size;
   // Packed row -> token by a multiply: one real division a thread instead of one per use (each
   // is ~30 dependent instructions, and at a small batch the kernel's time is the latency of the
   // code it runs once). magic = ceil(2^32 / group) (2^32 for a group of 1), no branch on the

@@ -53,7 +53,7 @@ struct PrefillTile {
       t.kv_base = p.kv_indptr[item.request];
       t.kv_len = static_cast<int>(p.kv_indptr[item.request + 1] - t.kv_base);
     }
-    t.rows_total = t.q_len * tiles.group_div.divisor;
+    t.rows_total = t.q_len * tiles.group_size;
     t.kv_begin = item.kv_begin;
     t.kv_end = item.kv_end;
     // A padding item (row0 past the request's rows) has kv_begin == kv_end: no blocks.
