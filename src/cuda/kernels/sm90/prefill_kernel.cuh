@@ -188,7 +188,6 @@ __global__ void __launch_bounds__(PrefillTraits<kHeadDim, kHeadDimV, kStages>::k
 #endif
 }
 
-/// Host side of one instance: shared-memory opt-in (once per device) and the persistent launch.
 /// Host side: the tensor maps of ragged K and V (io dtype, 16-byte aligned rows), or disabled
 /// maps when the call is paged, fp8, or not expressible (the kernel then copies row by row).
 PrefillTensorMaps make_ragged_tensor_maps(const core::AttentionParams& p, int kv_tile);
