@@ -71,6 +71,7 @@ struct DecodeSetup {
   /// The narrow (16-row) instance's tile, for calls of at most that many packed rows a request
   /// (0: none; KVATTN_TC_DECODE_NARROW=0 turns it off).
   int tc_decode_narrow_rows = 0;
+  int tc_decode_transposed_rows = 0;     ///< its transposed instance's tile (0: not used)
   bool tc_decode_narrow_always = false;  ///< KVATTN_TC_DECODE_NARROW=2 (A/B knob)
 };
 /// cudaMalloc'd bases are 256-byte aligned; the regions a buffer is cut into (the prefill

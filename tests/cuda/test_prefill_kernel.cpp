@@ -71,6 +71,7 @@ struct Case {
   bool tc_decode = false;  // run the decode-shaped kernel (launch_tc_decode) on its plan shape
   int cluster = 0;      // tc_decode: > 1 a cluster-split plan (capped at the device's max_cluster)
   bool narrow = false;  // tc_decode: the narrow instance's 16-row tiles
+  bool transposed = false;  // tc_decode: the transposed instance's 8-row tiles
   // > 1: launch the plan this many times, the output poisoned again before each relaunch (a
   // relaunch of one plan must give the same answer: the dynamic schedule's counters reset).
   int launches = 1;
@@ -338,6 +339,10 @@ void run_case(const Case& c) {
   if (c.tc_decode && c.narrow) {
     ASSERT_EQ(shape.narrow_tile_rows, 16);
     tile_shape.tile_rows = shape.narrow_tile_rows;
+  }
+  if (c.tc_decode && c.transposed) {
+    ASSERT_EQ(shape.transposed_tile_rows, 8);
+    tile_shape.tile_rows = shape.transposed_tile_rows;
   }
   const core::PrefillTilePlan plan = core::plan_prefill_tiles(qo_indptr, kv_indptr, tile_shape);
   if (tile_shape.cluster > 1) {
@@ -1314,6 +1319,83 @@ TEST_F(TcDecodeKernel, NarrowTiles) {
   run_case(c);
 }
 
+// The transposed instance (8-row tiles, S^T = K Q^T): decode of groups 4 and 8, requests of
+// more rows than a tile (draft extend: 2 and 3 tiles), kv_len 0 and 1, causal, window +
+// soft-cap, fp8 with scales, fp32 output, ragged, head_dim 64, split and whole, with and without
+// the cluster split, keys that move the max on every block.
+TEST_F(TcDecodeKernel, TransposedTiles) {
+  Case c;
+  c.tc_decode = true;
+  c.transposed = true;
+  c.name = "tc transposed decode group 4 split page 1 bf16";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.q_lens = {1, 1, 1, 1, 1};
+  c.kv_lens = {4100, 700, 16, 1, 0};
+  c.concurrent_ctas = 264;
+  c.seed = 141;
+  run_case(c);
+  c.name = "tc transposed draft extend causal 2 and 5 tokens page 16 growing keys";
+  c.q_lens = {2, 5, 1};
+  c.kv_lens = {2052, 300, 3};
+  c.page_size = 16;
+  c.key_growth = 1.5f;
+  c.seed = 142;
+  run_case(c);
+  c.name = "tc transposed decode fp8 e4m3 scales cluster 16";
+  c.key_growth = 1.f;
+  c.q_lens = {1, 1};
+  c.kv_lens = {9001, 17};
+  c.kv = DType::kFloat8E4M3;
+  c.k_scale = 0.5f;
+  c.v_scale = 2.f;
+  c.cluster = 16;
+  c.seed = 143;
+  run_case(c);
+  c.name = "tc transposed decode group 8 kv 0 1 window softcap hd64 fp16 page 16";
+  c.num_q_heads = 16;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.io = c.kv = DType::kFloat16;
+  c.k_scale = c.v_scale = 1.f;
+  c.mask = core::MaskMode::kCausal;
+  c.window = 300;
+  c.cap = 2.f;
+  c.input_range = 3.f;
+  c.q_lens = {1, 1, 1, 2};
+  c.kv_lens = {3000, 1, 0, 65};
+  c.cluster = 0;
+  c.seed = 144;
+  run_case(c);
+  c.name = "tc transposed fp32 output ragged bf16 whole";
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.io = c.kv = DType::kBFloat16;
+  c.window = -1;
+  c.cap = 0.f;
+  c.input_range = 2.f;
+  c.paged = false;
+  c.out_fp32 = true;
+  c.q_lens = {1, 3};
+  c.kv_lens = {1000, 30};
+  c.concurrent_ctas = 0;
+  c.seed = 145;
+  run_case(c);
+  c.name = "tc transposed e5m2 large logits split relaunched";
+  c.out_fp32 = false;
+  c.paged = true;
+  c.mask = core::MaskMode::kNone;
+  c.kv = DType::kFloat8E5M2;
+  c.input_range = 6.f;
+  c.q_lens = {1, 1, 1};
+  c.kv_lens = {5000, 64, 65};
+  c.concurrent_ctas = 264;
+  c.launches = 2;
+  c.seed = 146;
+  run_case(c);
+}
+
 TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
   if (kvattn::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   EXPECT_TRUE(tc_decode_serves(128, 128));
@@ -1324,6 +1406,7 @@ TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
   EXPECT_EQ(shape.family, PrefillKernelFamily::kTcDecode);
   EXPECT_EQ(shape.tile_rows, 32);
   EXPECT_EQ(shape.narrow_tile_rows, 16);
+  EXPECT_EQ(shape.transposed_tile_rows, 8);
   EXPECT_EQ(shape.kv_tile, 64);
   EXPECT_GE(shape.ctas_per_sm, 1);
   EXPECT_THROW(tc_decode_kernel_shape(256, 256), Error);

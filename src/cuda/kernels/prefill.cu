@@ -102,11 +102,19 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
   check_arg(tiles.group_div.divisor == group, "tiles.group_div", "got a divisor of ",
             tiles.group_div.divisor, ", the call's GQA group is ", group);
   check_arg(tiles.tile_rows == shape.tile_rows ||
-                (shape.narrow_tile_rows > 0 && tiles.tile_rows == shape.narrow_tile_rows),
+                (shape.narrow_tile_rows > 0 && tiles.tile_rows == shape.narrow_tile_rows) ||
+                (shape.transposed_tile_rows > 0 && tiles.tile_rows == shape.transposed_tile_rows),
             "tiles.tile_rows", "got ", tiles.tile_rows, ", the head_dim ", p.head_dim,
             " kernel needs ", shape.tile_rows,
             shape.narrow_tile_rows > 0 ? " (or its narrow instance's " : "",
-            shape.narrow_tile_rows > 0 ? std::to_string(shape.narrow_tile_rows) + ")" : "");
+            shape.narrow_tile_rows > 0 ? std::to_string(shape.narrow_tile_rows) + ")" : "",
+            shape.transposed_tile_rows > 0 ? " (or its transposed instance's " : "",
+            shape.transposed_tile_rows > 0 ? std::to_string(shape.transposed_tile_rows) + ")" : "");
+  check_arg(shape.transposed_tile_rows == 0 || tiles.tile_rows != shape.transposed_tile_rows ||
+                p.mask != core::MaskMode::kCustom,
+            "mask", "kCustom on the transposed instance's ", shape.transposed_tile_rows,
+            "-row tiles; plan a custom mask with ", shape.narrow_tile_rows, " or ", shape.tile_rows,
+            " rows a tile");
   check_arg(
       tiles.num_partials == 0 || (tiles.partial_out != nullptr && tiles.partial_lse != nullptr),
       "tiles.partial_out", "split tiles need partial buffers");

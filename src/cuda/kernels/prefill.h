@@ -51,6 +51,9 @@ struct PrefillKernelShape {
   /// kTcDecode: the narrow instance's tile (16 rows; 0 none): a plan of calls with at most that
   /// many packed rows a request may use it (same kv_tile, occupancy and clusters).
   int narrow_tile_rows = 0;
+  /// kTcDecode: the transposed instance's tile (8 rows; 0 none): calls of at most that many
+  /// packed rows a request (decode with a GQA group <= 8) and no custom mask may use it.
+  int transposed_tile_rows = 0;
   /// The prefill families: core::PrefillTileShape::l2_keys for this device and head dims (the
   /// L2 over a key's K and V bytes in the 16-bit io dtype; 0 where the L2 size is unknown).
   /// KVATTN_PREFILL_L2_KEYS=0 turns the L2 order off, =<n> sets it (A/B runs).

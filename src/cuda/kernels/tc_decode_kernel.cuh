@@ -17,6 +17,12 @@
 // and O += P V with the online softmax of core::SoftmaxState (toolkit/online_softmax.cuh). The
 // four warps' states are merged in shared memory at the end, and the CTA writes the tile's output
 // (or its partial state for the split merge).
+//
+// Three instances share this code: 32-row tiles (verify), 16-row (draft extend, the multi-step
+// draft) and the transposed 8-row tile of a decode step (a GQA group of <= 8 rows a request:
+// S^T = K Q^T puts the 16 keys in the MMA's M and the rows in its N = 8, so a group of 4 wastes
+// half of every product instead of three quarters; half the MMAs, half the exponentials and
+// O's registers of the 16-row tile, bench/NOTES.md "The transposed decode tile").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,12 +53,17 @@ namespace kvattn::cuda::tc_decode {
 // kMAtoms m16 atoms of rows a tile: 2 (32 rows: 8 tree tokens x 4 q heads) or 1 (16 rows: the
 // narrow instance for calls of <= 16 packed rows a request: draft extend, the multi-step draft's
 // branches, decode; about 40% fewer instructions a key step, and Q stays in registers).
+// kMAtomsOfTile 0: the transposed instance, 8 rows a tile (a decode step's GQA group of <= 8):
+// S^T = K Q^T with the warp's 16 keys in the MMA's M and the rows in its N = 8, then O^T = V^T
+// P^T, half the MMAs of the 16-row tile (whose rows past the group are padding); no custom mask.
 template <int kHeadDim, int kMAtomsOfTile = 2>
 struct Traits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMAtoms = kMAtomsOfTile;  // O is kMAtoms * head_dim / 2 fp32 a thread
-  static constexpr int kTileRows = 16 * kMAtoms;
+  static constexpr bool kTransposed = kMAtomsOfTile == 0;
+  // O is kMAtoms * head_dim / 2 fp32 a thread (transposed: head_dim / 4)
+  static constexpr int kMAtoms = kTransposed ? 1 : kMAtomsOfTile;
+  static constexpr int kTileRows = kTransposed ? 8 : 16 * kMAtoms;
   static constexpr bool kQInRegisters = kMAtoms == 1;   // head_dim / 4 registers a thread
   static constexpr int kWarpKeys = 16;                  // one k16 step of P V a warp and stage
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys a CTA step (the planner's kv_tile)
@@ -197,7 +208,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // prefill_tiles.h) runs as empty work: no keys, no row to write.
   if (item.q_row_begin >= core::kNoOpRow) return;
   const int request = item.request;
-  const bool custom = p.mask == core::MaskMode::kCustom;
+  const bool custom = !Tr::kTransposed && p.mask == core::MaskMode::kCustom;
   // (No branch around the mask facts: a call without them reads the indptrs a second time
   // instead, so the compiler issues every load before it waits for any.)
   const int64_t* mask_indptr = custom ? p.mask_indptr : p.kv_indptr;
@@ -283,11 +294,15 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const uint32_t s_convert = s_warp + kStages * stage_bytes;  // fp8 only
 
   {  // Q: the tile's packed rows (zero past the request's rows)
-    constexpr int kPerThread = Tr::kTileRows * kChunks / Tr::kThreads;
+    // (The transposed instance at head_dim 64 has 64 chunks: half the threads copy one.)
+    constexpr int kQChunks = Tr::kTileRows * kChunks;
+    constexpr int kPerThread = (kQChunks + Tr::kThreads - 1) / Tr::kThreads;
+    static_assert(kQChunks % Tr::kThreads == 0 || kQChunks < Tr::kThreads, "whole copy rounds");
     const T* q = static_cast<const T*>(p.q);
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int index = tid + i * Tr::kThreads;
+      if (kQChunks < Tr::kThreads && index >= kQChunks) break;
       const int r = index / kChunks;
       const int c = index % kChunks;
       const int packed = row0 + r;
@@ -435,10 +450,20 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 
   float o[kMAtoms][kDimTiles][4];
   RowPairSoftmax softmax[kMAtoms];
+  // The transposed instance: O^T in m16 blocks of dims (dim 16 m + lane / 4 + 8 (i / 2), row
+  // 2 (lane % 4) + i % 2) and its rows' softmax.
+  constexpr int kDimBlocks = kHeadDim / 16;
+  float ot[kDimBlocks][4];
+  ColumnPairSoftmax softmax_t;
+  if constexpr (Tr::kTransposed) {
 #pragma unroll
-  for (int a = 0; a < kMAtoms; ++a) {
+    for (int m = 0; m < kDimBlocks; ++m) ot[m][0] = ot[m][1] = ot[m][2] = ot[m][3] = 0.f;
+  } else {
 #pragma unroll
-    for (int d = 0; d < kDimTiles; ++d) o[a][d][0] = o[a][d][1] = o[a][d][2] = o[a][d][3] = 0.f;
+    for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+      for (int d = 0; d < kDimTiles; ++d) o[a][d][0] = o[a][d][1] = o[a][d][2] = o[a][d][3] = 0.f;
+    }
   }
 
   // ldmatrix lane offsets of the m16n8k16 fragments (swizzled chunk (c ^ (row & 7))): see the
@@ -448,9 +473,25 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + (((lane >> 3) & 1) ^ (lane & 7)) * 16;
   const uint32_t v_lane =
       ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  // The transposed instance's K as an A operand (q_lane's pattern within a stage).
+  const uint32_t ka_lane = (lane & 15) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
   // The narrow instance keeps its 16 rows of Q in registers (A fragments of every k16 slice).
-  uint32_t q_frag[Tr::kQInRegisters ? kHeadDim / 16 : 1][4];
-  if constexpr (Tr::kQInRegisters) {
+  uint32_t q_frag[Tr::kQInRegisters && !Tr::kTransposed ? kHeadDim / 16 : 1][4];
+  // The transposed instance's Q^T B fragments (k16 slice kk: chunks 2 kk, 2 kk + 1 of the 8 rows),
+  // four chunks an ldmatrix: lane l addresses row l % 8, chunk 4 j + l / 8.
+  uint32_t qt_frag[Tr::kTransposed ? kHeadDim / 16 : 1][2];
+  if constexpr (Tr::kTransposed) {
+    const uint32_t qt_lane = s_q + (lane & 7) * kRowBytes + (((lane >> 3) ^ (lane & 7)) * 16);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 32; ++j) {
+      uint32_t r[4];
+      ldmatrix_x4(r, (qt_lane ^ ((j & 1) * 64)) + (j >> 1) * 128);
+      qt_frag[2 * j][0] = r[0];
+      qt_frag[2 * j][1] = r[1];
+      qt_frag[2 * j + 1][0] = r[2];
+      qt_frag[2 * j + 1][1] = r[3];
+    }
+  } else if constexpr (Tr::kQInRegisters) {
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       ldmatrix_x4(q_frag[kk], (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128);
@@ -519,7 +560,21 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     const bool needs_mask = masked || first + Tr::kWarpKeys > kv_end ||
                             (causal && first + Tr::kWarpKeys - 1 > diagonal + tile_first_token) ||
                             (window >= 0 && first < diagonal + tile_last_token - window);
-    if (needs_mask) {
+    if (needs_mask && Tr::kTransposed) {
+      // bit (2 h + e): key first + lane / 4 + 8 h of row 2 (lane % 4) + e
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int token = div_group(min(row0 + 2 * (lane & 3) + e, rows_total - 1));
+        const int last_visible = causal ? diagonal + token : kv_end - 1;
+        const int first_visible = window >= 0 ? diagonal + token - window : 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = first + (lane >> 2) + 8 * h;
+          const bool visible = j < kv_end && j <= last_visible && j >= first_visible;
+          if (!visible) hidden |= 1u << (2 * h + e);
+        }
+      }
+    } else if (needs_mask) {
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
@@ -552,90 +607,129 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     }
     v_stage = k_stage + Tr::kSubBytes;
 
-    // S = Q K^T over the warp's 16 keys (two n8 blocks).
-    float s[kMAtoms][8];
+    if constexpr (Tr::kTransposed) {
+      // S^T = K Q^T: K as the A operand (rows = the 16 keys), two chains over the k16 slices.
+      float st[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) {
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t ka[4];
+        ldmatrix_x4(ka, ((k_stage + ka_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
+        mma_16816<T>(st[kk & 1], ka, qt_frag[kk][0], qt_frag[kk][1]);
+      }
+      float s4[4];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) s[a][i] = 0.f;
-    }
+      for (int i = 0; i < 4; ++i) {
+        s4[i] = st[0][i] + st[1][i];
+        if (soft_cap) s4[i] = p.logit_cap * fast_tanh(s4[i] * cap_inner);
+        if (hidden & (1u << i)) s4[i] = -INFINITY;
+      }
+      float factor[2];
+      const bool moved = softmax_t.update(s4, scale_log2, factor);
+      if (u > 0 && __any_sync(0xffffffffu, moved)) {
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      uint32_t kb[4];
-      ldmatrix_x4(kb, ((k_stage + k_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
-#pragma unroll
-      for (int a = 0; a < kMAtoms; ++a) {
-        float(&s0)[4] = *reinterpret_cast<float(*)[4]>(&s[a][0]);
-        float(&s1)[4] = *reinterpret_cast<float(*)[4]>(&s[a][4]);
-        if constexpr (Tr::kQInRegisters) {
-          mma_16816<T>(s0, q_frag[kk], kb[0], kb[1]);
-          mma_16816<T>(s1, q_frag[kk], kb[2], kb[3]);
-        } else {
-          uint32_t qa[4];
-          ldmatrix_x4(qa, (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128 + a * 16 * kRowBytes);
-          mma_16816<T>(s0, qa, kb[0], kb[1]);
-          mma_16816<T>(s1, qa, kb[2], kb[3]);
+        for (int m = 0; m < kDimBlocks; ++m) {
+          ot[m][0] *= factor[0];
+          ot[m][1] *= factor[1];
+          ot[m][2] *= factor[0];
+          ot[m][3] *= factor[1];
         }
       }
-    }
-    if (soft_cap) {
+      // P^T as the B operand of O^T += V^T P^T: each 8-key half of the accumulator transposed.
+      const uint32_t pb0 = ptx::movmatrix_trans(pack2<T>(s4[0], s4[1]));
+      const uint32_t pb1 = ptx::movmatrix_trans(pack2<T>(s4[2], s4[3]));
 #pragma unroll
-      for (int a = 0; a < kMAtoms; ++a) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[a][i] = p.logit_cap * fast_tanh(s[a][i] * cap_inner);
+      for (int m = 0; m < kDimBlocks; ++m) {
+        uint32_t va[4];  // V^T rows 16 m.. (dims) x the 16 keys
+        ldmatrix_x4_trans(va, ((v_stage + k_lane) ^ ((m % 4) * 32)) + (m / 4) * 128);
+        mma_16816<T>(ot[m], va, pb0, pb1);
       }
-    }
-    if (hidden != 0) {
+    } else {
+      // S = Q K^T over the warp's 16 keys (two n8 blocks).
+      float s[kMAtoms][8];
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 8; ++i) s[a][i] = 0.f;
+      }
 #pragma unroll
-          for (int n = 0; n < 2; ++n) {
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, ((k_stage + k_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              if (hidden & (1u << (a * 8 + h * 4 + n * 2 + e))) s[a][4 * n + 2 * h + e] = -INFINITY;
+        for (int a = 0; a < kMAtoms; ++a) {
+          float(&s0)[4] = *reinterpret_cast<float(*)[4]>(&s[a][0]);
+          float(&s1)[4] = *reinterpret_cast<float(*)[4]>(&s[a][4]);
+          if constexpr (Tr::kQInRegisters) {
+            mma_16816<T>(s0, q_frag[kk], kb[0], kb[1]);
+            mma_16816<T>(s1, q_frag[kk], kb[2], kb[3]);
+          } else {
+            uint32_t qa[4];
+            ldmatrix_x4(qa, (q_lane ^ ((kk % 4) * 32)) + (kk / 4) * 128 + a * 16 * kRowBytes);
+            mma_16816<T>(s0, qa, kb[0], kb[1]);
+            mma_16816<T>(s1, qa, kb[2], kb[3]);
+          }
+        }
+      }
+      if (soft_cap) {
+#pragma unroll
+        for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s[a][i] = p.logit_cap * fast_tanh(s[a][i] * cap_inner);
+        }
+      }
+      if (hidden != 0) {
+#pragma unroll
+        for (int a = 0; a < kMAtoms; ++a) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                if (hidden & (1u << (a * 8 + h * 4 + n * 2 + e)))
+                  s[a][4 * n + 2 * h + e] = -INFINITY;
+              }
             }
           }
         }
       }
-    }
 
-    bool moved = false;
-    float factor[kMAtoms][2];
+      bool moved = false;
+      float factor[kMAtoms][2];
 #pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) moved |= softmax[a].update<2>(s[a], scale_log2, factor[a]);
-    // (Step 0: nothing accumulated yet, O is zero.)
-    if (u > 0 && __any_sync(0xffffffffu, moved)) {
+      for (int a = 0; a < kMAtoms; ++a) moved |= softmax[a].update<2>(s[a], scale_log2, factor[a]);
+      // (Step 0: nothing accumulated yet, O is zero.)
+      if (u > 0 && __any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int a = 0; a < kMAtoms; ++a) {
+        for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
-        for (int d = 0; d < kDimTiles; ++d) {
-          o[a][d][0] *= factor[a][0];
-          o[a][d][1] *= factor[a][0];
-          o[a][d][2] *= factor[a][1];
-          o[a][d][3] *= factor[a][1];
+          for (int d = 0; d < kDimTiles; ++d) {
+            o[a][d][0] *= factor[a][0];
+            o[a][d][1] *= factor[a][0];
+            o[a][d][2] *= factor[a][1];
+            o[a][d][3] *= factor[a][1];
+          }
         }
       }
-    }
 
-    // O += P V: P straight from the S accumulators (two n8 blocks = one k16 A fragment).
-    uint32_t pa[kMAtoms][4];
-#pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) {
-      pa[a][0] = pack2<T>(s[a][0], s[a][1]);
-      pa[a][1] = pack2<T>(s[a][2], s[a][3]);
-      pa[a][2] = pack2<T>(s[a][4], s[a][5]);
-      pa[a][3] = pack2<T>(s[a][6], s[a][7]);
-    }
-#pragma unroll
-    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-      uint32_t vb[4];
-      ldmatrix_x4_trans(vb, ((v_stage + v_lane) ^ ((dp % 4) * 32)) + (dp / 4) * 128);
+      // O += P V: P straight from the S accumulators (two n8 blocks = one k16 A fragment).
+      uint32_t pa[kMAtoms][4];
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
-        mma_16816<T>(o[a][2 * dp], pa[a], vb[0], vb[1]);
-        mma_16816<T>(o[a][2 * dp + 1], pa[a], vb[2], vb[3]);
+        pa[a][0] = pack2<T>(s[a][0], s[a][1]);
+        pa[a][1] = pack2<T>(s[a][2], s[a][3]);
+        pa[a][2] = pack2<T>(s[a][4], s[a][5]);
+        pa[a][3] = pack2<T>(s[a][6], s[a][7]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, ((v_stage + v_lane) ^ ((dp % 4) * 32)) + (dp / 4) * 128);
+#pragma unroll
+        for (int a = 0; a < kMAtoms; ++a) {
+          mma_16816<T>(o[a][2 * dp], pa[a], vb[0], vb[1]);
+          mma_16816<T>(o[a][2 * dp + 1], pa[a], vb[2], vb[3]);
+        }
       }
     }
     if (custom) mask_bits = pack_mask(u + 1, mask_next);  // landed during this step's work
@@ -663,7 +757,26 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   const bool in_cluster = tiles.cluster > 1;         // a cluster-split plan's chunk
   ptx::cp_async_wait<0>();
   __syncwarp();  // every lane's last ldmatrix of the region is done
-  {
+  if constexpr (Tr::kTransposed) {
+    float* const o_warp = o_of(warp);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float total = softmax_t.row_sum(e);
+      const int r = 2 * (lane & 3) + e;
+      if (lane < 4) {
+        max_of(warp)[r] = softmax_t.max[e];
+        sum_of(warp)[r] = total;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kDimBlocks; ++m) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        o_warp[(2 * (lane & 3) + (i & 1)) * Tr::kOStride + 16 * m + (lane >> 2) + 8 * (i >> 1)] =
+            ot[m][i];
+      }
+    }
+  } else {
     float* const o_warp = o_of(warp);
 #pragma unroll
     for (int a = 0; a < kMAtoms; ++a) {
@@ -890,11 +1003,14 @@ PrefillKernelShape shape_of() {
   PrefillKernelShape shape;
   shape.tile_rows = Tr::kTileRows;
   shape.narrow_tile_rows = Traits<kHeadDim, 1>::kTileRows;
+  shape.transposed_tile_rows = Traits<kHeadDim, 0>::kTileRows;
   shape.kv_tile = Tr::kTileKeys;
   shape.family = PrefillKernelFamily::kTcDecode;
   static_assert(Traits<kHeadDim, 1>::kTileKeys == Tr::kTileKeys &&
-                    Traits<kHeadDim, 1>::max_smem_bytes() <= Tr::max_smem_bytes(),
-                "the narrow instance plans and fits like the wide one");
+                    Traits<kHeadDim, 1>::max_smem_bytes() <= Tr::max_smem_bytes() &&
+                    Traits<kHeadDim, 0>::kTileKeys == Tr::kTileKeys &&
+                    Traits<kHeadDim, 0>::max_smem_bytes() <= Tr::max_smem_bytes(),
+                "the narrow and transposed instances plan and fit like the wide one");
   int ctas = 0;
   auto kernel = tc_decode_kernel<kHeadDim, 2, __nv_bfloat16>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -980,12 +1096,17 @@ void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles
   if constexpr (head_dim_compiled(kHeadDim)) {
     // The plan's tile picks the instance (validated against the shape by launch_tc_decode).
     const bool narrow = tiles.tile_rows == Traits<kHeadDim, 1>::kTileRows;
+    const bool transposed = tiles.tile_rows == Traits<kHeadDim, 0>::kTileRows;
     if (p.io_dtype == DType::kBFloat16) {
-      if (narrow) {
+      if (transposed) {
+        launch_typed<kHeadDim, 0, __nv_bfloat16>(p, tiles, stream);
+      } else if (narrow) {
         launch_typed<kHeadDim, 1, __nv_bfloat16>(p, tiles, stream);
       } else {
         launch_typed<kHeadDim, 2, __nv_bfloat16>(p, tiles, stream);
       }
+    } else if (transposed) {
+      launch_typed<kHeadDim, 0, __half>(p, tiles, stream);
     } else if (narrow) {
       launch_typed<kHeadDim, 1, __half>(p, tiles, stream);
     } else {

@@ -105,4 +105,48 @@ struct RowPairSoftmax {
   }
 };
 
+/// The online softmax of a transposed score block (S^T = K Q^T, the decode-shaped kernel's
+/// 8-row tile): a thread of an m16n8 accumulator holds s[2h + e], key (lane / 4) + 8h of the
+/// block and query row 2 (lane % 4) + e, so a row's keys are spread over the eight lanes that
+/// share lane % 4. Same rules as RowPairSoftmax (lazy rescale, base-2 exponentials); sum[e] is
+/// this thread's partial (the eight lanes' add up in the caller's epilogue).
+struct ColumnPairSoftmax {
+  float max[2] = {-INFINITY, -INFINITY};
+  float sum[2] = {0.f, 0.f};
+
+  /// As RowPairSoftmax::update for one 16-key block.
+  __device__ __forceinline__ bool update(float (&s)[4], float scale_log2, float (&factor)[2]) {
+    bool moved = false;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float block_max = fmaxf(s[e], s[2 + e]);
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 4));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 8));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 16));
+      const bool move = (block_max - max[e]) * scale_log2 > RowPairSoftmax::kRescaleLog2;
+      factor[e] = move ? ptx::fast_exp2((max[e] - block_max) * scale_log2) : 1.f;
+      max[e] = move ? block_max : max[e];
+      sum[e] *= factor[e];
+      moved |= move;
+      const float offset = max[e] == -INFINITY ? 0.f : -max[e] * scale_log2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p = ptx::fast_exp2(fmaf(s[2 * h + e], scale_log2, offset));
+        s[2 * h + e] = p;
+        sum[e] += p;
+      }
+    }
+    return moved;
+  }
+
+  /// The sum of row 2 (lane % 4) + e over the eight lanes that hold its keys.
+  __device__ __forceinline__ float row_sum(int e) const {
+    float total = sum[e];
+    total += __shfl_xor_sync(0xffffffffu, total, 4);
+    total += __shfl_xor_sync(0xffffffffu, total, 8);
+    total += __shfl_xor_sync(0xffffffffu, total, 16);
+    return total;
+  }
+};
+
 }  // namespace kvattn::cuda

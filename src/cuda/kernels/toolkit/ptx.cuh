@@ -241,6 +241,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(address));
 }
 
+/// The transpose of the 8x8 16-bit matrix whose fragment the warp holds (thread: row lane / 4,
+/// columns 2 (lane % 4) + {0, 1}): an MMA accumulator, packed, into an operand of the other side.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+  return d;
+}
+
 /// d += a * b for one m16n8k16 tile, fp32 accumulate; T is __nv_bfloat16 or __half.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
