@@ -14,8 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda/kernels/decode.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/cuda_test_support.h"
+#include "cuda/kernels/decode.h"
 #include "kvattn/kvattn.h"
 #include "reference/float_format.h"
 #include "reference/scenario.h"
@@ -65,6 +66,35 @@ bool run_and_expect(const ScenarioSpec& spec, const char* label, const char* uns
               r.passed && r.kv_pool_ok ? "ok" : "FAIL", spec.variant.c_str(), label,
               spec.shape_label().c_str(), r.max_rel_err, r.tolerance);
   return true;
+}
+
+// Host only (runs without a device): which decode-shaped tile a call is planned on. The
+// transposed 8-row tile for at most 8 packed rows a request without a custom mask, the narrow
+// 16-row tile up to 16 rows or under a custom mask, the 32-row tile above; each off when the
+// setup lacks it.
+TEST(CudaTilePlanShape, DecodeShapedTilesByRowsAndMask) {
+  cuda::DecodeSetup setup;
+  setup.tc_decode = true;
+  setup.tc_decode_tile_rows = 32;
+  setup.tc_decode_kv_tile = 64;
+  setup.tc_decode_narrow_rows = 16;
+  setup.tc_decode_transposed_rows = 8;
+  BackendConfig config;
+  config.num_q_heads = 32;
+  config.num_kv_heads = 8;  // group 4
+  auto rows_of = [&](core::MaskMode mask, int q_len) {
+    return cuda::prefill_tile_shape(setup, config, mask, -1, /*tc=*/true, 16, q_len).tile_rows;
+  };
+  EXPECT_EQ(rows_of(core::MaskMode::kNone, 1), 8);     // decode
+  EXPECT_EQ(rows_of(core::MaskMode::kCausal, 2), 8);   // MTP decode of 2 tokens
+  EXPECT_EQ(rows_of(core::MaskMode::kCustom, 1), 16);  // tree masks: row-shaped mask loads
+  EXPECT_EQ(rows_of(core::MaskMode::kCausal, 3), 16);  // 12 rows
+  EXPECT_EQ(rows_of(core::MaskMode::kCustom, 8), 32);  // verify: 8 tokens x 4 heads
+  config.num_q_heads = 64;                             // group 8: one tile of 8 rows
+  EXPECT_EQ(rows_of(core::MaskMode::kNone, 1), 8);
+  EXPECT_EQ(rows_of(core::MaskMode::kNone, 2), 16);
+  setup.tc_decode_transposed_rows = 0;  // KVATTN_TC_DECODE_TRANSPOSED=0
+  EXPECT_EQ(rows_of(core::MaskMode::kNone, 1), 16);
 }
 
 TEST(CudaScenarios, StandardMatrix) {
