@@ -1410,6 +1410,33 @@ TEST(TcDecodeKernelSupport, ShapesAndRefusals) {
   EXPECT_EQ(shape.kv_tile, 64);
   EXPECT_GE(shape.ctas_per_sm, 1);
   EXPECT_THROW(tc_decode_kernel_shape(256, 256), Error);
+  // A custom mask on the transposed instance's 8-row tiles is refused before any launch (its
+  // mask loads are row-shaped); the same view with 16-row tiles passes that check and fails a
+  // later one (no plan buffers).
+  core::AttentionParams p;
+  p.num_q_heads = 32;
+  p.num_kv_heads = 8;
+  p.head_dim = 128;
+  p.v_head_dim = 128;
+  p.mask = core::MaskMode::kCustom;
+  core::PrefillTiles tiles;
+  tiles.group_size = 4;
+  tiles.group_div = core::FastDivmod(4);
+  tiles.tile_rows = shape.transposed_tile_rows;
+  auto refusal = [&]() -> std::string {
+    try {
+      launch_tc_decode(p, tiles, nullptr);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return "no refusal";
+  };
+  const std::string transposed = refusal();
+  EXPECT_NE(transposed.find("kCustom on the transposed instance"), std::string::npos) << transposed;
+  tiles.tile_rows = shape.narrow_tile_rows;
+  const std::string narrow = refusal();
+  EXPECT_EQ(narrow.find("kCustom on the transposed instance"), std::string::npos) << narrow;
+  EXPECT_NE(narrow, "no refusal");
 }
 
 }  // namespace
