@@ -468,13 +468,13 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 
   // ldmatrix lane offsets of the m16n8k16 fragments (swizzled chunk (c ^ (row & 7))): see the
   // prefill kernel (prefill_kernel.cuh), whose tiles these warp stages are a 16-key slice of.
-  const uint32_t q_lane = s_q + (lane & 15) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  // a_lane: a 16-row A operand (Q; the transposed instance's K, within a stage).
+  const uint32_t a_lane = (lane & 15) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
+  const uint32_t q_lane = s_q + a_lane;
   const uint32_t k_lane =
       ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + (((lane >> 3) & 1) ^ (lane & 7)) * 16;
   const uint32_t v_lane =
       ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
-  // The transposed instance's K as an A operand (q_lane's pattern within a stage).
-  const uint32_t ka_lane = (lane & 15) * kRowBytes + ((lane >> 4) ^ (lane & 7)) * 16;
   // The narrow instance keeps its 16 rows of Q in registers (A fragments of every k16 slice).
   uint32_t q_frag[Tr::kQInRegisters && !Tr::kTransposed ? kHeadDim / 16 : 1][4];
   // The transposed instance's Q^T B fragments (k16 slice kk: chunks 2 kk, 2 kk + 1 of the 8 rows),
@@ -613,7 +613,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         uint32_t ka[4];
-        ldmatrix_x4(ka, ((k_stage + ka_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
+        ldmatrix_x4(ka, ((k_stage + a_lane) ^ ((kk % 4) * 32)) + (kk / 4) * 128);
         mma_16816<T>(st[kk & 1], ka, qt_frag[kk][0], qt_frag[kk][1]);
       }
       float s4[4];
