@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -264,6 +265,54 @@ void print_sm90_trace(const Sm90Trace& t) {
   if (groups == 0 || tiles == 0) {
     std::fprintf(stderr, "sm90 trace: no stamps\n");
     return;
+  }
+  // One steady-state block a long tile (%clock64 cycles): its phases, and how far apart the
+  // CTA's two first consumer warpgroups issue the same block (0: in lockstep; half a block:
+  // alternating).
+  double bphase[5] = {0, 0, 0, 0, 0}, bcycle = 0, bcount = 0, skew = 0, skew_n = 0;
+  double skew_hist[4] = {0, 0, 0, 0};
+  for (int c = 0; c < Sm90Trace::kMaxCtas; ++c) {
+    for (int i = 0; i < sm90::kTraceTiles; ++i) {
+      const unsigned long long* st[2];
+      bool ok[2];
+      for (int w = 0; w < 2; ++w) {
+        st[w] = h.data() + (size_t(c) * sm90::kTraceWarpgroups + w) * sm90::kTraceTiles *
+                               sm90::kTraceSlots +
+                size_t(i) * sm90::kTraceSlots;
+        const unsigned long long* s = st[w];
+        ok[w] = s[sm90::kTraceBlockTop] != 0 && s[sm90::kTraceBlockNext] > s[sm90::kTraceBlockTop];
+        for (int k = sm90::kTraceBlockTop; ok[w] && k < sm90::kTraceBlockNext; ++k) {
+          ok[w] = s[k + 1] >= s[k];
+        }
+        if (!ok[w]) continue;
+        for (int k = 0; k < 5; ++k) {
+          bphase[k] += double(s[sm90::kTraceBlockTop + k + 1] - s[sm90::kTraceBlockTop + k]);
+        }
+        bcycle += double(s[sm90::kTraceBlockNext] - s[sm90::kTraceBlockTop]);
+        bcount += 1;
+      }
+      if (ok[0] && ok[1]) {
+        const double cyc = 0.5 * double(st[0][sm90::kTraceBlockNext] - st[0][sm90::kTraceBlockTop] +
+                                        st[1][sm90::kTraceBlockNext] - st[1][sm90::kTraceBlockTop]);
+        const double d = std::fabs(double(st[1][sm90::kTraceBlockIssued]) -
+                                   double(st[0][sm90::kTraceBlockIssued]));
+        skew += d;
+        skew_n += 1;
+        skew_hist[std::min(3, static_cast<int>(4.0 * std::fmod(d, cyc) / cyc))] += 1;
+      }
+    }
+  }
+  if (bcount > 0) {
+    const double n = 1.0 / bcount;
+    std::fprintf(stderr,
+                 "sm90 trace, one steady-state block (step %d) of %.0f tiles, cycles: K wait + "
+                 "issue %.0f, S done %.0f, softmax %.0f, P V done %.0f, to the next top %.0f; "
+                 "a block %.0f. Warpgroups 0 / 1 issue %.0f cycles apart (%.0f pairs; apart by "
+                 "[0, 1/4) / [1/4, 1/2) / [1/2, 3/4) / [3/4, 1) of a block: %.0f / %.0f / %.0f / "
+                 "%.0f)\n",
+                 sm90::kTraceBlockStep, bcount, bphase[0] * n, bphase[1] * n, bphase[2] * n,
+                 bphase[3] * n, bphase[4] * n, bcycle * n, skew / std::max(1.0, skew_n), skew_n,
+                 skew_hist[0], skew_hist[1], skew_hist[2], skew_hist[3]);
   }
   const double per = 1.0 / groups, us = 1e-3;
   std::fprintf(stderr,

@@ -687,7 +687,13 @@ struct PrefillConsumer {
     // O's rescale by the last softmax's factor is due before the P V that adds to it; it runs
     // while the next S is on the tensor cores (FA3's order), not between P V and the next S.
     bool rescale_due = false;
-    for (--block; block >= 0; --block) {
+    int step = 0;  // loop steps so far (traced tiles stamp one steady-state block)
+    for (--block; block >= 0; --block, ++step) {
+      const bool stamped = trace != nullptr && t.num_blocks > 2 * kTraceBlockStep &&
+                           step == kTraceBlockStep;
+      stamp_clock(trace, step == kTraceBlockStep + 1 && t.num_blocks > 2 * kTraceBlockStep,
+                  kTraceBlockNext);
+      stamp_clock(trace, stamped, kTraceBlockTop);
       const Ring next = Ring::of(it + 1);
       timed_wait(sm.k_full(next.stage), next.phase, trace, k_waited);
       schedule_wait();
@@ -696,8 +702,10 @@ struct PrefillConsumer {
       timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);
       issue_pv(o, pf, at.stage);
       schedule_pass();
+      stamp_clock(trace, stamped, kTraceBlockIssued);
       ptx::wgmma_wait_group<1>();  // S done; P V may still run
       ptx::fence_registers(s);
+      stamp_clock(trace, stamped, kTraceBlockS);
       release(sm.k_empty(next.stage));
       if (free_q_early && block == 0) release_q(q_buffer);  // the tile's last S
       bool moved = false;
@@ -709,10 +717,12 @@ struct PrefillConsumer {
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
       ptx::fence_registers(s);
       if (lane == 0) ptx::pin_before_wgmma_wait(scratch, softmax.sum[0] + softmax.sum[1]);
+      stamp_clock(trace, stamped, kTraceBlockSoftmax);
       // P stays live until the product that reads it asynchronously has completed.
       fence_fragments(pf);
       ptx::wgmma_wait_group<0>();
       ptx::fence_registers(o);
+      stamp_clock(trace, stamped, kTraceBlockPv);
       release(sm.v_empty(at.stage));
       rescale_due = __any_sync(0xffffffffu, moved);
       to_fragments(s, pf);

@@ -147,8 +147,18 @@ enum TraceSlot : int {
   kTraceFirstS = 7,     // inside the first block: its S is done (the softmax follows)
   kTraceKWait = 8,      // the later blocks' waits for K to arrive, summed (ns, not a time)
   kTraceVWait = 9,      // the blocks' waits for V to arrive, summed (ns, not a time)
-  kTraceSlots = 10,
+  // One steady-state block of a long tile (loop step kTraceBlockStep), in %clock64 cycles (the
+  // CTA's warpgroups share the SM's clock, so their stamps line up): the loop's top (before the
+  // K wait), S and P V issued, S done, softmax done, P V done, the next step's top.
+  kTraceBlockTop = 10,
+  kTraceBlockIssued = 11,
+  kTraceBlockS = 12,
+  kTraceBlockSoftmax = 13,
+  kTraceBlockPv = 14,
+  kTraceBlockNext = 15,
+  kTraceSlots = 16,
 };
+constexpr int kTraceBlockStep = 4;  // the loop step whose block is stamped (tiles of > 8 blocks)
 constexpr int kTraceTiles = 96;  // tiles a warpgroup keeps (later ones are not stamped)
 constexpr int kTraceWarpgroups = 3;  // trace records a CTA keeps (its most consumer warpgroups)
 
@@ -156,6 +166,11 @@ constexpr int kTraceWarpgroups = 3;  // trace records a CTA keeps (its most cons
 /// compile-time null, so the stamps fold away).
 __device__ __forceinline__ void stamp(unsigned long long* tile, int slot) {
   if (tile != nullptr) tile[slot] = ptx::global_timer();
+}
+
+/// Stamps %clock64 into phase `slot` of a tile's trace when `on` (a traced tile's chosen block).
+__device__ __forceinline__ void stamp_clock(unsigned long long* tile, bool on, int slot) {
+  if (tile != nullptr && on) tile[slot] = clock64();
 }
 
 /// Waits on an mbarrier phase; in a traced tile also adds the wait's duration to *waited.
