@@ -142,7 +142,9 @@ enum TraceSlot : int {
 bool trace_requested();
 #endif
 
-template <int kHeadDim, int kMAtomsOfTile, typename T>
+// kMasks false: an instance without the custom-mask code (the transposed tile's decode calls keep
+// its loop, and its registers, as small as without the mask support).
+template <int kHeadDim, int kMAtomsOfTile, typename T, bool kMasks = true>
 __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
   using Tr = Traits<kHeadDim, kMAtomsOfTile>;
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // prefill_tiles.h) runs as empty work: no keys, no row to write.
   if (item.q_row_begin >= core::kNoOpRow) return;
   const int request = item.request;
-  const bool custom = p.mask == core::MaskMode::kCustom;
+  const bool custom = kMasks && p.mask == core::MaskMode::kCustom;
   // (No branch around the mask facts: a call without them reads the indptrs a second time
   // instead, so the compiler issues every load before it waits for any.)
   const int64_t* mask_indptr = custom ? p.mask_indptr : p.kv_indptr;
@@ -1081,11 +1083,11 @@ PrefillKernelShape shape_of() {
   return shape;
 }
 
-template <int kHeadDim, int kMAtoms, typename T>
+template <int kHeadDim, int kMAtoms, typename T, bool kMasks = true>
 void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                   cudaStream_t stream) {
   using Tr = Traits<kHeadDim, kMAtoms>;
-  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T>;
+  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T, kMasks>;
   static std::atomic<uint64_t> devices_ready{0};
   int device = 0;
   const cudaError_t got = cudaGetDevice(&device);
@@ -1112,16 +1114,25 @@ void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles
     // The plan's tile picks the instance (validated against the shape by launch_tc_decode).
     const bool narrow = tiles.tile_rows == Traits<kHeadDim, 1>::kTileRows;
     const bool transposed = tiles.tile_rows == Traits<kHeadDim, 0>::kTileRows;
+    const bool masked = p.mask == core::MaskMode::kCustom;
     if (p.io_dtype == DType::kBFloat16) {
       if (transposed) {
-        launch_typed<kHeadDim, 0, __nv_bfloat16>(p, tiles, stream);
+        if (masked) {
+          launch_typed<kHeadDim, 0, __nv_bfloat16>(p, tiles, stream);
+        } else {
+          launch_typed<kHeadDim, 0, __nv_bfloat16, false>(p, tiles, stream);
+        }
       } else if (narrow) {
         launch_typed<kHeadDim, 1, __nv_bfloat16>(p, tiles, stream);
       } else {
         launch_typed<kHeadDim, 2, __nv_bfloat16>(p, tiles, stream);
       }
     } else if (transposed) {
-      launch_typed<kHeadDim, 0, __half>(p, tiles, stream);
+      if (masked) {
+        launch_typed<kHeadDim, 0, __half>(p, tiles, stream);
+      } else {
+        launch_typed<kHeadDim, 0, __half, false>(p, tiles, stream);
+      }
     } else if (narrow) {
       launch_typed<kHeadDim, 1, __half>(p, tiles, stream);
     } else {
