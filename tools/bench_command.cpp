@@ -225,16 +225,17 @@ std::vector<GridRow> make_grid() {
   // x 4096 prefix, 4 branches a request, 3 draft steps, page 1 shuffled; one call = the 3 steps'
   // forward of one layer, their draft tokens' K/V in the pool already (save_kv_cache false, as
   // run_peers.py times it); on CUDA captured on the draft backend's CUDA-graph buffers.
-  {
+  // (exp: topk 2 and 1 too: 8 and 4 rows a request at group 4, the transposed tile's.)
+  for (int topk : {4, 2, 1}) {
     GridRow row;
     row.workload = "draft_multistep";
     row.batch = 16;
     row.prefix_len = 4096;
-    row.topk = 4;
+    row.topk = topk;
     row.num_steps = 3;
     row.qo_len = row.topk * row.num_steps;
     row.kv_len = row.prefix_len + row.qo_len;
-    row.variant = "topk4-steps3";
+    row.variant = "topk" + std::to_string(topk) + "-steps3";
     rows.push_back(row);
   }
   // Shared-prefix decode (issue 16): 64 requests behind one 8192-token prompt, 256 own tokens

@@ -191,7 +191,7 @@ DecodeSetup make_decode_setup(const BackendConfig& config, int device) {
       if (narrow != 0) setup.tc_decode_narrow_rows = shape.narrow_tile_rows;
       setup.tc_decode_narrow_always = narrow == 2;
       // KVATTN_TC_DECODE_TRANSPOSED=0: never the transposed 8-row instance (an A/B knob); 1
-      // (default) for calls of at most 8 packed rows a request without a custom mask.
+      // (default) for calls of at most 8 packed rows a request.
       if (narrow != 2 && env_int("KVATTN_TC_DECODE_TRANSPOSED", 1, 0) != 0) {
         setup.tc_decode_transposed_rows = shape.transposed_tile_rows;
       }
@@ -530,8 +530,7 @@ core::PrefillTileShape prefill_tile_shape(const DecodeSetup& setup, const Backen
   if (!tc) shape.l2_keys = setup.prefill_l2_keys;
   if (tc && batch_size > 0) {
     const int64_t rows = int64_t(q_len) * (config.num_q_heads / config.num_kv_heads);
-    if (setup.tc_decode_transposed_rows > 0 && rows <= setup.tc_decode_transposed_rows &&
-        mask != core::MaskMode::kCustom) {
+    if (setup.tc_decode_transposed_rows > 0 && rows <= setup.tc_decode_transposed_rows) {
       shape.tile_rows = setup.tc_decode_transposed_rows;
     } else if (setup.tc_decode_narrow_rows > 0 &&
                (rows <= setup.tc_decode_narrow_rows || setup.tc_decode_narrow_always)) {

@@ -217,8 +217,8 @@ core::AttentionParams make_params(const CallState& call, const BackendConfig& co
 /// The tile shape a prefill plan (core::plan_prefill_tiles) is made for: the decode-shaped
 /// kernel's (tc, setup.tc_decode) or the prefill family's; deterministic mode never splits KV.
 /// With batch_size > 0, a decode-shaped plan of that many requests of at most q_len query tokens
-/// gets the transposed instance's 8-row tiles where q_len x group fits them and the mask is not
-/// kCustom, else the narrow instance's 16-row tiles where they fit, and the cluster split
+/// gets the transposed instance's 8-row tiles where q_len x group fits them, else the narrow
+/// instance's 16-row tiles where they fit, and the cluster split
 /// where the batch is small (core::cluster_split_size: from the batch
 /// shape alone, so a graph's plan and the eager one agree); without it, the shape sizes buffers
 /// (a cluster plan never needs more than the plain split's capacity).

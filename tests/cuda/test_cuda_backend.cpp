@@ -69,9 +69,8 @@ bool run_and_expect(const ScenarioSpec& spec, const char* label, const char* uns
 }
 
 // Host only (runs without a device): which decode-shaped tile a call is planned on. The
-// transposed 8-row tile for at most 8 packed rows a request without a custom mask, the narrow
-// 16-row tile up to 16 rows or under a custom mask, the 32-row tile above; each off when the
-// setup lacks it.
+// transposed 8-row tile for at most 8 packed rows a request, the narrow 16-row tile up to 16
+// rows, the 32-row tile above; each off when the setup lacks it.
 TEST(CudaTilePlanShape, DecodeShapedTilesByRowsAndMask) {
   cuda::DecodeSetup setup;
   setup.tc_decode = true;
@@ -87,7 +86,7 @@ TEST(CudaTilePlanShape, DecodeShapedTilesByRowsAndMask) {
   };
   EXPECT_EQ(rows_of(core::MaskMode::kNone, 1), 8);     // decode
   EXPECT_EQ(rows_of(core::MaskMode::kCausal, 2), 8);   // MTP decode of 2 tokens
-  EXPECT_EQ(rows_of(core::MaskMode::kCustom, 1), 16);  // tree masks: row-shaped mask loads
+  EXPECT_EQ(rows_of(core::MaskMode::kCustom, 2), 8);   // a draft step of topk 2
   EXPECT_EQ(rows_of(core::MaskMode::kCausal, 3), 16);  // 12 rows
   EXPECT_EQ(rows_of(core::MaskMode::kCustom, 8), 32);  // verify: 8 tokens x 4 heads
   config.num_q_heads = 64;                             // group 8: one tile of 8 rows

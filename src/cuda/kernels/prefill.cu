@@ -111,11 +111,6 @@ PrefillKernelShape validate(const core::AttentionParams& p, const core::PrefillT
             shape.narrow_tile_rows > 0 ? std::to_string(shape.narrow_tile_rows) + ")" : "",
             shape.transposed_tile_rows > 0 ? " (or its transposed instance's " : "",
             shape.transposed_tile_rows > 0 ? std::to_string(shape.transposed_tile_rows) + ")" : "");
-  check_arg(shape.transposed_tile_rows == 0 || tiles.tile_rows != shape.transposed_tile_rows ||
-                p.mask != core::MaskMode::kCustom,
-            "mask", "kCustom on the transposed instance's ", shape.transposed_tile_rows,
-            "-row tiles; plan a custom mask with ", shape.narrow_tile_rows, " or ", shape.tile_rows,
-            " rows a tile");
   check_arg(
       tiles.num_partials == 0 || (tiles.partial_out != nullptr && tiles.partial_lse != nullptr),
       "tiles.partial_out", "split tiles need partial buffers");

@@ -52,7 +52,8 @@ struct PrefillKernelShape {
   /// many packed rows a request may use it (same kv_tile, occupancy and clusters).
   int narrow_tile_rows = 0;
   /// kTcDecode: the transposed instance's tile (8 rows; 0 none): calls of at most that many
-  /// packed rows a request (decode with a GQA group <= 8) and no custom mask may use it.
+  /// packed rows a request (decode with a GQA group <= 8, a draft step of topk x group <= 8)
+  /// may use it.
   int transposed_tile_rows = 0;
   /// The prefill families: core::PrefillTileShape::l2_keys for this device and head dims (the
   /// L2 over a key's K and V bytes in the 16-bit io dtype; 0 where the L2 size is unknown).

@@ -55,7 +55,7 @@ namespace kvattn::cuda::tc_decode {
 // branches, decode; about 40% fewer instructions a key step, and Q stays in registers).
 // kMAtomsOfTile 0: the transposed instance, 8 rows a tile (a decode step's GQA group of <= 8):
 // S^T = K Q^T with the warp's 16 keys in the MMA's M and the rows in its N = 8, then O^T = V^T
-// P^T, half the MMAs of the 16-row tile (whose rows past the group are padding); no custom mask.
+// P^T, half the MMAs of the 16-row tile (whose rows past the group are padding).
 template <int kHeadDim, int kMAtomsOfTile = 2>
 struct Traits {
   static constexpr int kWarps = 4;
@@ -142,7 +142,9 @@ enum TraceSlot : int {
 bool trace_requested();
 #endif
 
-template <int kHeadDim, int kMAtomsOfTile, typename T>
+// kMasks false: an instance without the custom-mask code (the transposed tile's decode calls keep
+// its loop, and its registers, as small as without the mask support).
+template <int kHeadDim, int kMAtomsOfTile, typename T, bool kMasks = true>
 __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     tc_decode_kernel(const core::AttentionParams p, const core::PrefillTiles tiles) {
   using Tr = Traits<kHeadDim, kMAtomsOfTile>;
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // prefill_tiles.h) runs as empty work: no keys, no row to write.
   if (item.q_row_begin >= core::kNoOpRow) return;
   const int request = item.request;
-  const bool custom = !Tr::kTransposed && p.mask == core::MaskMode::kCustom;
+  const bool custom = kMasks && p.mask == core::MaskMode::kCustom;
   // (No branch around the mask facts: a call without them reads the indptrs a second time
   // instead, so the compiler issues every load before it waits for any.)
   const int64_t* mask_indptr = custom ? p.mask_indptr : p.kv_indptr;
@@ -504,8 +506,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // n * 8 + 2 (lane % 4) + e) are loaded one step ahead and packed into bits after that step's
   // work (when they have landed): a mask byte read in the step that needs it would stall the
   // warp on a memory round trip every 16 keys (measured: verify b64 x 4096 took 470 us against
-  // 257 us without a mask), and bits move between steps without waiting for anything.
-  constexpr int kMaskBytes = kMAtoms * 8;
+  // 257 us without a mask), and bits move between steps without waiting for anything. The
+  // transposed tile's 4 a lane: bit (2 h + e) is key first + lane / 4 + 8 h of row 2 (lane % 4)
+  // + e, its accumulator's element order.
+  constexpr int kMaskBytes = Tr::kTransposed ? 4 : kMAtoms * 8;
   // The tree token of this lane's accumulator row h (0: lane / 4, 1: + 8) of m16 atom a (rows
   // past the tile's last one read as its last token: they are never stored).
   auto lane_token = [&](int a, int h) {
@@ -514,18 +518,30 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   auto load_mask = [&](int u, uint8_t(&into)[kMaskBytes]) {
     if (u >= warp_steps || !step_masked(u)) return;  // the step reads no mask byte
     const int first = step_key(u);
+    if constexpr (Tr::kTransposed) {
 #pragma unroll
-    for (int a = 0; a < kMAtoms; ++a) {
+      for (int e = 0; e < 2; ++e) {
+        const int token = div_group(min(row0 + 2 * (lane & 3) + e, rows_total - 1));
+        const uint8_t* mask_row = p.custom_mask + (mask_offset + token * mask_row_len);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* mask_row =
-            p.custom_mask + (mask_offset + lane_token(a, h) * mask_row_len);
+        for (int h = 0; h < 2; ++h) {
+          const int j = first + (lane >> 2) + 8 * h;
+          into[2 * h + e] = j < kv_end && j >= mask_from ? mask_row[j] : 1;
+        }
+      }
+    } else {
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+      for (int a = 0; a < kMAtoms; ++a) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = first + n * 8 + (lane & 3) * 2 + e;
-            into[a * 8 + h * 4 + n * 2 + e] = j < kv_end && j >= mask_from ? mask_row[j] : 1;
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* mask_row = p.custom_mask + (mask_offset + lane_token(a, h) * mask_row_len);
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = first + n * 8 + (lane & 3) * 2 + e;
+              into[a * 8 + h * 4 + n * 2 + e] = j < kv_end && j >= mask_from ? mask_row[j] : 1;
+            }
           }
         }
       }
@@ -574,6 +590,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
           if (!visible) hidden |= 1u << (2 * h + e);
         }
       }
+      if (masked) hidden |= mask_bits;
     } else if (needs_mask) {
 #pragma unroll
       for (int a = 0; a < kMAtoms; ++a) {
@@ -1066,11 +1083,11 @@ PrefillKernelShape shape_of() {
   return shape;
 }
 
-template <int kHeadDim, int kMAtoms, typename T>
+template <int kHeadDim, int kMAtoms, typename T, bool kMasks = true>
 void launch_typed(const core::AttentionParams& p, const core::PrefillTiles& tiles,
                   cudaStream_t stream) {
   using Tr = Traits<kHeadDim, kMAtoms>;
-  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T>;
+  auto kernel = tc_decode_kernel<kHeadDim, kMAtoms, T, kMasks>;
   static std::atomic<uint64_t> devices_ready{0};
   int device = 0;
   const cudaError_t got = cudaGetDevice(&device);
@@ -1097,16 +1114,25 @@ void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles
     // The plan's tile picks the instance (validated against the shape by launch_tc_decode).
     const bool narrow = tiles.tile_rows == Traits<kHeadDim, 1>::kTileRows;
     const bool transposed = tiles.tile_rows == Traits<kHeadDim, 0>::kTileRows;
+    const bool masked = p.mask == core::MaskMode::kCustom;
     if (p.io_dtype == DType::kBFloat16) {
       if (transposed) {
-        launch_typed<kHeadDim, 0, __nv_bfloat16>(p, tiles, stream);
+        if (masked) {
+          launch_typed<kHeadDim, 0, __nv_bfloat16>(p, tiles, stream);
+        } else {
+          launch_typed<kHeadDim, 0, __nv_bfloat16, false>(p, tiles, stream);
+        }
       } else if (narrow) {
         launch_typed<kHeadDim, 1, __nv_bfloat16>(p, tiles, stream);
       } else {
         launch_typed<kHeadDim, 2, __nv_bfloat16>(p, tiles, stream);
       }
     } else if (transposed) {
-      launch_typed<kHeadDim, 0, __half>(p, tiles, stream);
+      if (masked) {
+        launch_typed<kHeadDim, 0, __half>(p, tiles, stream);
+      } else {
+        launch_typed<kHeadDim, 0, __half, false>(p, tiles, stream);
+      }
     } else if (narrow) {
       launch_typed<kHeadDim, 1, __half>(p, tiles, stream);
     } else {
