@@ -23,7 +23,7 @@ want=(sm__cycles_elapsed.max
 metrics=()
 for m in "${want[@]}"; do
   base=${m%%.*}
-  if grep -q "^$base\b\|^$base " "$OUT/ncu-metrics.txt"; then metrics+=("$m"); fi
+  if grep -q "^$base\b" "$OUT/ncu-metrics.txt"; then metrics+=("$m"); fi
 done
 list=$(IFS=,; echo "${metrics[*]}")
 echo "metrics: $list"

@@ -687,12 +687,12 @@ struct PrefillConsumer {
     // O's rescale by the last softmax's factor is due before the P V that adds to it; it runs
     // while the next S is on the tensor cores (FA3's order), not between P V and the next S.
     bool rescale_due = false;
-    int step = 0;  // loop steps so far (traced tiles stamp one steady-state block)
+    // Traced tiles of more than 2 kTraceBlockStep blocks stamp loop step kTraceBlockStep.
+    const bool long_tile = t.num_blocks > 2 * kTraceBlockStep;
+    int step = 0;  // loop steps so far
     for (--block; block >= 0; --block, ++step) {
-      const bool stamped = trace != nullptr && t.num_blocks > 2 * kTraceBlockStep &&
-                           step == kTraceBlockStep;
-      stamp_clock(trace, step == kTraceBlockStep + 1 && t.num_blocks > 2 * kTraceBlockStep,
-                  kTraceBlockNext);
+      const bool stamped = long_tile && step == kTraceBlockStep;
+      stamp_clock(trace, long_tile && step == kTraceBlockStep + 1, kTraceBlockNext);
       stamp_clock(trace, stamped, kTraceBlockTop);
       const Ring next = Ring::of(it + 1);
       timed_wait(sm.k_full(next.stage), next.phase, trace, k_waited);
