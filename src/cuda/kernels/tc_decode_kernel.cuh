@@ -510,10 +510,20 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
   // transposed tile's 4 a lane: bit (2 h + e) is key first + lane / 4 + 8 h of row 2 (lane % 4)
   // + e, its accumulator's element order.
   constexpr int kMaskBytes = Tr::kTransposed ? 4 : kMAtoms * 8;
-  // The tree token of this lane's accumulator row h (0: lane / 4, 1: + 8) of m16 atom a (rows
-  // past the tile's last one read as its last token: they are never stored).
+  // The tile row of this lane's accumulator row h of m16 atom a: lane / 4 + 8 h + 16 a, or in the
+  // transposed tile (rows in the MMA's N) 2 (lane % 4) + h.
+  auto lane_row = [&](int a, int h) {
+    return Tr::kTransposed ? 2 * (lane & 3) + h : a * 16 + (lane >> 2) + 8 * h;
+  };
+  // Its tree token (rows past the tile's last one read as its last token: they are never stored).
   auto lane_token = [&](int a, int h) {
-    return div_group(min(row0 + a * 16 + (lane >> 2) + 8 * h, rows_total - 1));
+    return div_group(min(row0 + lane_row(a, h), rows_total - 1));
+  };
+  // Whether key j lies inside the causal / window interval of `token`'s row and the keys.
+  auto key_visible = [&](int token, int j) {
+    const int last_visible = causal ? diagonal + token : kv_end - 1;
+    const int first_visible = window >= 0 ? diagonal + token - window : 0;
+    return j < kv_end && j <= last_visible && j >= first_visible;
   };
   auto load_mask = [&](int u, uint8_t(&into)[kMaskBytes]) {
     if (u >= warp_steps || !step_masked(u)) return;  // the step reads no mask byte
@@ -521,8 +531,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
     if constexpr (Tr::kTransposed) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int token = div_group(min(row0 + 2 * (lane & 3) + e, rows_total - 1));
-        const uint8_t* mask_row = p.custom_mask + (mask_offset + token * mask_row_len);
+        const uint8_t* mask_row = p.custom_mask + (mask_offset + lane_token(0, e) * mask_row_len);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int j = first + (lane >> 2) + 8 * h;
@@ -580,14 +589,10 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
       // bit (2 h + e): key first + lane / 4 + 8 h of row 2 (lane % 4) + e
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int token = div_group(min(row0 + 2 * (lane & 3) + e, rows_total - 1));
-        const int last_visible = causal ? diagonal + token : kv_end - 1;
-        const int first_visible = window >= 0 ? diagonal + token - window : 0;
+        const int token = lane_token(0, e);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int j = first + (lane >> 2) + 8 * h;
-          const bool visible = j < kv_end && j <= last_visible && j >= first_visible;
-          if (!visible) hidden |= 1u << (2 * h + e);
+          if (!key_visible(token, first + (lane >> 2) + 8 * h)) hidden |= 1u << (2 * h + e);
         }
       }
       if (masked) hidden |= mask_bits;
@@ -597,15 +602,13 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int token = lane_token(a, h);
-          const int last_visible = causal ? diagonal + token : kv_end - 1;
-          const int first_visible = window >= 0 ? diagonal + token - window : 0;
 #pragma unroll
           for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int j = first + n * 8 + (lane & 3) * 2 + e;
-              const bool visible = j < kv_end && j <= last_visible && j >= first_visible;
-              if (!visible) hidden |= 1u << (a * 8 + h * 4 + n * 2 + e);
+              if (!key_visible(token, first + n * 8 + (lane & 3) * 2 + e)) {
+                hidden |= 1u << (a * 8 + h * 4 + n * 2 + e);
+              }
             }
           }
         }
@@ -779,7 +782,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float total = softmax_t.row_sum(e);
-      const int r = 2 * (lane & 3) + e;
+      const int r = lane_row(0, e);
       if (lane < 4) {
         max_of(warp)[r] = softmax_t.max[e];
         sum_of(warp)[r] = total;
@@ -802,7 +805,7 @@ __global__ void __launch_bounds__(Traits<kHeadDim, kMAtomsOfTile>::kThreads)
         float total = softmax[a].sum[h];
         total += __shfl_xor_sync(0xffffffffu, total, 1);
         total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const int r = a * 16 + (lane >> 2) + 8 * h;
+        const int r = lane_row(a, h);
         if ((lane & 3) == 0) {
           max_of(warp)[r] = softmax[a].max[h];
           sum_of(warp)[r] = total;
