@@ -359,6 +359,8 @@ sm90::LaunchOptions sm90_options(int sm_count, int head_dim) {
               "', expected static or dynamic");
     return s == "dynamic";
   }();
+  check_arg(diagnostic == 0 || sm90::kDiagnosticsBuilt, "KVATTN_SM90_DIAG", "got ", diagnostic,
+            ", expected 0: honoured by trace builds only (-DKVATTN_SM90_TRACE=ON)");
   sm90::LaunchOptions options;
   options.dynamic_schedule = dynamic_schedule;
   options.diagnostic = diagnostic;

@@ -347,7 +347,7 @@ struct PrefillProducer {
     const int block_start = t.kv_begin + block * Tr::kKvTile;
     const int rows_valid = min(Tr::kKvTile, t.kv_end - block_start);
     const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
-    if (diagnostic & kDiagnosticNoKvLoads) {
+    if (kDiagnosticsBuilt && (diagnostic & kDiagnosticNoKvLoads)) {
       ptx::mbarrier_arrive(full);
     } else if (!fp8) {
       auto copy = [&]<bool kPaged>() {
@@ -388,7 +388,7 @@ struct PrefillProducer {
     ptx::mbarrier_wait(is_v ? sm.v_empty(at.stage) : sm.k_empty(at.stage), at.phase ^ 1u);
     const int row = static_cast<int>(t.kv_base) + t.kv_begin + block * Tr::kKvTile;
     const uint32_t full = is_v ? sm.v_full(at.stage) : sm.k_full(at.stage);
-    if (diagnostic & kDiagnosticNoKvLoads) {
+    if (kDiagnosticsBuilt && (diagnostic & kDiagnosticNoKvLoads)) {
       ptx::mbarrier_arrive(full);
       return;
     }
@@ -709,7 +709,7 @@ struct PrefillConsumer {
       release(sm.k_empty(next.stage));
       if (free_q_early && block == 0) release_q(q_buffer);  // the tile's last S
       bool moved = false;
-      if (!(diagnostic & kDiagnosticNoSoftmax)) {
+      if (!(kDiagnosticsBuilt && (diagnostic & kDiagnosticNoSoftmax))) {
         transform_scores(s, t, group, block, mask_base, mask_row_len);
         moved = softmax.update<kKeyBlocks8, Tr::kExp2FmaEvery>(s, scale_log2, factor);
       }

@@ -126,9 +126,9 @@ struct LaunchOptions {
   /// 8 x 2048 check failure seen with it on in 2026-12-02's kernel did not come back in three
   /// runs, racecheck and synccheck clean); KVATTN_SM90_PINGPONG=0|1 forces it.
   bool ping_pong = false;
-  /// Benchmarking only (KVATTN_SM90_DIAG; the output is then garbage): bit 0 skips the K/V
-  /// copies (the stages are signalled full at once), bit 1 skips the softmax (P = S). Times with
-  /// a part left out say where the kernel's time goes.
+  /// Benchmarking only (KVATTN_SM90_DIAG, trace builds; the output is then garbage): bit 0
+  /// skips the K/V copies (the stages are signalled full at once), bit 1 skips the softmax
+  /// (P = S). Times with a part left out say where the kernel's time goes.
   int diagnostic = 0;
   /// K/V ring depth: 0 = the instance's choice (launch_for_dtype); 2 or 3 forces one
   /// (KVATTN_SM90_STAGES, A/B runs; 3 only where it fits).
@@ -193,6 +193,13 @@ __device__ __forceinline__ void timed_wait(uint32_t mbarrier, uint32_t parity,
 }
 constexpr int kDiagnosticNoKvLoads = 1;
 constexpr int kDiagnosticNoSoftmax = 2;
+/// LaunchOptions::diagnostic is honoured by trace builds only: in the kernel that is measured,
+/// its tests would be a branch a block for nothing (the host refuses KVATTN_SM90_DIAG there).
+#if defined(KVATTN_SM90_TRACE)
+constexpr bool kDiagnosticsBuilt = true;
+#else
+constexpr bool kDiagnosticsBuilt = false;
+#endif
 
 // Named barriers (0 is __syncthreads).
 enum NamedBarrier : int {
