@@ -679,7 +679,7 @@ struct PrefillConsumer {
     release(sm.k_empty(at.stage));
     if (free_q_early && block == 0) release_q(q_buffer);
     transform_scores(s, t, group, block, mask_base, mask_row_len);
-    softmax.update<kKeyBlocks8, Tr::kExp2FmaEvery>(s, scale_log2, factor);
+    softmax.update<kKeyBlocks8>(s, scale_log2, factor);
     to_fragments(s, pf);
     stamp(trace, kTraceFirstDone);
 
@@ -711,7 +711,7 @@ struct PrefillConsumer {
       bool moved = false;
       if (!(kDiagnosticsBuilt && (diagnostic & kDiagnosticNoSoftmax))) {
         transform_scores(s, t, group, block, mask_base, mask_row_len);
-        moved = softmax.update<kKeyBlocks8, Tr::kExp2FmaEvery>(s, scale_log2, factor);
+        moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
       }
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).

@@ -47,13 +47,6 @@ struct PrefillTraits {
   // row copies measured faster with two since v5, the tensor-map path with two and two Q
   // buffers since the seventeenth session, bench/NOTES.md); three for A/B runs where they fit.
   static constexpr int kStages = kStages_;
-  // The softmax's exponentials of every kExp2FmaEvery-th n8 block of S run on the FMA pipe
-  // (core::exp2_poly), the rest on the MUFU; 0: all on the MUFU.
-#if defined(KVATTN_SM90_EXP2_FMA_EVERY)
-  static constexpr int kExp2FmaEvery = KVATTN_SM90_EXP2_FMA_EVERY;
-#else
-  static constexpr int kExp2FmaEvery = 0;
-#endif
   // Registers per thread after setmaxnreg: 128 x 72 + 256 x 216 (or 56 + 224 where O is 256
   // wide) = 64512 of 65536; with three consumer warpgroups 128 x 32 + 384 x 160 = 65536. The
   // producer's hd128 row copies spilled at 56 (~50 local loads/stores); an hd64 row is half.

@@ -9,7 +9,6 @@
 
 #include <cmath>
 
-#include "core/softmax_state.h"
 #include "cuda/kernels/toolkit/ptx.cuh"
 
 namespace kvattn::cuda {
@@ -34,14 +33,10 @@ struct RowPairSoftmax {
   /// four independent chains and add those up at the end: the softmax sits on the critical
   /// path between a block's S and the next products, and with two warps a scheduler a 32-deep
   /// chain of dependent FMNMX / FADD is latency nobody hides. Narrow blocks keep one chain.
-  ///
-  /// kFmaEvery > 0: the exponentials of every kFmaEvery-th n8 block run on the FMA pipe
-  /// (core::exp2_poly), the rest on the MUFU.
-  template <int kBlocks, int kFmaEvery = 0>
+  template <int kBlocks>
   __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
                                          float (&factor)[2]) {
     constexpr int kChains = kBlocks >= 8 ? 4 : 1;
-    static_assert(kFmaEvery == 0 || kChains > 1, "FMA-pipe exponentials on wide blocks only");
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -87,9 +82,7 @@ struct RowPairSoftmax {
         for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, offset);
-            const float p = kFmaEvery > 0 && j % kFmaEvery == kFmaEvery - 1 ? core::exp2_poly(x)
-                                                                            : ptx::fast_exp2(x);
+            const float p = ptx::fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, offset));
             s[4 * j + 2 * h + e] = p;
             chain_sum[j % kChains] += p;
           }
