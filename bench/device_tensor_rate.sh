@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tensor core's rate on the prefill products, kvattn against FlashInfer's FA3, at 1 x 16384
-# hd128 causal (bench/NOTES.md, twenty-second session: kvattn's block never waits for S or P V,
-# so the wgmma rate and the tensor pipe's busy time decide the row). ncu at base clocks, one
+# hd128 causal (bench/NOTES.md, twenty-second and twenty-third sessions: the tensor pipe's busy
+# time and the warps' instruction counts, kvattn against FA3). ncu at base clocks, one
 # launch each after three; the metric names are taken from this ncu's own list (they differ
 # between versions), so a missing one is skipped rather than failing the run.
 #

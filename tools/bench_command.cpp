@@ -225,7 +225,8 @@ std::vector<GridRow> make_grid() {
   // x 4096 prefix, 4 branches a request, 3 draft steps, page 1 shuffled; one call = the 3 steps'
   // forward of one layer, their draft tokens' K/V in the pool already (save_kv_cache false, as
   // run_peers.py times it); on CUDA captured on the draft backend's CUDA-graph buffers.
-  // (exp: topk 2 and 1 too: 8 and 4 rows a request at group 4, the transposed tile's.)
+  // Topk 2 and 1 too: 8 and 4 rows a request at group 4, the decode kernel's transposed 8-row
+  // tile (topk 4: 16 rows, the row tile).
   for (int topk : {4, 2, 1}) {
     GridRow row;
     row.workload = "draft_multistep";

@@ -215,6 +215,11 @@ void print_sm90_trace(const Sm90Trace& t) {
     std::fprintf(stderr, "sm90 trace: could not read the stamps back\n");
     return;
   }
+  // The stamps of tile i in trace record g (record g: CTA g / kTraceWarpgroups, warpgroup
+  // g % kTraceWarpgroups).
+  auto tile_stamps = [&h](int g, int i) {
+    return h.data() + (size_t(g) * sm90::kTraceTiles + size_t(i)) * sm90::kTraceSlots;
+  };
   // Sums over tiles of each phase (ns), per warpgroup then averaged; the launch's first start
   // and the spread of the warpgroups' ends (the tail of the static schedule).
   double sums[4] = {0, 0, 0, 0}, gap = 0, tiles = 0, blocks = 0, q_max = 0;
@@ -224,7 +229,7 @@ void print_sm90_trace(const Sm90Trace& t) {
   unsigned long long launch = ~0ull, end_min = ~0ull, end_max = 0;
   int groups = 0;
   for (int g = 0; g < Sm90Trace::kMaxCtas * sm90::kTraceWarpgroups; ++g) {
-    const unsigned long long* w = h.data() + size_t(g) * sm90::kTraceTiles * sm90::kTraceSlots;
+    const unsigned long long* w = tile_stamps(g, 0);
     if (w[sm90::kTraceStored] == 0) continue;
     ++groups;
     const unsigned long long first = w[sm90::kTraceTileStart];
@@ -271,9 +276,7 @@ void print_sm90_trace(const Sm90Trace& t) {
       const unsigned long long* st[2];
       bool ok[2];
       for (int w = 0; w < 2; ++w) {
-        st[w] = h.data() + (size_t(c) * sm90::kTraceWarpgroups + w) * sm90::kTraceTiles *
-                               sm90::kTraceSlots +
-                size_t(i) * sm90::kTraceSlots;
+        st[w] = tile_stamps(c * sm90::kTraceWarpgroups + w, i);
         const unsigned long long* s = st[w];
         ok[w] = s[sm90::kTraceBlockTop] != 0 && s[sm90::kTraceBlockNext] > s[sm90::kTraceBlockTop];
         for (int k = sm90::kTraceBlockTop; ok[w] && k < sm90::kTraceBlockNext; ++k) {
