@@ -539,6 +539,31 @@ struct PrefillConsumer {
     ptx::mbarrier_arrive(sm.q_empty(q_buffer));
   }
 
+  /// The blocks of tile t whose scores need neither soft-cap nor a mask, [first, last] (empty
+  /// when first > last; CTA-uniform, once a tile): block b's keys [key0, key0 + kKvTile), key0 =
+  /// kv_begin + b kKvTile, all lie before the tile's key end, at or before the first row's
+  /// diagonal (causal) and at or after the last row's window start; no custom mask.
+  struct PlainBlocks {
+    int first, last;
+  };
+  __device__ __forceinline__ PlainBlocks plain_blocks(const PrefillTile& t, int group) const {
+    constexpr int kShift = __builtin_ctz(Tr::kKvTile);  // floor division by kKvTile (a power of 2)
+    static_assert((1 << kShift) == Tr::kKvTile, "kKvTile is a power of 2");
+    if (custom || soft_cap) return {1, 0};
+    const int diagonal = t.kv_len - t.q_len;
+    int last = (t.kv_end - t.kv_begin - Tr::kKvTile) >> kShift;
+    if (causal) {
+      const int first_token = t.row0 / group;
+      last = min(last, (diagonal + first_token - t.kv_begin - Tr::kKvTile + 1) >> kShift);
+    }
+    int first = 0;
+    if (window >= 0) {  // the first block whose key0 is at or after the last row's window start
+      const int last_token = (min(t.rows_total, t.row0 + Tr::kTileRows) - 1) / group;
+      first = max(0, -((t.kv_begin - (diagonal + last_token - window)) >> kShift));
+    }
+    return {first, last};
+  }
+
   /// Soft-cap and masks for block `block` of tile t, in place (hidden scores -> -inf). (`group`
   /// as an int: with core::FastDivmod here the compiler kept the loop-invariant quotients live
   /// through the block loop, and the head_dim 128 consumer spilled 76 bytes instead of 8.)
@@ -679,7 +704,7 @@ struct PrefillConsumer {
     release(sm.k_empty(at.stage));
     if (free_q_early && block == 0) release_q(q_buffer);
     transform_scores(s, t, group, block, mask_base, mask_row_len);
-    softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+    softmax.update<kKeyBlocks8, Tr::kVotedMax>(s, scale_log2, factor);
     to_fragments(s, pf);
     stamp(trace, kTraceFirstDone);
 
@@ -690,7 +715,9 @@ struct PrefillConsumer {
     // Traced tiles of more than 2 kTraceBlockStep blocks stamp loop step kTraceBlockStep.
     const bool long_tile = t.num_blocks > 2 * kTraceBlockStep;
     int step = 0;  // loop steps so far
-    for (--block; block >= 0; --block, ++step) {
+    // One loop step: block `block`'s S, the last block's P V. kPlain: the block needs neither
+    // soft-cap nor a mask (its scores go to the softmax as they are).
+    auto block_step = [&]<bool kPlain>(int block) {
       const bool stamped = long_tile && step == kTraceBlockStep;
       stamp_clock(trace, long_tile && step == kTraceBlockStep + 1, kTraceBlockNext);
       stamp_clock(trace, stamped, kTraceBlockTop);
@@ -710,8 +737,8 @@ struct PrefillConsumer {
       if (free_q_early && block == 0) release_q(q_buffer);  // the tile's last S
       bool moved = false;
       if (!(kDiagnosticsBuilt && (diagnostic & kDiagnosticNoSoftmax))) {
-        transform_scores(s, t, group, block, mask_base, mask_row_len);
-        moved = softmax.update<kKeyBlocks8>(s, scale_log2, factor);
+        if constexpr (!kPlain) transform_scores(s, t, group, block, mask_base, mask_row_len);
+        moved = softmax.update<kKeyBlocks8, Tr::kVotedMax>(s, scale_log2, factor);
       }
       // The softmax must run before the wait, overlapping the P V product on the tensor cores
       // (ptxas would hoist the wait above it; see ptx::pin_before_wgmma_wait).
@@ -728,6 +755,19 @@ struct PrefillConsumer {
       to_fragments(s, pf);
       at = next;
       ++it;
+      ++step;
+    };
+    // The loop split (FA3's masking steps): the plain blocks [plain.first, plain.last] run in
+    // their own loop, without the per-block tests of soft-cap and masks; the others (the
+    // diagonal's and the key end's blocks first, a window's edge last) one at a time.
+    const PlainBlocks plain = plain_blocks(t, group);
+    for (--block; block >= 0;) {
+      if (block <= plain.last && block >= plain.first) {
+        for (; block >= plain.first; --block) block_step.template operator()<true>(block);
+      } else {
+        block_step.template operator()<false>(block);
+        --block;
+      }
     }
     if (rescale_due) rescale(o, factor);
     timed_wait(sm.v_full(at.stage), at.phase, trace, v_waited);

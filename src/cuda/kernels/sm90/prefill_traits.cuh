@@ -37,6 +37,9 @@ struct PrefillTraits {
   // there: the softmax costs as much a block as at 128 for half the tensor work, so a third
   // warpgroup hides its latency), two above (the registers of S, P and a wider O).
   static constexpr int kConsumerWarpgroups = kHeadDim <= 64 ? 3 : 2;
+  // The softmax's row max through a warp vote first (RowPairSoftmax::update's kVotedMax):
+  // measured faster with three consumer warpgroups only (bench/NOTES.md, twenty-fourth session).
+  static constexpr bool kVotedMax = kConsumerWarpgroups == 3;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kTileRows = 64 * kConsumerWarpgroups;  // packed rows (GQA group x tokens)
   // Keys a block: 128 (FA3's choice for causal head_dim <= 192); head_dim 256 halves it so two

@@ -33,11 +33,17 @@ struct RowPairSoftmax {
   /// four independent chains and add those up at the end: the softmax sits on the critical
   /// path between a block's S and the next products, and with two warps a scheduler a 32-deep
   /// chain of dependent FMNMX / FADD is latency nobody hides. Narrow blocks keep one chain.
-  template <int kBlocks>
+  ///
+  /// kVotedMax: a row's reference moves only if some thread of its quad holds a score past it
+  /// by kRescaleLog2, so each thread tests its own max first and the warp votes; the quad's max
+  /// shuffles run only when some thread of the warp moves (the first blocks of a tile, then
+  /// rarely). Measured faster only where three consumer warpgroups share an SM (the Hopper
+  /// prefill at head_dim 64, bench/NOTES.md, twenty-fourth session); slower at 128 and 256.
+  template <int kBlocks, bool kVotedMax = false>
   __device__ __forceinline__ bool update(float (&s)[kBlocks * 4], float scale_log2,
                                          float (&factor)[2]) {
     constexpr int kChains = kBlocks >= 8 ? 4 : 1;
-    bool moved = false;
+    float thread_max[2];  // the max of this thread's scores of each row
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // Each chain starts from its first block (not from -inf: an FMNMX a chain saved).
@@ -51,17 +57,32 @@ struct RowPairSoftmax {
         chain_max[j % kChains] =
             fmaxf(chain_max[j % kChains], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       }
-      float block_max = chain_max[0];
+      thread_max[h] = chain_max[0];
 #pragma unroll
-      for (int c = 1; c < kChains; ++c) block_max = fmaxf(block_max, chain_max[c]);
-      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
-      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-      // True when the row had no max yet and now has one; false when both are -inf (NaN).
-      const bool move = (block_max - max[h]) * scale_log2 > kRescaleLog2;
-      factor[h] = move ? ptx::fast_exp2((max[h] - block_max) * scale_log2) : 1.f;
-      max[h] = move ? block_max : max[h];
-      sum[h] *= factor[h];
-      moved |= move;
+      for (int c = 1; c < kChains; ++c) thread_max[h] = fmaxf(thread_max[h], chain_max[c]);
+    }
+    // True when the row had no max yet and now has one; false when both are -inf (NaN).
+    auto moves = [&](float row_max, int h) {
+      return (row_max - max[h]) * scale_log2 > kRescaleLog2;
+    };
+    bool quad_max = true;  // whether the quad's max is needed (warp-uniform)
+    if constexpr (kVotedMax) {
+      quad_max = __any_sync(0xffffffffu, moves(thread_max[0], 0) || moves(thread_max[1], 1));
+    }
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      factor[h] = 1.f;
+      if (quad_max) {
+        float row_max = thread_max[h];
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+        const bool move = moves(row_max, h);
+        factor[h] = move ? ptx::fast_exp2((max[h] - row_max) * scale_log2) : 1.f;
+        max[h] = move ? row_max : max[h];
+        sum[h] *= factor[h];
+        moved |= move;
+      }
       // A row that has seen only masked keys keeps max -inf; exponentiate against 0 then.
       const float offset = max[h] == -INFINITY ? 0.f : -max[h] * scale_log2;
       if constexpr (kChains == 1) {
