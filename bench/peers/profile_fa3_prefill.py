@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--backend", default="fa3", choices=("fa3", "fa2"))
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim of q, k and v")
     parser.add_argument("--aot-dir", default=run_peers.DEFAULT_AOT_DIR)
+    parser.add_argument("--extend", type=int, nargs=2, metavar=("BATCH", "PREFIX"),
+                        help="FA3's paged prefill instead: BATCH requests of PREFIX cached and "
+                        "--len new tokens each, page 1 with shuffled slots (the kernel bench's "
+                        "extend row: --len 512 --extend 8 4096)")
     args = parser.parse_args()
     if os.path.isdir(args.aot_dir):
         print("prebuilt FlashInfer modules:", run_peers.install_aot(args.aot_dir))
@@ -47,22 +51,43 @@ def main() -> None:
     k = torch.randn(n, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(n, hk, d, device="cuda", dtype=torch.bfloat16)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    indptr = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=args.backend)
-    wrapper.plan(indptr, indptr, hq, hk, d, causal=True, sm_scale=d ** -0.5,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    if args.extend:
+        batch, prefix = args.extend
+        kv_len = prefix + n
+        q = torch.randn(batch * n, hq, d, device="cuda", dtype=torch.bfloat16)
+        pools = tuple(torch.randn(batch * kv_len, 1, hk, d, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(2))
+        slots = torch.randperm(batch * kv_len, device="cuda").to(torch.int32)
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=args.backend)
+        wrapper.plan(torch.arange(batch + 1, **i32) * n, torch.arange(batch + 1, **i32) * kv_len,
+                     slots, torch.ones(batch, **i32), hq, hk, d, 1, causal=True,
+                     sm_scale=d ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        what = f"paged extend {batch} x ({prefix} + {n})"
+
+        def run():
+            return wrapper.run(q, pools)
+    else:
+        indptr = torch.tensor([0, n], **i32)
+        wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=args.backend)
+        wrapper.plan(indptr, indptr, hq, hk, d, causal=True, sm_scale=d ** -0.5,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        what = f"ragged causal 1 x {n}"
+
+        def run():
+            return wrapper.run(q, k, v)
     for _ in range(args.reps):
-        wrapper.run(q, k, v)
+        run()
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
     stop = torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
-        wrapper.run(q, k, v)
+        run()
     stop.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(stop) / 10 * 1e3
-    print(f"{args.backend} ragged causal 1 x {n} hd{d}: {us:.1f} us a call")
+    print(f"{args.backend} {what} hd{d}: {us:.1f} us a call")
 
 
 if __name__ == "__main__":
