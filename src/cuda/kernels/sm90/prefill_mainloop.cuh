@@ -542,7 +542,8 @@ struct PrefillConsumer {
   /// The blocks of tile t whose scores need neither soft-cap nor a mask, [first, last] (empty
   /// when first > last; CTA-uniform, once a tile): block b's keys [key0, key0 + kKvTile), key0 =
   /// kv_begin + b kKvTile, all lie before the tile's key end, at or before the first row's
-  /// diagonal (causal) and at or after the last row's window start; no custom mask.
+  /// diagonal (causal) and at or after the last row's window start; no custom mask (the range
+  /// form of transform_scores' needs_mask: change the two together).
   struct PlainBlocks {
     int first, last;
   };
@@ -578,7 +579,8 @@ struct PrefillConsumer {
     const int diagonal = t.kv_len - t.q_len;
     const int first_token = t.row0 / group;
     const int last_token = (min(t.rows_total, t.row0 + Tr::kTileRows) - 1) / group;
-    // CTA-uniform: masks only where some element of the block can be hidden.
+    // CTA-uniform: masks only where some element of the block can be hidden (the one-block
+    // form of plain_blocks' range: change the two together).
     const bool needs_mask = custom || key0 + Tr::kKvTile > t.kv_end ||
                             (causal && key0 + Tr::kKvTile - 1 > diagonal + first_token) ||
                             (window >= 0 && key0 < diagonal + last_token - window);
