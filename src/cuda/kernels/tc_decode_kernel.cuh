@@ -1118,28 +1118,23 @@ void launch_if_compiled(const core::AttentionParams& p, const core::PrefillTiles
     const bool narrow = tiles.tile_rows == Traits<kHeadDim, 1>::kTileRows;
     const bool transposed = tiles.tile_rows == Traits<kHeadDim, 0>::kTileRows;
     const bool masked = p.mask == core::MaskMode::kCustom;
-    if (p.io_dtype == DType::kBFloat16) {
+    auto launch = [&]<typename T>() {
       if (transposed) {
         if (masked) {
-          launch_typed<kHeadDim, 0, __nv_bfloat16>(p, tiles, stream);
+          launch_typed<kHeadDim, 0, T>(p, tiles, stream);
         } else {
-          launch_typed<kHeadDim, 0, __nv_bfloat16, false>(p, tiles, stream);
+          launch_typed<kHeadDim, 0, T, false>(p, tiles, stream);
         }
       } else if (narrow) {
-        launch_typed<kHeadDim, 1, __nv_bfloat16>(p, tiles, stream);
+        launch_typed<kHeadDim, 1, T>(p, tiles, stream);
       } else {
-        launch_typed<kHeadDim, 2, __nv_bfloat16>(p, tiles, stream);
+        launch_typed<kHeadDim, 2, T>(p, tiles, stream);
       }
-    } else if (transposed) {
-      if (masked) {
-        launch_typed<kHeadDim, 0, __half>(p, tiles, stream);
-      } else {
-        launch_typed<kHeadDim, 0, __half, false>(p, tiles, stream);
-      }
-    } else if (narrow) {
-      launch_typed<kHeadDim, 1, __half>(p, tiles, stream);
+    };
+    if (p.io_dtype == DType::kBFloat16) {
+      launch.template operator()<__nv_bfloat16>();
     } else {
-      launch_typed<kHeadDim, 2, __half>(p, tiles, stream);
+      launch.template operator()<__half>();
     }
   } else {
     throw_error(ErrorKind::kNotSupported, "head_dim", "not compiled: head_dim=", kHeadDim,
